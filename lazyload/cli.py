@@ -1,0 +1,20 @@
+"""`lazyload inspect PATH` and `lazyload plan PATH --world N`: from headers only."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lazyload")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes per file and per layer (headers only)")
+    p.add_argument("path")
+    args = parser.parse_args(argv)
+    from .inspect import inspect_checkpoint
+    print(inspect_checkpoint(args.path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Every failure lazyload raises is a LazyLoadError; each message names the file, key or
+parameter concerned and says what to do about it."""
+from __future__ import annotations
+
+
+class LazyLoadError(Exception):
+    """Base class of every lazyload error."""
+
+
+class CheckpointError(LazyLoadError):
+    """The checkpoint files themselves are unusable: unreadable header, duplicate key,
+    index json naming a key its file lacks, unknown dtype, data outside the file."""
+
+
+class MappingError(LazyLoadError):
+    """Model parameters and checkpoint tensors do not correspond."""
+
+
+class MissingKeysError(MappingError):
+    """Model parameters or persistent buffers that no checkpoint tensor provides."""
+
+    def __init__(self, message: str, keys: list[str]):
+        super().__init__(message)
+        self.keys = keys
+
+
+class UnexpectedKeysError(MappingError):
+    """Checkpoint tensors that no model parameter uses."""
+
+    def __init__(self, message: str, keys: list[str]):
+        super().__init__(message)
+        self.keys = keys
+
+
+class ShapeMismatchError(MappingError):
+    """A checkpoint tensor (or the expression built from it) has another shape than the
+    parameter it should fill."""
+
+    def __init__(self, message: str, mismatches: list[tuple[str, tuple, tuple]]):
+        super().__init__(message)
+        self.mismatches = mismatches
+
+
+class DtypeError(MappingError):
+    """A cast that cannot be done (e.g. floating point into an integer parameter)."""
+
+
+class PlanError(LazyLoadError):
+    """The rank/world split cannot be made: bad rank or world, sizes not divisible."""
+
+
+class ReadError(LazyLoadError):
+    """Reading bytes from a checkpoint file failed (short read, I/O error)."""
+
+
+class MetaBufferError(LazyLoadError):
+    """A buffer left on the meta device that neither the checkpoint nor its module can fill."""

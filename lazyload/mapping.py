@@ -1,0 +1,239 @@
+"""Mapping: every model tensor as an expression over checkpoint tensors.
+
+Each checkpoint key is tried, in order, as: the exact model name; the name with the
+model's base prefix added or removed; the user's `key_map`; the conversion rules (renames,
+then at most one gathering rule). Checkpoint keys that reach no model tensor are
+unexpected; model tensors that no key reaches are missing. Only names and shapes are
+used: nothing here reads a tensor byte.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping as MappingT, Sequence
+
+import torch
+
+from .errors import DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
+from .expr import Cat, Chunk, Expr, Source, Stack, Transpose
+from .index import CheckpointIndex
+from .rules import CatOp, ChunkOp, StackOp, TransposeOp
+
+KeyMap = MappingT[str, str] | Callable[[str], str]
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A model tensor to fill: its full (unsharded) shape and the dtype the model gives it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Mapping:
+    exprs: dict[str, Expr]
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+
+
+def natural_key(key: str) -> list:
+    """Sort 'layers.10' after 'layers.9' (experts must stack in index order)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def _apply_key_map(key: str, key_map: KeyMap | None) -> str:
+    if key_map is None:
+        return key
+    if callable(key_map):
+        return key_map(key)
+    for pattern, replacement in key_map.items():
+        key, n = re.subn(pattern, replacement, key, count=1)
+        if n:
+            break
+    return key
+
+
+class _Resolver:
+    """Finds the model name a checkpoint key stands for."""
+
+    def __init__(self, targets: MappingT[str, Any], aliases: MappingT[str, str], base_prefix: str,
+                 key_map: KeyMap | None, renames: Sequence, converts: Sequence):
+        self.known = set(targets) | set(aliases)
+        self.base_prefix = base_prefix
+        self.key_map = key_map
+        self.renames = renames
+        self.converts = converts
+
+    def with_prefix(self, key: str) -> str | None:
+        if key in self.known:
+            return key
+        p = self.base_prefix
+        if p:
+            if key.startswith(p + ".") and key[len(p) + 1:] in self.known:
+                return key[len(p) + 1:]
+            if f"{p}.{key}" in self.known:
+                return f"{p}.{key}"
+        return None
+
+    def resolve(self, key: str) -> tuple[str, Any, int] | None:
+        """(model name, converting rule or None, source pattern index) or None."""
+        name = self.with_prefix(key)
+        if name is not None:
+            return name, None, 0
+        mapped = _apply_key_map(key, self.key_map)
+        name = self.with_prefix(mapped)
+        if name is not None:
+            return name, None, 0
+        for rename in self.renames:
+            mapped = rename.apply(mapped)
+        for convert in self.converts:
+            hit = convert.match(mapped)
+            if hit is not None:
+                renamed, source_index = hit
+                full = self._converted_name(renamed, convert)
+                return (full, convert, source_index) if full is not None else None
+        name = self.with_prefix(mapped)
+        return (name, None, 0) if name is not None else None
+
+    def _converted_name(self, renamed: str, convert: Any) -> str | None:
+        """The rule's first target's model name (a rule with several targets, e.g. a
+        chunked source, is found through whichever of its targets the model has)."""
+        first = convert.targets[0]
+        for target in convert.targets:
+            name = self.with_prefix(renamed.replace(first, target, 1))
+            if name is not None:
+                return name.replace(target, first, 1)
+        return None
+
+
+def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: str) -> dict[str, Expr]:
+    """Apply a gathering rule's ops to its checkpoint keys; returns model name -> expr."""
+    values: dict[int, list[Expr]] = {i: [Source(k) for k in sorted(keys, key=natural_key)]
+                                     for i, keys in sorted(by_source.items())}
+    outputs: list[Expr] | None = None
+    for op in convert.ops:
+        if isinstance(op, StackOp):
+            values = {i: [Stack(tuple(exprs), op.dim)] for i, exprs in values.items()}
+        elif isinstance(op, CatOp):
+            parts = [e for i in sorted(values) for e in values[i]]
+            values = {0: [Cat(tuple(parts), op.dim)]}
+        elif isinstance(op, ChunkOp):
+            (expr,) = [e for exprs in values.values() for e in exprs]
+            count = len(convert.targets)
+            outputs = [Chunk(expr, op.dim, j, count) for j in range(count)]
+        elif isinstance(op, TransposeOp):
+            values = {i: [Transpose(e, op.dim0, op.dim1) for e in exprs] for i, exprs in values.items()}
+        else:
+            raise MappingError(f"{first_name}: the conversion {convert!r} uses the operation {op!r}, which "
+                               "lazyload cannot push a shard through; pass key_map= or a rule for this model.")
+    if outputs is None:
+        outputs = [e for exprs in values.values() for e in exprs]
+    if len(outputs) == 1:
+        return {first_name: outputs[0]}
+    first_target = convert.targets[0]
+    return {first_name.replace(first_target, target, 1): expr for target, expr in zip(convert.targets, outputs)}
+
+
+def _matches_any(name: str, patterns: Sequence[str]) -> bool:
+    return any(re.search(p, name) for p in patterns)
+
+
+def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *, aliases: MappingT[str, str] = {},
+                  base_prefix: str = "", key_map: KeyMap | None = None, renames: Sequence = (),
+                  converts: Sequence = (), ignore_unexpected: Sequence[str] = (),
+                  ignore_missing: Sequence[str] = ()) -> Mapping:
+    """Match checkpoint keys to model tensors. `aliases` maps a tied name to the target it
+    shares storage with: a key for it fills that target unless the target has its own."""
+    resolver = _Resolver(targets, aliases, base_prefix, key_map, renames, converts)
+    exprs: dict[str, Expr] = {}
+    from_alias: dict[str, Expr] = {}
+    groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
+    unexpected = []
+    for key in sorted(index.keys(), key=natural_key):
+        hit = resolver.resolve(key)
+        if hit is None:
+            unexpected.append(key)
+            continue
+        name, convert, source_index = hit
+        if convert is not None:
+            groups.setdefault(name, (convert, defaultdict(list)))[1][source_index].append(key)
+        elif name in aliases:
+            from_alias.setdefault(aliases[name], Source(key))
+        elif name in exprs:
+            raise MappingError(f"model tensor {name!r} is provided twice by the checkpoint: by "
+                               f"{exprs[name]} and by {key!r}; drop one (key_map can rename it).")
+        else:
+            exprs[name] = Source(key)
+    for first_name, (convert, by_source) in groups.items():
+        for name, expr in _build_converted(convert, by_source, first_name).items():
+            if name in aliases:
+                from_alias.setdefault(aliases[name], expr)
+            else:
+                exprs[name] = expr
+    for name, expr in from_alias.items():
+        exprs.setdefault(name, expr)
+
+    unexpected = [k for k in unexpected if not _matches_any(k, ignore_unexpected)]
+    missing = [n for n in targets if n not in exprs and not _matches_any(n, ignore_missing)]
+    mismatched = []
+    shape_of = lambda key: index[key].shape  # noqa: E731
+    for name, expr in list(exprs.items()):
+        if name not in targets:
+            unexpected.extend(expr.keys())
+            del exprs[name]
+            continue
+        try:
+            shape = expr.shape(shape_of)
+        except ValueError as exc:
+            raise MappingError(f"model tensor {name!r} cannot be built from {expr}: {exc}.") from exc
+        if shape != targets[name].shape:
+            mismatched.append((name, shape, targets[name].shape))
+            del exprs[name]
+    return Mapping(exprs, missing, unexpected, mismatched)
+
+
+def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[str, TargetSpec]) -> None:
+    """Raise the first problem of a strict load, naming what is wrong and what to do."""
+    if mapping.missing:
+        keys = index.keys()
+        lines = []
+        for name in mapping.missing[:20]:
+            near = difflib.get_close_matches(name, keys, n=3, cutoff=0.5)
+            hint = f" (nearest checkpoint keys: {', '.join(near)})" if near else ""
+            lines.append(f"  {name}{hint}")
+        more = f"\n  ... and {len(mapping.missing) - 20} more" if len(mapping.missing) > 20 else ""
+        raise MissingKeysError(
+            f"{len(mapping.missing)} model tensor(s) have no checkpoint tensor:\n" + "\n".join(lines) + more +
+            "\nPass key_map= to rename checkpoint keys, or strict=False to leave them as they are.",
+            mapping.missing)
+    if mapping.unexpected:
+        shown = "\n".join(f"  {k} (in {index[k].file})" for k in mapping.unexpected[:20])
+        more = f"\n  ... and {len(mapping.unexpected) - 20} more" if len(mapping.unexpected) > 20 else ""
+        raise UnexpectedKeysError(
+            f"{len(mapping.unexpected)} checkpoint tensor(s) match no model tensor:\n{shown}{more}\n"
+            "Pass key_map= to map them, or strict=False to ignore them.", mapping.unexpected)
+    if mapping.mismatched:
+        shown = "\n".join(f"  {name}: checkpoint shape {list(c)}, model shape {list(m)}"
+                          for name, c, m in mapping.mismatched[:20])
+        raise ShapeMismatchError(
+            f"{len(mapping.mismatched)} tensor(s) differ in shape between checkpoint and model:\n{shown}\n"
+            "Check that the model config matches the checkpoint.", mapping.mismatched)
+
+
+def check_casts(mapping: Mapping, index: CheckpointIndex, dtypes: MappingT[str, torch.dtype]) -> None:
+    """A floating or complex checkpoint tensor cannot fill an integer or bool tensor."""
+    for name, expr in mapping.exprs.items():
+        target = dtypes[name]
+        if target.is_floating_point or target.is_complex:
+            continue
+        for key in expr.keys():
+            source = index[key].dtype
+            if source.is_floating_point or source.is_complex:
+                raise DtypeError(f"{name}: checkpoint tensor {key!r} in {index[key].file} is {source}, which cannot "
+                                 f"be cast to the model's {target} without losing its values; fix the model's "
+                                 "dtype or the checkpoint.")

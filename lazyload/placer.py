@@ -1,0 +1,121 @@
+"""Placer: destination tensors, copies into them, and assignment into the module.
+
+Destinations are allocated once per target (or the model's own tensor is reused when it is
+already real, of the right shape, dtype and device: a load into a real model overwrites it in
+place). Assignment replaces every module attribute that held the old tensor, so weights
+tied before the load (the same Parameter under two names) are tied after it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import MetaBufferError
+from .expr import apply_ops
+from .plan import ReadItem, TargetPlan
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a model tensor lives: every (module, attribute) holding it, and its kind."""
+
+    owners: tuple[tuple[nn.Module, str], ...]
+    is_parameter: bool
+    requires_grad: bool
+
+
+def model_slots(model: nn.Module) -> tuple[dict[str, Slot], dict[str, str]]:
+    """name -> Slot for each distinct parameter and buffer (the first name is canonical),
+    and alias name -> canonical name for tensors reachable under several names."""
+    by_id: dict[int, list] = {}
+    names: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for is_param, named in ((True, model.named_parameters(remove_duplicate=False)),
+                            (False, model.named_buffers(remove_duplicate=False))):
+        for name, tensor in named:
+            if tensor is None:
+                continue
+            module_name, _, attr = name.rpartition(".")
+            owner = (model.get_submodule(module_name), attr)
+            key = id(tensor)
+            if key in names:
+                aliases[name] = names[key]
+                by_id[key][0].append(owner)
+            else:
+                names[key] = name
+                by_id[key] = [[owner], is_param, bool(getattr(tensor, "requires_grad", False))]
+    slots = {names[k]: Slot(tuple(o), p, g) for k, (o, p, g) in by_id.items()}
+    return slots, aliases
+
+
+def current_tensor(slot: Slot) -> torch.Tensor:
+    module, attr = slot.owners[0]
+    return getattr(module, attr)
+
+
+def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> torch.Tensor:
+    existing = current_tensor(slot)
+    if (existing.device == device and existing.dtype == target.dtype
+            and tuple(existing.shape) == target.local_shape and existing.is_contiguous()):
+        return existing.data
+    return torch.empty(target.local_shape, dtype=target.dtype, device=device)
+
+
+def copy_into(dest: torch.Tensor, item: ReadItem, source: torch.Tensor) -> None:
+    """Write the item's source tensor (after its ops) into its box of `dest`, casting."""
+    view = dest[tuple(slice(a, b) for a, b in item.dst_box)]
+    view.copy_(apply_ops(source, item.ops), non_blocking=source.is_pinned())
+
+
+def assign(slot: Slot, tensor: torch.Tensor) -> None:
+    """Put `tensor` in place of the slot's tensor in every module that holds it."""
+    if current_tensor(slot).data_ptr() == tensor.data_ptr() and not current_tensor(slot).is_meta:
+        return  # filled in place
+    value = nn.Parameter(tensor, requires_grad=slot.requires_grad) if slot.is_parameter else tensor
+    for module, attr in slot.owners:
+        if slot.is_parameter:
+            module._parameters[attr] = value
+        else:
+            module._buffers[attr] = value
+
+
+def meta_buffers_to_recompute(model: nn.Module, loaded: set[str]) -> dict[str, list[str]]:
+    """Buffers on meta that the checkpoint does not fill, by owning module name.
+
+    transformers models know how to recompute them (`_init_weights` on the owning module,
+    which is what `from_pretrained` does); that is used only on modules without parameters
+    of their own, so that no loaded weight is re-initialised. Anything else is refused here,
+    before a byte is read."""
+    init = getattr(model, "_init_weights", None)
+    owners: dict[str, list[str]] = {}
+    refused = []
+    for name, buf in model.named_buffers():
+        if not buf.is_meta or name in loaded:
+            continue
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name)
+        if init is None or any(True for _ in module.parameters(recurse=False)):
+            refused.append(name)
+        owners.setdefault(module_name, []).append(name)
+    if refused:
+        raise MetaBufferError(
+            "buffers on the meta device that the checkpoint does not hold and lazyload cannot recompute: "
+            + ", ".join(refused) + ". Build the model with these buffers real (outside the meta device), or "
+            "register them after the load.")
+    return owners
+
+
+def fill_meta_buffers(model: nn.Module, owners: dict[str, list[str]], device: torch.device) -> list[str]:
+    """Make the buffers real on `device` and let the model's own init compute them."""
+    filled = []
+    for module_name, names in owners.items():
+        module = model.get_submodule(module_name)
+        for name in names:
+            attr = name.rpartition(".")[2]
+            module._buffers[attr] = torch.empty_like(module._buffers[attr], device=device)
+            filled.append(name)
+        with torch.no_grad():
+            model._init_weights(module)
+    return filled

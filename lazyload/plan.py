@@ -1,0 +1,138 @@
+"""Plan: which box of each target this rank owns, pushed down to the minimal read items.
+
+A placement says how a target is split across `world` ranks: replicated, sharded on a dim,
+or packed (a fused tensor whose `parts` equal components are each sharded on the dim, the
+rank's pieces laid side by side). The rank's local tensor is made of one or more regions of
+the full target; each region pushed through the target's expression gives the read items.
+Every check that can fail (rank range, divisibility) fails here, before any byte is read.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping as MappingT
+
+import torch
+
+from .errors import PlanError
+from .expr import Box, Expr, box_numel, full_box
+from .index import CheckpointIndex, TensorEntry
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str = "replicate"  # "replicate" | "shard" | "packed"
+    dim: int = 0
+    parts: int = 1  # packed only: equal components along `dim`
+    # Shard over `groups` ranks only, each group of world // groups ranks holding the same
+    # shard: KV heads when world > number of KV heads.
+    groups: int = 0
+
+
+REPLICATE = Placement()
+
+
+@dataclass(frozen=True)
+class Region:
+    """The part `global_box` of the full target lands at `local_start` of the local tensor."""
+
+    global_box: Box
+    local_start: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    name: str
+    full_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+    placement: Placement
+    regions: tuple[Region, ...]
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Read `src_box` of the checkpoint tensor `entry`, apply `ops`, write to `dst_box` of
+    the local tensor of `target`."""
+
+    entry: TensorEntry
+    src_box: Box
+    ops: tuple[tuple, ...]
+    target: str
+    dst_box: Box
+
+    @property
+    def nbytes(self) -> int:
+        return box_numel(self.src_box) * self.entry.itemsize
+
+
+def check_rank(rank: int, world: int) -> None:
+    if not isinstance(world, int) or world < 1:
+        raise PlanError(f"world must be an integer >= 1, got {world!r}.")
+    if not isinstance(rank, int) or not 0 <= rank < world:
+        raise PlanError(f"rank must be an integer in [0, {world}), got {rank!r}.")
+
+
+def shard_span(name: str, size: int, rank: int, world: int, what: str = "dim") -> tuple[int, int]:
+    if size % world:
+        raise PlanError(f"{name}: {what} of size {size} does not split evenly over {world} ranks; "
+                        "choose a world that divides it, or replicate this tensor (plan= override).")
+    step = size // world
+    return rank * step, (rank + 1) * step
+
+
+def local_regions(name: str, shape: tuple[int, ...], placement: Placement, rank: int,
+                  world: int) -> tuple[tuple[int, ...], tuple[Region, ...]]:
+    """The local shape and the regions of the full target this rank holds."""
+    if placement.kind == "replicate" or world == 1:
+        return shape, (Region(full_box(shape), (0,) * len(shape)),)
+    dim = placement.dim
+    if not -len(shape) <= dim < len(shape):
+        raise PlanError(f"{name}: cannot shard dim {dim} of a tensor of shape {list(shape)}.")
+    dim %= len(shape)
+    shards, shard = world, rank
+    if placement.groups and placement.groups < world:
+        if world % placement.groups:
+            raise PlanError(f"{name}: {placement.groups} groups (e.g. KV heads) cannot be spread over "
+                            f"{world} ranks; use a world that is a multiple or a divisor of it.")
+        shards, shard = placement.groups, rank // (world // placement.groups)
+    parts = placement.parts if placement.kind == "packed" else 1
+    if shape[dim] % parts:
+        raise PlanError(f"{name}: dim {dim} of size {shape[dim]} is not {parts} equal packed components.")
+    part_size = shape[dim] // parts
+    start, stop = shard_span(name, part_size, shard, shards)
+    regions = []
+    for p in range(parts):
+        box = full_box(shape)
+        box = box[:dim] + ((p * part_size + start, p * part_size + stop),) + box[dim + 1:]
+        local_start = tuple(p * (stop - start) if d == dim else 0 for d in range(len(shape)))
+        regions.append(Region(box, local_start))
+    local_shape = shape[:dim] + (parts * (stop - start),) + shape[dim + 1:]
+    return local_shape, tuple(regions)
+
+
+def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],
+                  dtypes: MappingT[str, torch.dtype], placements: MappingT[str, Placement], rank: int = 0,
+                  world: int = 1) -> tuple[list[TargetPlan], list[ReadItem]]:
+    """This rank's local tensors and the read items that fill them."""
+    check_rank(rank, world)
+    shape_of = lambda key: index[key].shape  # noqa: E731
+    targets, items = [], []
+    for name, expr in exprs.items():
+        placement = placements.get(name, REPLICATE)
+        local_shape, regions = local_regions(name, shapes[name], placement, rank, world)
+        targets.append(TargetPlan(name, shapes[name], local_shape, dtypes[name], placement, regions))
+        for region in regions:
+            origin = tuple(start for start, _ in region.global_box)
+            for piece in expr.pieces(region.global_box, shape_of):
+                dst = tuple((a - o + l, b - o + l) for (a, b), o, l in zip(piece.dst_box, origin, region.local_start))
+                items.append(ReadItem(index[piece.key], piece.src_box, piece.ops, name, dst))
+    return targets, items
+
+
+def bytes_to_read(items: list[ReadItem]) -> int:
+    return sum(item.nbytes for item in items)
+
+
+def local_nbytes(target: TargetPlan) -> int:
+    return math.prod(target.local_shape) * target.dtype.itemsize
