@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes per file and per layer (headers only)")
     p.add_argument("path")
     args = parser.parse_args(argv)
-    from .inspect import inspect_checkpoint
+    from .summary import inspect_checkpoint
     print(inspect_checkpoint(args.path))
     return 0
 
