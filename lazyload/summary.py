@@ -22,6 +22,7 @@ def inspect_checkpoint(path: str) -> str:
     index = ckpt.index
     lines = [f"{path}: {len(index)} tensors in {len(ckpt.files)} file(s), {_size(index.total_bytes)} "
              f"(headers read: {index.header_bytes_read} bytes)", "", "tensors:"]
+    names = sorted(index.keys(), key=lambda k: (layer_of(k) != "", k))
     for pattern, count in group_layers(names):
         example = next(k for k in names if _matches(pattern, k))
         entry = index[example]
