@@ -204,7 +204,7 @@ def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[st
         lines = []
         for name in mapping.missing[:20]:
             near = difflib.get_close_matches(name, keys, n=3, cutoff=0.5)
-            hint = f" (nearest checkpoint keys: {', '.join(near)})" if near else ""
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
             lines.append(f"  {name}{hint}")
         more = f"\n  ... and {len(mapping.missing) - 20} more" if len(mapping.missing) > 20 else ""
         raise MissingKeysError(

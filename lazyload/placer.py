@@ -47,6 +47,13 @@ def model_slots(model: nn.Module) -> tuple[dict[str, Slot], dict[str, str]]:
                 names[key] = name
                 by_id[key] = [[owner], is_param, bool(getattr(tensor, "requires_grad", False))]
     slots = {names[k]: Slot(tuple(o), p, g) for k, (o, p, g) in by_id.items()}
+    # Ties the model declares but that are not (or no longer) the same object, e.g. under
+    # accelerate's init_empty_weights, which re-creates each registered meta parameter.
+    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if tied in slots and source in slots and tied != source:
+            owners = slots[source].owners + slots.pop(tied).owners
+            slots[source] = Slot(owners, slots[source].is_parameter, slots[source].requires_grad)
+            aliases[tied] = source
     return slots, aliases
 
 
