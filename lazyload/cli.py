@@ -11,8 +11,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes per file and per layer (headers only)")
     p.add_argument("path")
     args = parser.parse_args(argv)
+    from .errors import LazyLoadError
     from .summary import inspect_checkpoint
-    print(inspect_checkpoint(args.path))
+    try:
+        print(inspect_checkpoint(args.path))
+    except LazyLoadError as exc:
+        print(f"lazyload: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
