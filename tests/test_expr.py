@@ -1,0 +1,95 @@
+"""The expression vocabulary: any box pushed down through any expression reads exactly the
+bytes that the same torch operations would put in that box."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lazyload.expr import Cat, Chunk, Source, Stack, Transpose, apply_ops, box_shape, full_box
+
+
+def evaluate(expr, tensors):
+    """The expression computed with torch on whole tensors: the reference."""
+    if isinstance(expr, Source):
+        return tensors[expr.key]
+    if isinstance(expr, Stack):
+        return torch.stack([evaluate(p, tensors) for p in expr.parts], expr.dim)
+    if isinstance(expr, Cat):
+        return torch.cat([evaluate(p, tensors) for p in expr.parts], expr.dim)
+    if isinstance(expr, Chunk):
+        return torch.chunk(evaluate(expr.part, tensors), expr.count, expr.dim)[expr.index]
+    if isinstance(expr, Transpose):
+        return evaluate(expr.part, tensors).transpose(expr.dim0, expr.dim1)
+    raise TypeError(expr)
+
+
+@st.composite
+def expressions(draw, shape, depth=0):
+    """An expression of the given shape over fresh source tensors."""
+    counter = draw(st.shared(st.just([0]), key="counter"))
+    kinds = ["source"] if depth >= 3 else ["source", "stack", "cat", "chunk", "transpose"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "stack" and len(shape) >= 1:
+        dim = draw(st.integers(0, len(shape) - 1))
+        part_shape = shape[:dim] + shape[dim + 1:]
+        return Stack(tuple(draw(expressions(part_shape, depth + 1)) for _ in range(shape[dim])), dim)
+    if kind == "cat" and len(shape) >= 1 and shape[0] >= 2:
+        dim = draw(st.integers(0, len(shape) - 1))
+        if shape[dim] >= 2:
+            cut = draw(st.integers(1, shape[dim] - 1))
+            a = shape[:dim] + (cut,) + shape[dim + 1:]
+            b = shape[:dim] + (shape[dim] - cut,) + shape[dim + 1:]
+            return Cat((draw(expressions(a, depth + 1)), draw(expressions(b, depth + 1))), dim)
+    if kind == "chunk" and len(shape) >= 1:
+        dim = draw(st.integers(0, len(shape) - 1))
+        count = draw(st.integers(1, 3))
+        index = draw(st.integers(0, count - 1))
+        whole = shape[:dim] + (shape[dim] * count,) + shape[dim + 1:]
+        return Chunk(draw(expressions(whole, depth + 1)), dim, index, count)
+    if kind == "transpose" and len(shape) >= 2:
+        a, b = sorted(draw(st.lists(st.integers(0, len(shape) - 1), min_size=2, max_size=2, unique=True)))
+        swapped = list(shape)
+        swapped[a], swapped[b] = swapped[b], swapped[a]
+        return Transpose(draw(expressions(tuple(swapped), depth + 1)), a, b)
+    counter[0] += 1
+    key = f"t{counter[0]}.{'x'.join(map(str, shape))}"
+    return Source(key)
+
+
+def source_shape(key: str) -> tuple[int, ...]:
+    dims = key.split(".", 1)[1]
+    return tuple(int(d) for d in dims.split("x")) if dims else ()
+
+
+@st.composite
+def cases(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    expr = draw(expressions(shape))
+    box = tuple((lo, draw(st.integers(lo + 1, n))) for n in shape for lo in [draw(st.integers(0, n - 1))])
+    return shape, expr, box
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_pushed_down_box_equals_the_torch_result(case):
+    shape, expr, box = case
+    generator = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(source_shape(k), generator=generator) for k in set(expr.keys())}
+    assert expr.shape(source_shape) == shape
+    expected = evaluate(expr, tensors)[tuple(slice(a, b) for a, b in box)]
+
+    out = torch.full(box_shape(box), float("nan"))
+    read = 0
+    for piece in expr.pieces(box, source_shape):
+        source = tensors[piece.key][tuple(slice(a, b) for a, b in piece.src_box)]
+        local = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(piece.dst_box, box))
+        out[local] = apply_ops(source, piece.ops)
+        read += source.numel()
+    assert torch.equal(out, expected)
+    assert read == expected.numel()  # every element read once, nothing outside the box
+
+
+def test_full_box_of_a_plain_source_is_one_piece():
+    pieces = Source("w").pieces(full_box((4, 6)), lambda k: (4, 6))
+    assert [(p.key, p.src_box, p.ops) for p in pieces] == [("w", ((0, 4), (0, 6)), ())]
