@@ -1,0 +1,389 @@
+"""Small, real checkpoints written by transformers' ``save_pretrained`` for the tests.
+
+Every checkpoint is a tiny random model (fixed seed, every floating parameter perturbed so
+that no two tensors are alike and no norm weight is all ones) saved in several shards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+# Architecture name -> (config factory, model class name used to write the checkpoint).
+ARCHS = ("llama", "qwen2", "mixtral", "llama4_text", "gpt2", "bert")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+ATTN = "eager"  # same attention code on both sides of every comparison
+
+
+def make_config(arch: str, **overrides):
+    """A tiny config of the architecture; ``overrides`` are config fields."""
+    import transformers as tf
+
+    if arch == "llama":
+        kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=False)
+        cls = tf.LlamaConfig
+    elif arch == "qwen2":
+        kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=False)
+        cls = tf.Qwen2Config
+    elif arch == "mixtral":
+        kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+        cls = tf.MixtralConfig
+    elif arch == "llama4_text":
+        kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, intermediate_size_mlp=96,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=1,
+                  interleave_moe_layer_step=1, attention_chunk_size=64,
+                  tie_word_embeddings=False)
+        cls = tf.Llama4TextConfig
+    elif arch == "gpt2":
+        kw = dict(vocab_size=256, n_embd=64, n_layer=3, n_head=4, n_positions=64,
+                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+        cls = tf.GPT2Config
+    elif arch == "bert":
+        kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, max_position_embeddings=64, type_vocab_size=2)
+        cls = tf.BertConfig
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def model_class(arch: str, config=None, *, base: bool = False):
+    """The transformers class written/loaded for ``arch``: a causal LM, or for bert the
+    masked LM; ``base=True`` gives the bare base model (LlamaModel, BertModel, ...)."""
+    import transformers as tf
+
+    if base:
+        return tf.AutoModel._model_mapping[type(config or make_config(arch))]
+    if arch == "bert":
+        return tf.BertForMaskedLM
+    return tf.AutoModelForCausalLM._model_mapping[type(config or make_config(arch))]
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Perturb every floating parameter (tied ones once) so each tensor is distinct."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, p in model.named_parameters():  # named_parameters dedups tied weights
+            if p.is_floating_point():
+                noise = torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.05
+                p.add_(noise.to(p.dtype))
+
+
+def write_checkpoint(arch: str, dtype, directory, *, base: bool = False, seed: int = 0,
+                     min_shards: int = 3, cls=None, **overrides):
+    """Build a small random ``arch`` model (fixed seed), cast to ``dtype`` and
+    ``save_pretrained`` it into ``directory`` in at least ``min_shards`` shards.
+
+    ``base=True`` writes the bare base model (keys without the ``model.``/``bert.`` prefix);
+    ``cls`` forces the model class; ``overrides`` are config fields. Returns (directory, config).
+    """
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = make_config(arch, **overrides)
+    config._attn_implementation = ATTN
+    cls = cls or model_class(arch, config, base=base)
+    torch.manual_seed(seed)
+    model = cls(config)
+    randomize_(model, seed)
+    model = model.to(dtype).eval()
+
+    state = model.state_dict()
+    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+    max_shard = max(1, total // (min_shards + 2))
+    model.save_pretrained(directory, max_shard_size=max_shard)
+    n = len(shard_files(directory))
+    assert n >= min_shards, f"{directory}: only {n} shards written"
+    config = type(config).from_pretrained(directory)
+    return directory, config
+
+
+def shard_files(directory) -> list[Path]:
+    return sorted(Path(directory).glob("*.safetensors"))
+
+
+def index_json(directory) -> Path:
+    return Path(directory) / "model.safetensors.index.json"
+
+
+def weight_map(directory) -> dict[str, str]:
+    return json.loads(index_json(directory).read_text())["weight_map"]
+
+
+def read_header(path) -> tuple[int, dict]:
+    """(header length n, header dict) of a safetensors file, read by hand."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return n, json.loads(f.read(n))
+
+
+def header_bytes(paths) -> int:
+    """Sum over files of 8 + header length: all the bytes a header-only index needs."""
+    return sum(8 + read_header(p)[0] for p in paths)
+
+
+def tensor_bytes(paths) -> int:
+    total = 0
+    for p in paths:
+        _, h = read_header(p)
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in h.items()
+                     if k != "__metadata__")
+    return total
+
+
+def write_raw_safetensors(path, tensors: dict[str, tuple[str, list[int], bytes]],
+                          metadata: dict | None = None) -> Path:
+    """Write a safetensors file by hand: ``tensors`` maps key -> (dtype string, shape, raw
+    bytes). Lets a test write things safetensors itself refuses (an unknown dtype)."""
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    offset = 0
+    blobs = []
+    for key, (dt, shape, data) in tensors.items():
+        header[key] = {"dtype": dt, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for b in blobs:
+            f.write(b)
+    return Path(path)
+
+
+def copy_checkpoint(src, dst) -> Path:
+    """Copy a checkpoint directory: shards hard-linked (cheap; ``rewrite_tensor_in_checkpoint``
+    replaces a shard by a new file, never writes through the link), small files copied."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            os.link(f, dst / f.name)
+        else:
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
+def rewrite_tensor_in_checkpoint(directory, *, drop: str | None = None,
+                                 add: dict[str, torch.Tensor] | None = None) -> None:
+    """Rewrite the shard holding ``drop`` without it (or the first shard, for ``add``) and
+    fix model.safetensors.index.json to match."""
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    wm = weight_map(directory)
+    target = wm[drop] if drop else sorted(set(wm.values()))[0]
+    path = directory / target
+    tensors = load_file(str(path))
+    if drop:
+        del tensors[drop]
+        del wm[drop]
+    for k, v in (add or {}).items():
+        tensors[k] = v.contiguous()
+        wm[k] = target
+    path.unlink()  # the old file may be a hard link into another checkpoint
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    idx = json.loads(index_json(directory).read_text())
+    idx["weight_map"] = wm
+    index_json(directory).write_text(json.dumps(idx, indent=2))
+
+
+def rchar() -> int | None:
+    """Bytes this process has read through read()/pread() so far (Linux /proc/self/io);
+    None where unavailable. mmap page faults are not counted here."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- models
+
+def auto_class(arch: str, *, base: bool = False):
+    import transformers as tf
+
+    if base:
+        return tf.AutoModel
+    return tf.AutoModelForMaskedLM if arch == "bert" else tf.AutoModelForCausalLM
+
+
+def build_model(arch: str, config, dtype, *, base: bool = False, empty: str | None = "meta",
+                seed: int = 123, **model_kwargs):
+    """A model of ``config`` built without reading the checkpoint: on the meta device
+    (``empty="meta"``), under accelerate's ``init_empty_weights`` (``empty="accelerate"``:
+    parameters on meta, buffers real) or real with random weights (``empty=None``)."""
+    import copy
+    import contextlib
+
+    config = copy.deepcopy(config)  # _from_config writes config.dtype
+    if empty == "meta":
+        ctx = torch.device("meta")
+    elif empty == "accelerate":
+        from accelerate import init_empty_weights
+
+        ctx = init_empty_weights()
+    elif empty is None:
+        torch.manual_seed(seed)
+        ctx = contextlib.nullcontext()
+    else:
+        raise ValueError(empty)
+    with ctx:
+        model = auto_class(arch, base=base).from_config(
+            config, dtype=dtype, attn_implementation=ATTN, **model_kwargs)
+    return model.eval()
+
+
+def reference_model(arch: str, directory, dtype, *, base: bool = False, **model_kwargs):
+    """What transformers' own loader makes of the checkpoint."""
+    model = auto_class(arch, base=base).from_pretrained(
+        str(directory), dtype=dtype, attn_implementation=ATTN, **model_kwargs)
+    return model.eval()
+
+
+def meta_tensors(model: torch.nn.Module) -> list[str]:
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    names += [n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta]
+    return names
+
+
+def assert_same_weights(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """state_dict (parameters and persistent buffers) and every buffer (non-persistent
+    ones too, e.g. rotary inv_freq) identical: same names, dtypes, shapes, values."""
+    assert not meta_tensors(model), f"left on meta: {meta_tensors(model)}"
+    sd, rsd = model.state_dict(), ref.state_dict()
+    assert sorted(sd) == sorted(rsd)
+    for k in rsd:
+        a, b = sd[k], rsd[k]
+        assert a.dtype == b.dtype, f"{k}: dtype {a.dtype} != reference {b.dtype}"
+        assert a.shape == b.shape, f"{k}: shape {tuple(a.shape)} != reference {tuple(b.shape)}"
+        assert a.device == b.device, f"{k}: device {a.device} != reference {b.device}"
+        assert torch.equal(a, b), f"{k}: values differ from the reference"
+    bufs, rbufs = dict(model.named_buffers()), dict(ref.named_buffers())
+    assert sorted(bufs) == sorted(rbufs)
+    for k in rbufs:
+        a, b = bufs[k], rbufs[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, f"buffer {k}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"buffer {k}: values differ from the reference"
+
+
+def assert_same_ties(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """Parameters shared in the reference are the same object in the model too."""
+    groups: dict[int, list[str]] = {}
+    for n, p in ref.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(n)
+    for names in groups.values():
+        if len(names) > 1:
+            first = model.get_parameter(names[0])
+            for n in names[1:]:
+                assert model.get_parameter(n) is first, f"{n} is no longer tied to {names[0]}"
+
+
+def fixed_input(config, batch: int = 2, seq: int = 12) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+
+
+@torch.no_grad()
+def outputs(model: torch.nn.Module, config) -> torch.Tensor:
+    out = model(input_ids=fixed_input(config))
+    return out.logits if hasattr(out, "logits") and out.logits is not None else out.last_hidden_state
+
+
+# ----------------------------------------------------------- page-cache residency
+
+_libc = None
+
+
+def _load_libc():
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = libc
+    return _libc
+
+
+def resident_bytes(path, start: int = 0, end: int | None = None) -> int:
+    """Bytes of [start, end) of ``path`` present in the page cache (mincore over a mapping
+    that is never touched, so measuring does not fault anything in)."""
+    import ctypes
+
+    libc = _load_libc()
+    page = os.sysconf("SC_PAGE_SIZE")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        end = size if end is None else min(end, size)
+        if size == 0 or end <= start:
+            return 0
+        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap failed")
+        try:
+            n = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * n)()
+            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+        first, last = start // page, (end + page - 1) // page
+        return sum(page for i in range(first, last) if vec[i] & 1)
+    finally:
+        os.close(fd)
+
+
+def evict(paths) -> bool:
+    """Drop the files' pages from the page cache; True when that visibly worked."""
+    ok = True
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        try:
+            ok = ok and resident_bytes(p) == 0
+        except OSError:
+            return False
+    return ok
+
+
+def data_starts(paths) -> dict[str, int]:
+    """File -> offset of its first tensor byte. Call before ``evict``: reading a header
+    may read ahead into the data."""
+    return {str(p): 8 + read_header(p)[0] for p in paths}
+
+
+def resident_data_bytes(starts: dict[str, int]) -> int:
+    """Page-cache bytes of the tensor data regions (``data_starts``) of the files."""
+    return sum(resident_bytes(p, start=s) for p, s in starts.items())
