@@ -18,11 +18,12 @@ from .errors import DtypeError, PlanError
 from .index import CheckpointIndex, TensorEntry, resolve_files
 from .mapping import KeyMap, TargetSpec, build_mapping, check_casts, check_mapping
 from .placer import allocate, assign, fill_meta_buffers, meta_buffers_to_recompute, model_slots
-from .plan import Placement, plan_for_rank
+from .plan import plan_for_rank
 from .reader import choose_reader
 from .report import LoadReport, MemorySampler
 from .rules import BUILTIN_RULES, rules_from
 from .schedule import default_budget, schedule
+from .tp import auto_parallelize, resolve_placements
 
 logger = logging.getLogger("lazyload")
 
@@ -102,12 +103,19 @@ class LazyCheckpoint:
     def load_into(self, model: nn.Module, rank: int = 0, world: int = 1, *,
                   device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                   strict: bool = True, key_map: KeyMap | None = None, progress: bool | None = None,
-                  plan: dict[str, Placement] | None = None, reader: str = "auto",
+                  plan: dict[str, Any] | str | None = None, reader: str = "auto",
                   max_host_bytes: int | None = None, release_pages: bool = False) -> LoadReport:
         """Fill `model` (on meta or real) with this rank's share of the checkpoint.
 
         Every input error (keys, shapes, casts, rank/world) is raised before any tensor
-        byte is read, leaving the model untouched."""
+        byte is read, leaving the model untouched.
+
+        Tensor parallel (see lazyload.tp): a DTensor parameter gets its mesh share; a
+        parameter of local shape gets its share; for a model nobody made parallel, world > 1
+        shards by `plan` (glob -> transformers style, or name -> Placement; "tp" / "ep" / None:
+        the model's own plan or the structural rule; {}: nothing sharded). With
+        torch.distributed initialised and (rank, world) this process's, such a model is made
+        runnable first (`lazyload.tp.parallelize`)."""
         start = time.perf_counter()
         index = self.index
         device = torch.device(device) if device is not None else _default_device(model)
@@ -118,12 +126,22 @@ class LazyCheckpoint:
         specs = {name: TargetSpec(name, tuple(t.shape), t.dtype)
                  for name, t in ((n, _tensor(s)) for n, s in slots.items()) if name in state_names}
         renames, converts = _conversion_rules(model)
-        mapping = build_mapping(
+        map_targets = lambda specs: build_mapping(  # noqa: E731
             index, specs, aliases={a: c for a, c in aliases.items() if c in specs},
             base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
             renames=renames, converts=converts,
             ignore_unexpected=_ignore_patterns(model, "_keys_to_ignore_on_load_unexpected"),
             ignore_missing=_ignore_patterns(model, "_keys_to_ignore_on_load_missing"))
+        mapping = map_targets(specs)
+
+        # Placements (lazyload.tp): from DTensors, local shapes, plan= or the model's TP plan.
+        placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
+        if auto_parallelize(model, plan, rank, world, device, placements):
+            slots, _ = model_slots(model)  # parameters became DTensors: placements from them
+            placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
+        if placements.local_shaped:  # the model holds local shards: map with the full shapes
+            specs = placements.specs
+            mapping = map_targets(specs)
         if strict:
             check_mapping(mapping, index, specs)
         check_casts(mapping, index, {n: s.dtype for n, s in specs.items()})
@@ -132,7 +150,7 @@ class LazyCheckpoint:
 
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
-                                       plan or {}, rank, world)
+                                       placements.placements, rank, world)
         recompute = meta_buffers_to_recompute(model, set(mapping.exprs))
         groups = schedule(items)
         budget = max_host_bytes if max_host_bytes is not None else default_budget(groups)

@@ -10,8 +10,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes per file and per layer (headers only)")
     p.add_argument("path")
+    p = sub.add_parser("plan", help="per rank bytes to read, tensors and warnings for a TP world (headers only)")
+    p.add_argument("path")
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--config", default=None, help="config.json or its directory (default: the checkpoint's)")
     args = parser.parse_args(argv)
     from .errors import LazyLoadError
+    if args.command == "plan":
+        from .tp import format_plan
+        try:
+            print(format_plan(args.path, args.world, args.config))
+        except LazyLoadError as exc:
+            print(f"lazyload: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     from .summary import inspect_checkpoint
     try:
         print(inspect_checkpoint(args.path))

@@ -62,8 +62,17 @@ def current_tensor(slot: Slot) -> torch.Tensor:
     return getattr(module, attr)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank fills); any other tensor as it is."""
+    return tensor._local_tensor if _is_dtensor(tensor) else tensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "_local_tensor")
+
+
 def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> torch.Tensor:
-    existing = current_tensor(slot)
+    existing = _local(current_tensor(slot))
     if (existing.device == device and existing.dtype == target.dtype
             and tuple(existing.shape) == target.local_shape and existing.is_contiguous()):
         return existing.data
@@ -77,9 +86,17 @@ def copy_into(dest: torch.Tensor, item: ReadItem, source: torch.Tensor) -> None:
 
 
 def assign(slot: Slot, tensor: torch.Tensor) -> None:
-    """Put `tensor` in place of the slot's tensor in every module that holds it."""
-    if current_tensor(slot).data_ptr() == tensor.data_ptr() and not current_tensor(slot).is_meta:
-        return  # filled in place
+    """Put `tensor` in place of the slot's tensor in every module that holds it. A DTensor
+    slot gets a DTensor again, `tensor` being its local shard (same mesh and placements)."""
+    current = current_tensor(slot)
+    local = _local(current)
+    if not local.is_meta and local.data_ptr() == tensor.data_ptr():
+        return  # filled in place (a real model, or FSDP2 parameters after to_empty)
+    if _is_dtensor(current):
+        from torch.distributed.tensor import DTensor
+
+        tensor = DTensor.from_local(tensor, current.device_mesh, current.placements, run_check=False,
+                                    shape=current.shape, stride=current.stride())
     value = nn.Parameter(tensor, requires_grad=slot.requires_grad) if slot.is_parameter else tensor
     for module, attr in slot.owners:
         if slot.is_parameter:

@@ -8,6 +8,7 @@ Every check that can fail (rank range, divisibility) fails here, before any byte
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Mapping as MappingT
@@ -21,12 +22,16 @@ from .index import CheckpointIndex, TensorEntry
 
 @dataclass(frozen=True)
 class Placement:
-    kind: str = "replicate"  # "replicate" | "shard" | "packed"
+    kind: str = "replicate"  # "replicate" | "shard" | "packed" | "box"
     dim: int = 0
     parts: int = 1  # packed only: equal components along `dim`
     # Shard over `groups` ranks only, each group of world // groups ranks holding the same
     # shard: KV heads when world > number of KV heads.
     groups: int = 0
+    # "box" only: this rank's explicit share, per dim the global index runs it holds, in
+    # local order (one run per dim is a plain box; a packed DTensor has several on its dim).
+    # Resolved for one rank already (from a DTensor's placements), so rank/world do not apply.
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 REPLICATE = Placement()
@@ -84,6 +89,8 @@ def shard_span(name: str, size: int, rank: int, world: int, what: str = "dim") -
 def local_regions(name: str, shape: tuple[int, ...], placement: Placement, rank: int,
                   world: int) -> tuple[tuple[int, ...], tuple[Region, ...]]:
     """The local shape and the regions of the full target this rank holds."""
+    if placement.kind == "box":
+        return box_regions(name, shape, placement.spans)
     if placement.kind == "replicate" or world == 1:
         return shape, (Region(full_box(shape), (0,) * len(shape)),)
     dim = placement.dim
@@ -109,6 +116,28 @@ def local_regions(name: str, shape: tuple[int, ...], placement: Placement, rank:
         regions.append(Region(box, local_start))
     local_shape = shape[:dim] + (parts * (stop - start),) + shape[dim + 1:]
     return local_shape, tuple(regions)
+
+
+def box_regions(name: str, shape: tuple[int, ...],
+                spans: tuple[tuple[tuple[int, int], ...], ...]) -> tuple[tuple[int, ...], tuple[Region, ...]]:
+    """Regions of an explicit share: the product over dims of each dim's runs."""
+    if len(spans) != len(shape):
+        raise PlanError(f"{name}: an explicit box needs one list of spans per dim of {list(shape)}, got {spans!r}.")
+    for d, runs in enumerate(spans):
+        for start, stop in runs:
+            if not 0 <= start <= stop <= shape[d]:
+                raise PlanError(f"{name}: span {start}:{stop} lies outside dim {d} of size {shape[d]}.")
+    local_shape = tuple(sum(b - a for a, b in runs) for runs in spans)
+    per_dim = []
+    for runs in spans:
+        offset, entries = 0, []
+        for start, stop in runs:
+            entries.append(((start, stop), offset))
+            offset += stop - start
+        per_dim.append(entries)
+    regions = [Region(tuple(e[0] for e in combo), tuple(e[1] for e in combo))
+               for combo in itertools.product(*per_dim)]
+    return local_shape, tuple(r for r in regions if box_numel(r.global_box))
 
 
 def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],

@@ -1,0 +1,600 @@
+"""Tensor parallel: where each target's placement comes from, and a runnable TP model.
+
+Placements are found, per parameter, in this order:
+
+1. The parameter is a DTensor (torch's `parallelize_module`, FSDP2's `fully_shard`, or
+   `parallelize` below): this rank's share is read off its mesh and placements, on any mesh.
+2. The parameter was given a placement by `parallelize` (KV heads replicated over groups of
+   ranks, GPT-2's fused Conv1D): a plain local tensor with a recorded share.
+3. The parameter already has a local shape (the user's own parallel layers): the sharded dim
+   is the one where the checkpoint is `k` times larger (`k == world`: plain shard; `k` a
+   divisor of world: KV-style groups); `plan=` may say "packed" for fused ones.
+4. Only for a model that none of the above made parallel, and only when world > 1: `plan=`
+   (glob -> style in transformers' `base_model_tp_plan` format, or name -> Placement), else
+   the model's own transformers TP plan, else a structural rule by module name.
+
+Uneven splits: a plan of ours refuses them (PlanError before any byte is read); a DTensor's
+layout (torch.chunk: the last ranks hold less or nothing) is followed as it is.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping as MappingT
+
+import torch
+from torch import nn
+
+from .errors import PlanError
+from .plan import Placement, REPLICATE, check_rank, local_regions
+
+# transformers' style names -> what the style does to a parameter (see
+# transformers/distributed/tensor_parallel.py, expert_parallel.py). Module-level styles
+# (hooks only) leave parameters replicated.
+_COLWISE = {"colwise", "colwise_gather_output", "colwise_rep", "local_colwise", "gather"}
+_ROWWISE = {"rowwise", "rowwise_split_input", "rowwise_rep", "local_rowwise"}
+_PACKED_COLWISE = {"packed_colwise", "local_packed_colwise"}
+_PACKED_ROWWISE = {"packed_rowwise", "local_packed_rowwise"}
+_EMBEDDING = {"embedding_rowwise": 0, "embedding_colwise": 1}
+_EXPERTS = {"grouped_gemm", "ep_experts"}  # whole experts per rank: dim 0 of the 3D tensors
+_MODULE_ONLY = {"replicate", "local", "isolated", "sequence_parallel", "replicated_with_grad_allreduce",
+                "all_reduce", "mla_kv_a_proj", "moe_tp_experts", "moe_identity_expert", "local_params",
+                "ep_dispatch_experts", "ep_router", "ep_router_no_local", "moe_identity", "replicated"}
+STYLES = _COLWISE | _ROWWISE | _PACKED_COLWISE | _PACKED_ROWWISE | set(_EMBEDDING) | _EXPERTS | _MODULE_ONLY
+
+# Structural rule (plain nn.Module, and transformers models without a TP plan, e.g. GPT-2):
+# by the last name of a Linear / Conv1D module.
+COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv",
+                 "query", "key", "value", "fc_in", "dense_h_to_4h"}
+ROWWISE_NAMES = {"o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj", "fc_out", "dense_4h_to_h"}
+PACKED_NAMES = {"c_attn": 3, "qkv_proj": 3, "W_pack": 3, "gate_up_proj": 2}
+KV_NAMES = {"k_proj", "v_proj", "key", "value", "wk", "wv"}
+Q_NAMES = {"q_proj", "query", "wq"}
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")  # transformers' GPT-2 layer: weight [in, out]
+
+
+# ----------------------------------------------------------------------------- styles
+
+
+def style_placement(style: str | Placement, name: str, ndim: int, conv1d: bool = False) -> Placement:
+    """What a transformers TP style does to the parameter `name` (of `ndim` dims)."""
+    if isinstance(style, Placement):
+        return style
+    if style not in STYLES:
+        raise PlanError(f"{name}: unknown tensor-parallel style {style!r}; use one of {sorted(STYLES)} "
+                        "or a lazyload.Placement.")
+    attr = name.rpartition(".")[2]
+    if style in _MODULE_ONLY or ndim == 0:
+        return REPLICATE
+    out_dim, in_dim = (1, 0) if conv1d else (max(ndim - 2, 0), ndim - 1)
+    if style in _COLWISE:
+        return Placement("shard", 0 if ndim == 1 else out_dim)
+    if style in _ROWWISE:
+        return REPLICATE if attr == "bias" or ndim == 1 else Placement("shard", in_dim)
+    if style in _PACKED_COLWISE:
+        return Placement("packed", 0 if ndim == 1 else out_dim, parts=2)
+    if style in _PACKED_ROWWISE:
+        return REPLICATE if ndim == 1 else Placement("packed", in_dim, parts=2)
+    if style in _EMBEDDING:
+        return Placement("shard", min(_EMBEDDING[style], ndim - 1))
+    return Placement("shard", 0)  # experts
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    # transformers' plans write one layer number as "*"; fnmatch's "*" would also span dots.
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+
+
+class StylePlan:
+    """A glob -> style plan (transformers' format) matched the way transformers does: a
+    parameter takes its own entry, else its module's; keys may omit the base model prefix."""
+
+    def __init__(self, plan: MappingT[str, Any], prefix: str = ""):
+        self.entries = [(_glob_regex(k), v) for k, v in plan.items()]
+        if prefix:
+            self.entries += [(_glob_regex(f"{prefix}.{k}"), v) for k, v in plan.items()
+                             if not k.startswith(prefix + ".")]
+
+    def lookup(self, name: str) -> Any | None:
+        for regex, style in self.entries:
+            if regex.match(name):
+                return style
+        return None
+
+    def style_of_param(self, name: str) -> Any | None:
+        style = self.lookup(name)
+        if style is None and "." in name:
+            style = self.lookup(name.rpartition(".")[0])
+        return style
+
+
+def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
+    """The transformers model's own plan (glob -> style, prefixes applied as transformers
+    does), {} for models without one. experts="ep": the expert-parallel plan replaces the
+    TP one on the experts (whole experts per rank)."""
+    plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
+    config = getattr(model, "config", None)
+    if not plan and config is not None:
+        prefix = getattr(model, "base_model_prefix", "")
+        base = dict(getattr(config, "base_model_tp_plan", None) or {})
+        if prefix and hasattr(model, prefix):
+            base = {f"{prefix}.{k}": v for k, v in base.items()}
+        plan = base
+    if experts == "ep":
+        ep = dict(getattr(model, "ep_plan", None) or {})
+        if not ep:
+            raise PlanError(f"{type(model).__name__} has no expert-parallel plan (ep_plan); pass plan= with "
+                            "'grouped_gemm' on the experts' tensors.")
+        is_expert = re.compile(rf"(?:{'|'.join(_glob_regex(k).pattern[1:-1] for k in ep)})(?:\..+)?$").match
+        plan = {k: v for k, v in plan.items() if not is_expert(k)} | ep
+    elif experts != "tp":
+        raise PlanError(f"experts must be 'tp' (tensor parallel inside every expert) or 'ep' (whole experts "
+                        f"per rank), got {experts!r}.")
+    return plan
+
+
+def structural_style(module: nn.Module, module_name: str, attr: str) -> tuple[str | None, int]:
+    """(style, packed parts) for a parameter by its module's name: input projections
+    colwise, output projections rowwise; anything else (routers, norms, embeddings) None."""
+    if not (isinstance(module, nn.Linear) or _is_conv1d(module)) or attr not in ("weight", "bias"):
+        return None, 1
+    last = module_name.rpartition(".")[2]
+    if last in PACKED_NAMES:
+        return "packed", PACKED_NAMES[last]
+    if last in COLWISE_NAMES:
+        return "colwise", 1
+    if last in ROWWISE_NAMES:
+        return "rowwise", 1
+    return None, 1
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+@dataclass(frozen=True)
+class Heads:
+    heads: int | None
+    kv_heads: int | None
+
+
+def model_heads(model: nn.Module) -> Heads:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return Heads(heads, kv)
+
+
+def _attention_checks(name: str, last: str, placement: Placement, heads: Heads, world: int) -> Placement:
+    """Whole heads per rank: q heads must divide; KV heads divide, or are replicated in
+    groups when world > KV heads (rank r holds head r // (world // kv))."""
+    if placement.kind == "replicate" or world == 1:
+        return placement
+    if last in Q_NAMES and heads.heads and heads.heads % world:
+        raise PlanError(f"{name}: {heads.heads} attention heads do not split evenly over {world} ranks; "
+                        "choose a world that divides the number of heads.")
+    if last in KV_NAMES and heads.kv_heads:
+        kv = heads.kv_heads
+        if world > kv:
+            if world % kv:
+                raise PlanError(f"{name}: {kv} KV heads cannot be replicated evenly over {world} ranks; use a "
+                                "world that is a multiple or a divisor of the number of KV heads.")
+            return Placement(placement.kind, placement.dim, placement.parts, groups=kv)
+        if kv % world:
+            raise PlanError(f"{name}: {kv} KV heads do not split evenly over {world} ranks; use a world that "
+                            "divides the number of KV heads (or a multiple of it).")
+    return placement
+
+
+# ----------------------------------------------------------------------------- DTensors
+
+
+def is_dtensor(tensor: Any) -> bool:
+    # No import here: a DTensor can exist only once torch.distributed.tensor is imported,
+    # and importing it costs memory in every plain load.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return tuple((a, b) for a, b in runs)
+
+
+def dtensor_placement(name: str, tensor: Any) -> Placement:
+    """This rank's share of a DTensor as explicit spans: each sharding placement (Shard,
+    _StridedShard, on any mesh dim, in mesh order as distribute_tensor applies them) is
+    applied to the index range of the dim it splits."""
+    from torch.distributed.tensor import Replicate
+
+    mesh, placements, shape = tensor.device_mesh, tensor.placements, tuple(tensor.shape)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise PlanError(f"{name}: this rank is not in the parameter's device mesh {mesh}; load on the mesh's ranks.")
+    indices = [list(range(n)) for n in shape]
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        if not (hasattr(p, "dim") and hasattr(p, "_split_tensor")):  # Shard, _StridedShard
+            raise PlanError(f"{name}: DTensor placement {p} on mesh dim {mesh_dim} holds no slice of the checkpoint "
+                            "tensor (only Shard and Replicate can be loaded); redistribute it after loading.")
+        dim = p.dim % len(shape)
+        one_d = type(p)(0, **({"split_factor": p.split_factor} if hasattr(p, "split_factor") else {}))
+        chunks, _ = one_d._split_tensor(torch.tensor(indices[dim], dtype=torch.long), mesh.size(mesh_dim),
+                                        with_padding=False, contiguous=True)
+        mine = coord[mesh_dim]
+        indices[dim] = chunks[mine].tolist() if mine < len(chunks) else []
+    return Placement("box", spans=tuple(_runs(ix) if ix else ((0, 0),) for ix in indices))
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+@dataclass
+class Resolved:
+    specs: dict            # name -> TargetSpec with full (checkpoint) shapes
+    placements: dict[str, Placement]
+    local_shaped: list[str]  # parameters whose model shape was already the local one
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str, str]:
+    module_name, _, attr = name.rpartition(".")
+    return model.get_submodule(module_name), module_name, attr
+
+
+def _static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) -> dict[str, Placement]:
+    """Case 4: a plan of ours for a model nobody made parallel."""
+    if isinstance(plan, str):
+        plan = model_tp_plan(model, plan)
+        explicit = None
+    else:
+        explicit = plan
+        plan = None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    user = StylePlan(explicit, prefix) if explicit else None
+    # A plan given by the user is the whole plan (what it does not name stays replicated).
+    auto = StylePlan({} if explicit is not None else plan, prefix)
+    use_structure = explicit is None and not auto.entries
+    heads = model_heads(model)
+    out = {}
+    for name, spec in specs.items():
+        module, module_name, attr = _owner(model, name)
+        conv1d = _is_conv1d(module)
+        last = module_name.rpartition(".")[2]
+        style = user.style_of_param(name) if user else None
+        if style is None and explicit is not None and name in explicit:
+            style = explicit[name]
+        if style is None and not auto.entries and use_structure:
+            kind, parts = structural_style(module, module_name, attr)
+            if kind == "packed":
+                dim = 1 if conv1d and attr == "weight" else 0
+                placement = Placement("packed", dim, parts=parts)
+                if last == "c_attn" and heads.heads and heads.heads % world:
+                    raise PlanError(f"{name}: {heads.heads} attention heads do not split evenly over {world} "
+                                    "ranks; choose a world that divides the number of heads.")
+                out[name] = placement
+                continue
+            style = kind
+        elif style is None:
+            style = auto.style_of_param(name)
+        if style is None:
+            continue
+        placement = style_placement(style, name, len(spec.shape), conv1d)
+        out[name] = _attention_checks(name, last, placement, heads, world)
+    return out
+
+
+def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan: Any, rank: int,
+                       world: int) -> Resolved:
+    """Every target's placement for this rank (see the module docstring), validated here,
+    before any byte is read. `mismatched` are the mapping's (name, checkpoint shape, model
+    shape): those that are this rank's share of the checkpoint tensor get their full shape."""
+    from .mapping import TargetSpec
+
+    check_rank(rank, world)
+    if plan is not None and not isinstance(plan, (dict, str)):
+        raise PlanError(f"plan must be a dict (glob -> transformers style, or name -> Placement), 'tp' or 'ep'; "
+                        f"got {type(plan).__name__}.")
+    specs = dict(specs)
+    placements: dict[str, Placement] = {}
+    tensors = {name: _tensor_of(model, name) for name in specs}
+    recorded = getattr(model, "_lazyload_placements", {})
+    explicit = plan if isinstance(plan, dict) else {}
+    for name, tensor in tensors.items():
+        if is_dtensor(tensor):
+            placements[name] = dtensor_placement(name, tensor)
+        elif name in recorded:
+            placements[name] = recorded[name]
+
+    local_shaped = []
+    for name, ckpt_shape, model_shape in mismatched:
+        placement = _local_shape_placement(model, name, tuple(ckpt_shape), tuple(model_shape), explicit, rank, world)
+        if placement is not None:
+            placements[name] = placement
+            specs[name] = TargetSpec(name, tuple(ckpt_shape), specs[name].dtype)
+            local_shaped.append(name)
+
+    parallel_already = bool(placements)
+    if not parallel_already and world > 1 and plan != {}:
+        placements.update(_static_placements(model, specs, plan if plan is not None else "tp", world))
+    for name, placement in placements.items():  # fail here, not while reading
+        if placement.kind != "replicate":
+            local_regions(name, specs[name].shape, placement, rank, world)
+    return Resolved(specs, placements, local_shaped)
+
+
+def _tensor_of(model: nn.Module, name: str) -> torch.Tensor:
+    module_name, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(module_name), attr)
+
+
+def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank, world) -> Placement | None:
+    """Case 3: a model tensor that is this rank's share of the checkpoint tensor."""
+    if world == 1 or len(ckpt_shape) != len(model_shape):
+        return None
+    dims = [d for d, (c, m) in enumerate(zip(ckpt_shape, model_shape)) if c != m]
+    if len(dims) != 1 or not model_shape[dims[0]] or ckpt_shape[dims[0]] % model_shape[dims[0]]:
+        return None
+    dim = dims[0]
+    k = ckpt_shape[dim] // model_shape[dim]
+    style = StylePlan(explicit).style_of_param(name) if explicit else None
+    if style is not None:
+        module, _, _ = _owner(model, name)
+        candidate = style_placement(style, name, len(ckpt_shape), _is_conv1d(module))
+    elif k == world:
+        candidate = Placement("shard", dim)
+    elif world % k == 0:
+        candidate = Placement("shard", dim, groups=k)
+    else:
+        return None
+    try:
+        local_shape, _ = local_regions(name, ckpt_shape, candidate, rank, world)
+    except PlanError:
+        return None
+    return candidate if local_shape == model_shape else None
+
+
+# ----------------------------------------------------------------------------- runnable TP
+
+
+def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str = "tp") -> nn.Module:
+    """Make `model` (best on meta, before loading) a tensor-parallel model over the 1-D
+    DeviceMesh `mesh`, so that after `load_into` its forward gives the world=1 result on every rank.
+
+    transformers models with a TP plan (or `plan=`, a glob -> style dict) get transformers'
+    own DTensor styles (`apply_tensor_parallelism`; experts="ep": `apply_expert_parallelism`),
+    except KV projections when world > KV heads: those stay plain tensors holding the rank's
+    KV head group, and attention modules get their local `num_key_value_groups`. Models
+    without a plan (GPT-2, plain modules) get the structural rule: colwise/packed layers keep
+    plain local weights (their output stays local), rowwise layers all-reduce their partial
+    output through DTensor (`Partial` -> `Replicate`) before adding their bias."""
+    if mesh.ndim != 1:
+        raise PlanError(f"parallelize takes a 1-D DeviceMesh (got {mesh.ndim}-D); for 2-D layouts apply "
+                        "torch's parallelize_module / fully_shard yourself: load_into follows any DTensor.")
+    world, rank = mesh.size(), mesh.get_local_rank()
+    heads = model_heads(model)
+    style_plan = model_tp_plan(model, experts) if plan is None else dict(plan)
+    recorded: dict[str, Placement] = {}
+    if style_plan and hasattr(model, "_expand_parallel_plan"):
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        expanded = model._expand_parallel_plan(style_plan)
+        if heads.heads and heads.heads % world:
+            raise PlanError(f"{type(model).__name__}: {heads.heads} attention heads do not split evenly over "
+                            f"{world} ranks; choose a world that divides the number of heads.")
+        if heads.kv_heads and world > heads.kv_heads:
+            for name in [n for n in expanded if _kv_entry(n)]:
+                style = expanded.pop(name)
+                if name.endswith((".weight", ".bias")) or isinstance(_get(model, name), torch.Tensor):
+                    shape = tuple(_get(model, name).shape)
+                    placement = _attention_checks(name, _kv_entry(name), style_placement(style, name, len(shape)),
+                                                  heads, world)
+                    recorded[name] = _box(name, shape, placement, rank, world)
+        elif heads.kv_heads and heads.kv_heads % world:
+            raise PlanError(f"{type(model).__name__}: {heads.kv_heads} KV heads do not split evenly over {world} "
+                            "ranks; use a world that divides the number of KV heads, or a multiple of it.")
+        ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
+        tp = {k: v for k, v in expanded.items() if k not in ep}
+        apply_tensor_parallelism(model, mesh, tp)
+        if ep:
+            from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+            apply_expert_parallelism(model, mesh, mesh, ep)
+    else:
+        static = _static_placements(model, _plain_specs(model), style_plan or "tp", world)
+        for name, placement in static.items():
+            module, _, attr = _owner(model, name)
+            if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+                raise PlanError(f"{name}: parallelize can run only Linear/Conv1D layers sharded in a model without "
+                                "a transformers TP plan; leave this tensor replicated (drop it from plan=).")
+            recorded[name] = _box(name, tuple(_get(model, name).shape), placement, rank, world)
+            if attr == "weight":  # the layer's own size bookkeeping (Conv1D reshapes with nf)
+                local = [sum(b - a for a, b in runs) for runs in recorded[name].spans]
+                if _is_conv1d(module):
+                    module.nf = local[1]
+                else:
+                    module.out_features, module.in_features = local[0], local[1]
+        for module_name, module in model.named_modules():
+            weight = static.get(f"{module_name}.weight" if module_name else "weight")
+            if weight is not None and weight.kind == "shard" and weight.dim == (0 if _is_conv1d(module) else 1):
+                _install_rowwise(module, mesh)
+    _set_local_heads(model, heads, world)
+    model._lazyload_placements = {**getattr(model, "_lazyload_placements", {}), **recorded}
+    return model
+
+
+def _plain_specs(model: nn.Module) -> dict:
+    from .mapping import TargetSpec
+
+    return {n: TargetSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+
+
+def _kv_entry(name: str) -> str:
+    parts = name.split(".")
+    for part in reversed(parts[-2:]):
+        if part in KV_NAMES:
+            return part
+    return ""
+
+
+def _get(model: nn.Module, name: str) -> Any:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_submodule(name)
+
+
+def _box(name: str, shape: tuple[int, ...], placement: Placement, rank: int, world: int) -> Placement:
+    _, regions = local_regions(name, shape, placement, rank, world)
+    spans = []
+    for d in range(len(shape)):
+        seen = []
+        for region in regions:
+            if region.global_box[d] not in seen:
+                seen.append(region.global_box[d])
+        spans.append(tuple(seen))
+    return Placement("box", spans=tuple(spans))
+
+
+def _set_local_heads(model: nn.Module, heads: Heads, world: int) -> None:
+    """Attention modules whose head bookkeeping is not derived from tensor shapes."""
+    if not heads.heads or world == 1:
+        return
+    local_q = heads.heads // world
+    local_kv = max(1, (heads.kv_heads or heads.heads) // world)
+    for module in model.modules():
+        if hasattr(module, "num_key_value_groups"):
+            module.num_key_value_groups = local_q // local_kv
+        if _is_conv1d(getattr(module, "c_attn", None) or nn.Module()) and hasattr(module, "split_size"):
+            module.split_size = module.split_size // world  # GPT-2: c_attn output split into q, k, v
+            if hasattr(module, "num_heads"):
+                module.num_heads = local_q
+            if hasattr(module, "embed_dim"):
+                module.embed_dim = module.embed_dim // world
+
+
+def _install_rowwise(module: nn.Module, mesh: Any) -> None:
+    """Row-parallel Linear/Conv1D with a plain local weight: partial product, summed over
+    the mesh by DTensor (Partial -> Replicate), then the (replicated) bias added once."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    conv1d = _is_conv1d(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        y = x @ weight if conv1d else nn.functional.linear(x, weight)
+        y = DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+        return y if module.bias is None else y + module.bias
+
+    module.forward = forward
+
+
+def default_mesh(world: int, device: torch.device) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cuda" if device.type == "cuda" else "cpu", (world,))
+
+
+def auto_parallelize(model: nn.Module, plan: Any, rank: int, world: int, device: torch.device,
+                     resolved: Resolved) -> bool:
+    """With torch.distributed initialised and (rank, world) this process's, make a model
+    that nobody made parallel runnable (`parallelize` on a 1-D mesh of all ranks). False
+    when nothing was done: no process group, world 1, plan={} or a name -> Placement plan
+    (local shards only), or a model already parallel (DTensors, `parallelize`, local shapes)."""
+    import torch.distributed as dist
+
+    if world == 1 or not dist.is_available() or not dist.is_initialized():
+        return False
+    if world != dist.get_world_size() or rank != dist.get_rank():
+        return False
+    if plan == {} or (isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values())):
+        return False
+    if resolved.local_shaped or any(p.kind == "box" for p in resolved.placements.values()):
+        return False
+    parallelize(model, default_mesh(world, device), plan if isinstance(plan, dict) else None,
+                experts=plan if isinstance(plan, str) else "tp")
+    return True
+
+
+# ----------------------------------------------------------------------------- plan summary (CLI)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    bytes_to_read: int
+    tensors: int
+    sharded: int
+
+
+def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> tuple[list[RankPlan], list[str]]:
+    """Per rank: bytes to read and tensors, from the checkpoint headers and a meta model of
+    `config` (a transformers config, or a directory/file holding config.json; default: the
+    checkpoint's directory). Returns (ranks, warnings); a plan that cannot be made is a warning."""
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModel
+
+    from .checkpoint import LazyCheckpoint, _conversion_rules
+    from .mapping import TargetSpec, build_mapping
+    from .placer import model_slots
+    from .plan import plan_for_rank
+
+    check_rank(0, world)
+    ckpt = LazyCheckpoint(path)
+    if config is None or isinstance(config, (str, os.PathLike)):
+        source = config or (path if os.path.isdir(path) else os.path.dirname(path))
+        config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            model = AutoModel.from_config(config)
+    slots, aliases = model_slots(model)
+    states = set(model.state_dict())
+    specs = {n: TargetSpec(n, tuple(_tensor_of(model, n).shape), _tensor_of(model, n).dtype)
+             for n in slots if n in states}
+    renames, converts = _conversion_rules(model)
+    mapping = build_mapping(ckpt.index, specs, aliases={a: c for a, c in aliases.items() if c in specs},
+                            base_prefix=getattr(model, "base_model_prefix", "") or "", renames=renames,
+                            converts=converts)
+    warnings = [f"{len(mapping.missing)} model tensors missing from the checkpoint"] if mapping.missing else []
+    warnings += [f"{len(mapping.unexpected)} checkpoint tensors unused"] if mapping.unexpected else []
+    dtypes = {n: ckpt.index[e.keys()[0]].dtype for n, e in mapping.exprs.items()}
+    ranks = []
+    for rank in range(world):
+        try:
+            resolved = resolve_placements(model, specs, [], plan, rank, world)
+            _, items = plan_for_rank(mapping.exprs, ckpt.index, {n: s.shape for n, s in specs.items()}, dtypes,
+                                     resolved.placements, rank, world)
+        except PlanError as exc:
+            warnings.append(f"world {world} cannot be planned: {exc}")
+            return [], warnings
+        sharded = sum(1 for n in mapping.exprs if resolved.placements.get(n, REPLICATE).kind != "replicate")
+        ranks.append(RankPlan(rank, sum(i.nbytes for i in items), len(mapping.exprs), sharded))
+    heads = model_heads(model)
+    if world > 1 and heads.kv_heads and world > heads.kv_heads and any(
+            p.groups for p in resolved.placements.values()):
+        warnings.append(f"{heads.kv_heads} KV heads replicated over {world} ranks: each KV head is read by "
+                        f"{world // heads.kv_heads} ranks")
+    if world > 1 and not any(r.sharded for r in ranks):
+        warnings.append("nothing is sharded: every rank reads the whole checkpoint (no TP plan matched)")
+    return ranks, warnings
+
+
+def format_plan(path: str, world: int, config: Any = None) -> str:
+    ranks, warnings = plan_ranks(path, world, config)
+    lines = [f"{path}: world {world}", f"{'rank':>4}  {'bytes to read':>15}  {'tensors':>7}  {'sharded':>7}"]
+    lines += [f"{r.rank:>4}  {r.bytes_to_read:>15,}  {r.tensors:>7}  {r.sharded:>7}" for r in ranks]
+    lines += [f"warning: {w}" for w in warnings]
+    return "\n".join(lines)
