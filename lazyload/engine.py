@@ -6,6 +6,10 @@ arena of exactly that size; the mmap reader counts the bytes of its slices in fl
 With a GPU destination, each worker copies its staged (pinned) bytes to the device on its
 own CUDA stream, casts there, and frees the staging range only once that copy is done, so
 the copy of one item overlaps the read of the next.
+
+Page release: when the reader was asked to (`release_pages`), or when this process's
+memory cgroup limit is smaller than the files this rank reads from, each item's file pages
+are dropped once it is placed, so that RSS (not only anonymous memory) stays bounded.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import torch
 
 from .placer import copy_into
 from .plan import ReadItem
-from .reader import Arena, MmapReader, PreadReader, byte_runs
+from .reader import Arena, MmapReader, PreadReader, byte_runs, memory_limit
 from .schedule import Group
 
 
@@ -59,23 +63,41 @@ def direct_target(dest: torch.Tensor, item: ReadItem) -> torch.Tensor | None:
     return view.reshape(-1).view(torch.uint8)
 
 
+def must_release_pages(groups: list[Group]) -> bool:
+    """True under a memory cgroup limit smaller than the files this rank reads from: their
+    pages would otherwise push out the destination (or the page cache of the other ranks)."""
+    limit = memory_limit()
+    if limit is None:
+        return False
+    files = {item.entry.file for group in groups for item in group.items}
+    return limit < sum(os.path.getsize(f) for f in files)
+
+
 def _workers(reader: object) -> int:
+    # pread threads mostly wait on the storage (the GIL is released): as many as the
+    # storage queue likes; mmap threads fault pages and copy: about one per core.
     cores = os.cpu_count() or 2
-    return min(8, 2 * cores) if isinstance(reader, PreadReader) else min(4, cores)
+    return 8 if isinstance(reader, PreadReader) else min(4, cores)
 
 
 def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: dict[str, torch.Tensor],
                  budget: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
     device = next(iter(dests.values())).device if dests else torch.device("cpu")
+    if not reader.release_pages and must_release_pages(groups):
+        reader.release_pages = True
     cuda = device.type == "cuda"
     arena = Arena(budget, pin=cuda) if isinstance(reader, PreadReader) else None
     in_flight = ByteBudget(budget)
     streams: dict[int, torch.cuda.Stream] = {}
+    if cuda:  # destinations were allocated on the current stream: let it finish first
+        torch.cuda.current_stream(device).synchronize()
 
     def place(item: ReadItem, source: torch.Tensor) -> None:
         dest = dests[item.target]
         if cuda:
-            stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(device))
+            stream = streams.get(threading.get_ident())
+            if stream is None:  # one stream per worker thread, made once
+                stream = streams[threading.get_ident()] = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):
                 on_device = source.to(device, non_blocking=True)  # raw bytes over PCIe, cast on the GPU
                 copy_into(dest, item, on_device)
@@ -95,8 +117,9 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
 
     def mmap_task(item: ReadItem) -> None:
         try:
-            place(item, reader.read(item))
-            reader.release(item)
+            source = reader.read(item)
+            place(item, source)
+            reader.release(item, source)
         finally:
             in_flight.release(item.nbytes)
         on_bytes(item.nbytes)

@@ -2,10 +2,20 @@
 
 - `MmapReader`: safetensors' `safe_open(...).get_slice(...)` over mmap; fastest when the
   page cache is warm; its pages count as file-backed RSS.
+  safetensors (0.8, framework="pt") maps the whole file once per `safe_open` and returns
+  slices as views of that mapping: no anonymous memory is used, but every page touched
+  stays in RSS (as RssFile) until unmapped. With `release_pages`, the pages of each item
+  are dropped after it is placed (`madvise(MADV_DONTNEED)` on the view's address range,
+  then `posix_fadvise(DONTNEED)` for the page cache), so RSS stays about one budget.
 - `PreadReader`: exact byte runs with `os.preadv` into a staging arena allocated once and
   reused (pinned when the destination is a GPU), or straight into the destination when
   no conversion is needed; keeps readahead off for partial reads, and can drop consumed
-  pages from the cache so that RSS stays bounded.
+  pages from the cache so that RSS stays bounded. Strided (row-parallel) boxes whose runs
+  are short read the whole span in a few large reads through a small per-thread bounce
+  buffer and gather in memory, when that costs at most twice the pages of the exact runs
+  (see `_span_is_cheaper`); `bytes_read` counts what was actually read.
+- `memory_limit()`: this process's memory cgroup limit (v1 or v2), so that the engine can
+  release pages on its own on a host smaller than the checkpoint.
 """
 from __future__ import annotations
 
@@ -20,6 +30,9 @@ from .expr import Box, box_shape
 from .plan import ReadItem
 
 IOV_MAX = 1024
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+SPAN_CHUNK = 4 << 20  # bounce buffer per read thread for strided boxes read as whole spans
+SHORT_RUN = 256 << 10  # runs at least this long are read exactly (few syscalls anyway)
 
 
 def byte_runs(item: ReadItem) -> tuple[np.ndarray, int]:
@@ -87,6 +100,7 @@ class PreadReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._partial = partial_files  # files this rank reads only part of: no readahead
+        self._local = threading.local()
         self.bytes_read = 0
 
     def _fd(self, path: str) -> int:
@@ -109,17 +123,28 @@ class PreadReader:
         fd = self._fd(item.entry.file)
         offsets, run = byte_runs(item)
         memory = memoryview(out.numpy()).cast("B")
+        path = item.entry.file
         if len(offsets) == 1 or _adjacent(offsets, run):
-            _pread_exact(fd, memory, int(offsets[0]), item.entry.file)
+            _pread_exact(fd, memory, int(offsets[0]), path)
+            read = len(memory)
+        elif _span_is_cheaper(offsets, run):
+            read = _read_spans(fd, out.numpy(), offsets, run, self._bounce(), path)
         else:
             for i in range(0, len(offsets), IOV_MAX):
                 chunk = offsets[i:i + IOV_MAX]
-                _preadv_runs(fd, memory[i * run:(i + len(chunk)) * run], chunk, run, item.entry.file)
+                _preadv_runs(fd, memory[i * run:(i + len(chunk)) * run], chunk, run, path)
+            read = len(memory)
         with self._lock:
-            self.bytes_read += item.nbytes
+            self.bytes_read += read
         if self.release_pages and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, int(offsets[0]), int(offsets[-1]) + run - int(offsets[0]), os.POSIX_FADV_DONTNEED)
         return _as_tensor(out, item)
+
+    def _bounce(self) -> np.ndarray:
+        buf = getattr(self._local, "bounce", None)
+        if buf is None:
+            buf = self._local.bounce = np.empty(SPAN_CHUNK, dtype=np.uint8)
+        return buf
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -147,6 +172,55 @@ def _preadv_runs(fd: int, memory: memoryview, offsets: np.ndarray, run: int, pat
         _pread_exact(fd, memory[j * run:(j + 1) * run], offset, path)
 
 
+def pages_touched(offsets: np.ndarray, run: int) -> int:
+    """Distinct pages covered by runs of `run` bytes at sorted `offsets`."""
+    first = offsets // PAGE
+    last = (offsets + run - 1) // PAGE
+    shared = int(np.count_nonzero(first[1:] == last[:-1])) if len(offsets) > 1 else 0
+    return int(np.sum(last - first + 1)) - shared
+
+
+def _span_is_cheaper(offsets: np.ndarray, run: int) -> bool:
+    """Read the whole span instead of each run: when runs are short (a syscall each would
+    dominate, and the storage reads whole pages anyway) and the span holds at most twice
+    the pages the exact runs touch."""
+    if run >= SHORT_RUN:
+        return False
+    span = int(offsets[-1]) + run - int(offsets[0])
+    span_pages = (int(offsets[0]) % PAGE + span + PAGE - 1) // PAGE
+    return span_pages <= 2 * pages_touched(offsets, run)
+
+
+def _read_spans(fd: int, out: np.ndarray, offsets: np.ndarray, run: int, bounce: np.ndarray, path: str) -> int:
+    """Read consecutive runs a bounce buffer at a time (one pread per span), gathering the
+    runs into `out`. Returns the bytes read."""
+    out = out.reshape(-1)
+    cap = len(bounce)
+    read, i, n = 0, 0, len(offsets)
+    while i < n:
+        base = int(offsets[i])
+        # Runs that fit in the bounce buffer from offsets[i] on.
+        j = i + max(1, int(np.searchsorted(offsets[i:], base + cap - run, side="right")))
+        span = int(offsets[j - 1]) + run - base
+        if span > cap:  # a single run longer than the bounce buffer: read it exactly
+            _pread_exact(fd, memoryview(out[i * run:(i + 1) * run]), base, path)
+            read += run
+            i += 1
+            continue
+        _pread_exact(fd, memoryview(bounce[:span]), base, path)
+        read += span
+        rel = offsets[i:j] - base
+        dst = out[i * run:j * run].reshape(j - i, run)
+        if j - i > 1 and np.all(np.diff(rel) == rel[1] - rel[0]):
+            stride = int(rel[1] - rel[0])
+            dst[:] = np.lib.stride_tricks.as_strided(bounce, shape=(j - i, run), strides=(stride, 1))
+        else:
+            for k, r in enumerate(rel.tolist()):
+                dst[k] = bounce[r:r + run]
+        i = j
+    return read
+
+
 class MmapReader:
     """safetensors' `get_slice` over its own mmap of each file."""
 
@@ -155,6 +229,7 @@ class MmapReader:
     def __init__(self, release_pages: bool = False):
         self.release_pages = release_pages
         self._files: dict[str, object] = {}
+        self._maps: dict[str, list[tuple[int, int]]] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
 
@@ -179,19 +254,117 @@ class MmapReader:
             self.bytes_read += item.nbytes
         return tensor
 
-    def release(self, item: ReadItem) -> None:
-        """Drop the item's file pages from the page cache (and so from RSS)."""
-        if not self.release_pages or not hasattr(os, "posix_fadvise"):
+    def release(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        """Drop the item's pages: from this process's mapping (RSS), then from the page
+        cache. `tensor` is the view `read` returned; the mapping is never written, so a
+        page dropped here is read again from the file if another item needs it."""
+        if not self.release_pages:
             return
         offsets, run = byte_runs(item)
-        fd = os.open(item.entry.file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, int(offsets[0]), int(offsets[-1]) + run - int(offsets[0]), os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        span = int(offsets[-1]) + run - int(offsets[0])
+        if self._in_mapping(item.entry.file, tensor.data_ptr(), span):
+            _madvise_dontneed(tensor.data_ptr(), span)
+        if hasattr(os, "posix_fadvise"):
+            fd = os.open(item.entry.file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, int(offsets[0]), span, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def _in_mapping(self, path: str, address: int, length: int) -> bool:
+        with self._lock:
+            ranges = self._maps.get(path)
+            if ranges is None:  # safe_open mapped the file once; it does not move
+                ranges = self._maps[path] = file_mappings(path)
+        return any(lo <= address and address + length <= hi for lo, hi in ranges)
 
     def close(self) -> None:
         self._files.clear()
+        self._maps.clear()
+
+
+_MADV_DONTNEED = 4
+_libc = None
+
+
+def _madvise():
+    global _libc
+    import ctypes
+
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc.madvise if _libc else None
+
+
+def _madvise_dontneed(address: int, length: int) -> None:
+    """madvise(MADV_DONTNEED) over the pages covering [address, address + length)."""
+    madvise = _madvise()
+    if madvise is None or length <= 0:
+        return
+    start = address // PAGE * PAGE
+    stop = -(-(address + length) // PAGE) * PAGE
+    madvise(start, stop - start, _MADV_DONTNEED)  # best effort: only RSS is at stake
+
+
+def file_mappings(path: str) -> list[tuple[int, int]]:
+    """Address ranges where this process maps `path` (from /proc/self/maps). Pages are
+    dropped (MADV_DONTNEED) only inside them, where nothing is lost: they are read again
+    from the file. A tensor that safetensors had copied into anonymous memory would be
+    zeroed instead, so it is never advised."""
+    real = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((lo, hi))
+    except OSError:
+        pass
+    return ranges
+
+
+def _cgroup_paths() -> list[str]:
+    """Files holding this process's memory limit, from its cgroup up to the root
+    (v1 memory controller, v2 unified hierarchy, or both on hybrid hosts)."""
+    paths = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return paths
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            roots, name = ["/sys/fs/cgroup/memory"], "memory.limit_in_bytes"
+        elif controllers == "":
+            roots, name = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"], "memory.max"
+        else:
+            continue
+        for root in roots:
+            parts = [p for p in group.split("/") if p]
+            for depth in range(len(parts), -1, -1):
+                paths.append(os.path.join(root, *parts[:depth], name))
+    return paths
+
+
+def memory_limit() -> int | None:
+    """The tightest memory cgroup limit over this process (None when unlimited or unknown)."""
+    limits = []
+    for path in _cgroup_paths():
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < (1 << 60):  # v1 writes "unlimited" as ~2**63
+            limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def choose_reader(name: str, device: torch.device, release_pages: bool,

@@ -1,0 +1,333 @@
+"""Streaming engine: host memory bounded by the byte budget, pages released, readers
+bit-identical, a rank's share loading under a memory cgroup smaller than the checkpoint.
+
+The checkpoint is a 24-layer bf16 Llama written by transformers' save_pretrained (~80 MB,
+~3 MB per layer). Every measured load runs in a fresh spawned process so that its peaks
+belong to that load alone; the comparisons of values run in this process.
+"""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+import pytest
+import torch
+
+from checkpoints import build_model, shard_files
+
+from lazyload import LazyCheckpoint, Placement
+
+MiB = 1 << 20
+SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=2048, max_position_embeddings=128)
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "embed_tokens")
+ROW = ("o_proj", "down_proj")  # input-dim (strided) slices
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint):
+    directory, config = checkpoint("llama", "bf16", **SHAPE)
+    return str(directory), config
+
+
+def sharded_plan(model) -> dict[str, Placement]:
+    plan = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.dim() != 2:
+            continue
+        if any(part in name for part in ROW):
+            plan[name] = Placement("shard", 1)
+        elif any(part in name for part in COLUMN):
+            plan[name] = Placement("shard", 0)
+    return plan
+
+
+def layer_bytes(directory: str) -> int:
+    """Source bytes of the largest layer: the default budget at world 1."""
+    ckpt = LazyCheckpoint(directory)
+    per_layer: dict[str, int] = {}
+    for key in ckpt.keys():
+        parts = key.split(".")
+        if parts[:2] == ["model", "layers"]:
+            per_layer[parts[2]] = per_layer.get(parts[2], 0) + ckpt.entry(key).nbytes
+    return max(per_layer.values())
+
+
+def digests(model) -> dict[str, str]:
+    return {name: f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha1(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+            for name, t in model.state_dict().items()}
+
+
+def status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[name] = int(value.split()[0]) * 1024
+    return out
+
+
+def model_bytes(model) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+# --------------------------------------------------------------------- child processes
+
+def _measured_load(directory, config, reader, release_pages, rank=0, world=1, cgroup_procs=None):
+    """Runs in a fresh process: warm up, build the model on meta, reset VmHWM, load, report.
+
+    The warm-up loads the first layer into a one-layer model with the same reader and
+    dtypes, so that the code pages of the load (libtorch's cast kernels, the modules it
+    imports) are in the baseline rather than counted as memory the load holds."""
+    import copy
+    import gc
+
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = 1
+    warm = build_model("llama", small, torch.float16, empty="meta")
+    LazyCheckpoint(directory).load_into(warm, dtype=torch.float16, reader=reader, strict=False,
+                                        release_pages=release_pages, progress=False)
+    del warm
+    model = build_model("llama", config, torch.float16, empty="meta")
+    plan = sharded_plan(model) if world > 1 else None
+    ckpt = LazyCheckpoint(directory)
+    ckpt.index  # headers read before the baseline
+    if cgroup_procs is not None:
+        # Join the small cgroup now: what is charged from here on is the load itself
+        # (destination, staging, page cache), not the interpreter and its imports.
+        with open(cgroup_procs, "w") as f:
+            f.write(str(os.getpid()))
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    before = status()
+    report = ckpt.load_into(model, rank, world, dtype=torch.float16, reader=reader, plan=plan,
+                            release_pages=release_pages, progress=False)
+    after = status()
+    from lazyload.reader import memory_limit
+
+    return dict(before=before, after=after, peak_anon=report.peak_anon, peak_rss=report.peak_rss,
+                reader=report.reader, bytes_read=report.bytes_read, dest=model_bytes(model),
+                digests=digests(model), limit=memory_limit())
+
+
+def in_fresh_process(fn, *args, **kwargs):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args, **kwargs).result(timeout=300)
+        except BrokenProcessPool as exc:
+            raise AssertionError(f"the load process died ({exc}); under a memory cgroup this is the "
+                                 "OOM killer: the load used more memory than the limit") from exc
+
+
+# --------------------------------------------------------------------- memory bounds
+
+@pytest.mark.parametrize("reader", ["mmap", "pread"])
+def test_peak_anonymous_memory_is_destination_plus_budget(llama, reader):
+    directory, config = llama
+    budget = layer_bytes(directory)
+    r = in_fresh_process(_measured_load, directory, config, reader, False)
+    assert r["reader"] == reader
+    over = r["peak_anon"] - r["before"]["RssAnon"] - r["dest"]
+    assert r["dest"] > 20 * budget  # a real many-layer load, bf16 -> fp16
+    assert over < budget + 64 * MiB, (
+        f"{reader}: peak anonymous memory exceeds destination by {over / MiB:.1f} MiB; "
+        f"budget {budget / MiB:.1f} MiB + 64 MiB allowed")
+
+
+@pytest.mark.parametrize("reader", ["pread", "mmap"])
+def test_release_pages_bounds_peak_rss(llama, reader):
+    directory, config = llama
+    budget = layer_bytes(directory)
+    r = in_fresh_process(_measured_load, directory, config, reader, True)
+    total = sum(os.path.getsize(f) for f in shard_files(directory))
+    peak = r["after"]["VmHWM"]
+    bound = r["dest"] + 2 * budget + r["before"]["VmRSS"]
+    assert peak < bound, (
+        f"{reader}: VmHWM {peak / MiB:.1f} MiB >= destination {r['dest'] / MiB:.1f} + 2 budgets "
+        f"{2 * budget / MiB:.1f} + baseline {r['before']['VmRSS'] / MiB:.1f} MiB (checkpoint {total / MiB:.0f} MiB)")
+
+
+# --------------------------------------------------------------------- identical results
+
+def _load(directory, config, reader, rank=0, world=1, **kwargs):
+    model = build_model("llama", config, torch.float16, empty="meta")
+    plan = sharded_plan(model) if world > 1 else None
+    report = LazyCheckpoint(directory).load_into(model, rank, world, reader=reader, plan=plan,
+                                                 progress=False, **kwargs)
+    return model, report
+
+
+def _reference(directory, dtype):
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in shard_files(directory):
+        out.update({k: v.to(dtype) for k, v in load_file(str(path)).items()})
+    return out
+
+
+def _local(full: torch.Tensor, placement: Placement | None, rank: int, world: int) -> torch.Tensor:
+    if placement is None or world == 1:
+        return full
+    return full.chunk(world, dim=placement.dim)[rank]
+
+
+def _assert_equal(model, reference, plan=None, rank=0, world=1):
+    state = model.state_dict()
+    assert set(reference) <= set(state)
+    for name, ref in reference.items():
+        want = _local(ref, (plan or {}).get(name), rank, world)
+        got = state[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype}{tuple(got.shape)}"
+        assert torch.equal(got, want), f"{name}: values differ (rank {rank}/{world})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["bf16->fp16", "bf16"])
+def test_readers_bit_identical(llama, dtype):
+    directory, config = llama
+    reference = _reference(directory, dtype)
+    for reader in ("mmap", "pread"):
+        model, report = _load(directory, config, reader, dtype=dtype)
+        assert report.reader == reader
+        _assert_equal(model, reference)
+
+
+def test_readers_bit_identical_under_back_pressure(llama):
+    """A budget of one tensor: every read waits for the placing of the previous ones."""
+    directory, config = llama
+    reference = _reference(directory, torch.float16)
+    largest = max(LazyCheckpoint(directory).entry(k).nbytes for k in LazyCheckpoint(directory).keys())
+    for reader in ("mmap", "pread"):
+        model, _ = _load(directory, config, reader, dtype=torch.float16, max_host_bytes=largest)
+        _assert_equal(model, reference)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_readers_bit_identical_sharded(llama, world, monkeypatch):
+    """Row-parallel (input-dim) shards are strided: pread reads them as whole spans (short
+    runs), or run by run (forced here with SHORT_RUN=0); both equal mmap and the reference."""
+    import lazyload.reader
+
+    directory, config = llama
+    reference = _reference(directory, torch.float16)
+    plan = sharded_plan(build_model("llama", config, torch.float16, empty="meta"))
+    for rank in range(world):
+        needed = None
+        for reader, short_run in (("mmap", None), ("pread", None), ("pread", 0)):
+            if short_run is not None:
+                monkeypatch.setattr(lazyload.reader, "SHORT_RUN", short_run)
+            model, report = _load(directory, config, reader, rank, world, dtype=torch.float16)
+            monkeypatch.undo()
+            _assert_equal(model, reference, plan, rank, world)
+            if reader == "mmap":
+                needed = report.bytes_read  # exact slice bytes
+            elif short_run == 0:
+                assert report.bytes_read == needed  # run by run: exactly the slices
+            else:  # whole spans for short runs: at most about twice the slices
+                assert needed < report.bytes_read <= 2 * needed + 2 * world * MiB
+
+
+# --------------------------------------------------------------------- small-RAM host
+
+def _make_memory_cgroup(limit: int) -> tuple[str, str]:
+    """A memory cgroup below this process's own, limited to `limit` bytes: (dir, procs file).
+    Skips the test when the host does not let us create one."""
+    own = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.strip().split(":", 2)
+            own[controllers] = path
+    name = f"lazyload-test-{os.getpid()}"
+    attempts = []
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # v2 unified
+        with open("/sys/fs/cgroup/cgroup.controllers") as f:
+            if "memory" in f.read().split():
+                attempts.append((os.path.join("/sys/fs/cgroup", own.get("", "/").lstrip("/"), name), "memory.max"))
+    v1 = next((p for c, p in own.items() if "memory" in c.split(",")), None)
+    if v1 is not None and os.path.isdir("/sys/fs/cgroup/memory"):
+        attempts.append((os.path.join("/sys/fs/cgroup/memory", v1.lstrip("/"), name), "memory.limit_in_bytes"))
+    reasons = []
+    for directory, limit_file in attempts:
+        try:
+            os.mkdir(directory)
+        except OSError as exc:
+            reasons.append(f"mkdir {directory}: {exc.strerror}")
+            continue
+        try:
+            with open(os.path.join(directory, limit_file), "w") as f:
+                f.write(str(limit))
+            return directory, os.path.join(directory, "cgroup.procs")
+        except OSError as exc:
+            os.rmdir(directory)
+            reasons.append(f"{limit_file}: {exc.strerror}")
+    pytest.skip("cannot create a memory cgroup here (needs root and a writable cgroup fs): "
+                + ("; ".join(reasons) or "no memory controller mounted"))
+
+
+def test_small_memory_host_loads_rank_share_exactly(llama):
+    directory, config = llama
+    total = sum(os.path.getsize(f) for f in shard_files(directory))
+    world = 4
+    limit = 48 * MiB
+    assert limit < total
+    reference = _reference(directory, torch.float16)
+    plan = sharded_plan(build_model("llama", config, torch.float16, empty="meta"))
+    cgroup, procs = _make_memory_cgroup(limit)
+    try:
+        for rank in (world - 1,):
+            r = in_fresh_process(_measured_load, directory, config, "auto", False, rank, world, procs)
+            assert r["limit"] == limit  # the loader sees the limit, and so releases pages on its own
+            assert r["dest"] < limit // 2
+            model, _ = _load(directory, config, "pread", rank, world, dtype=torch.float16)
+            _assert_equal(model, reference, plan, rank, world)
+            assert r["digests"] == digests(model)
+    finally:
+        os.rmdir(cgroup)  # its processes have exited
+
+
+# --------------------------------------------------------------------- reader unit check
+
+@pytest.mark.parametrize("box", [((0, 4), (0, 6), (3, 9)), ((1, 3), (2, 5), (0, 16)), ((1, 4), (0, 6), (5, 6)),
+                                 ((0, 4), (1, 2), (0, 16)), ((2, 3), (0, 6), (0, 16)), ((1, 3), (2, 5), (3, 9))])
+def test_readers_read_any_box_exactly(tmp_path, monkeypatch, box):
+    """Boxes partial on several dims (non-uniform run offsets), read whole-span and run by
+    run, equal plain slicing; bytes_read counts what was read."""
+    from safetensors.torch import save_file
+
+    import lazyload.reader as reader_mod
+    from lazyload.index import CheckpointIndex
+    from lazyload.plan import ReadItem
+
+    full = torch.arange(4 * 6 * 16, dtype=torch.float32).reshape(4, 6, 16).to(torch.bfloat16)
+    path = str(tmp_path / "t.safetensors")
+    save_file({"pad": torch.ones(3), "x": full}, path)
+    entry = CheckpointIndex([path])["x"]
+    item = ReadItem(entry, box, (), "x", tuple((0, b - a) for a, b in box))
+    want = full[tuple(slice(a, b) for a, b in box)]
+    # Default, run by run (SHORT_RUN=0), and bounce buffers of a few runs or less than one run.
+    for short_run, chunk in ((reader_mod.SHORT_RUN, reader_mod.SPAN_CHUNK), (0, reader_mod.SPAN_CHUNK),
+                             (reader_mod.SHORT_RUN, 100), (reader_mod.SHORT_RUN, 8)):
+        monkeypatch.setattr(reader_mod, "SHORT_RUN", short_run)
+        monkeypatch.setattr(reader_mod, "SPAN_CHUNK", chunk)
+        pread = reader_mod.PreadReader()
+        out = torch.empty(item.nbytes, dtype=torch.uint8)
+        got = pread.read_into(item, out)
+        pread.close()
+        assert torch.equal(got, want), f"pread (SHORT_RUN={short_run}, SPAN_CHUNK={chunk}) differs for box {box}"
+        assert pread.bytes_read >= item.nbytes
+        if short_run == 0:
+            assert pread.bytes_read == item.nbytes
+    mmap = reader_mod.MmapReader()
+    assert torch.equal(mmap.read(item), want)
+    mmap.close()
