@@ -31,6 +31,12 @@ PROMPT = [1, 306, 465, 278, 659, 310, 283, 338]  # fixed token ids, below every 
 NEW_TOKENS = 8
 
 
+
+def say(text: str) -> None:
+    """One write per message: ranks share stdout, and print() writes the text and its
+    newline separately, so lines of two ranks could run together."""
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
+
 def write_example_checkpoint(directory: str) -> str:
     # 8 heads, 2 KV heads: at world 4 the KV heads are replicated over pairs of ranks.
     config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -86,18 +92,18 @@ def main() -> int:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     model.eval()
     report = LazyCheckpoint(path).load_into(model, rank, world, progress=False)
-    print(tagged(rank, report), flush=True)
+    say(tagged(rank, report))
 
     if max(PROMPT) >= config.vocab_size:  # a sharded embedding maps unknown ids to zeros, silently
         raise SystemExit(f"the prompt's token ids must be < vocab_size {config.vocab_size}")
     tokens = greedy(model, PROMPT, NEW_TOKENS, device)
-    print(f"[rank {rank}] world {world} tokens: {tokens}", flush=True)
+    say(f"[rank {rank}] world {world} tokens: {tokens}")
 
     reference = [None]
     if rank == 0:
         ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").to(device)
         reference[0] = greedy(ref_model.eval(), PROMPT, NEW_TOKENS, device)
-        print(f"[rank 0] world 1 tokens (from_pretrained): {reference[0]}", flush=True)
+        say(f"[rank 0] world 1 tokens (from_pretrained): {reference[0]}")
         del ref_model
     all_tokens = [None] * world
     dist.all_gather_object(all_tokens, tokens)
@@ -105,10 +111,10 @@ def main() -> int:
     ok = all(t == reference[0] for t in all_tokens)
     if rank == 0:
         if ok:
-            print(f"[rank 0] OK: all {world} ranks generated the world-1 tokens {reference[0]}", flush=True)
+            say(f"[rank 0] OK: all {world} ranks generated the world-1 tokens {reference[0]}")
         else:
             for r, t in enumerate(all_tokens):
-                print(f"[rank 0] MISMATCH: rank {r} {t} vs world 1 {reference[0]}", flush=True)
+                say(f"[rank 0] MISMATCH: rank {r} {t} vs world 1 {reference[0]}")
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
