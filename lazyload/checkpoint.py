@@ -13,13 +13,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .engine import run_schedule
+from .engine import must_release_pages, run_schedule
 from .errors import DtypeError, PlanError
 from .index import CheckpointIndex, TensorEntry, resolve_files
 from .mapping import KeyMap, TargetSpec, build_mapping, check_casts, check_mapping
-from .placer import allocate, assign, fill_meta_buffers, meta_buffers_to_recompute, model_slots
+from .placer import allocate, assign, fill_meta_buffers, mapped_views, meta_buffers_to_recompute, model_slots
 from .plan import plan_for_rank
-from .reader import choose_reader
+from .reader import MmapReader, choose_reader
 from .report import LoadReport, MemorySampler
 from .rules import BUILTIN_RULES, rules_from
 from .schedule import default_budget, schedule
@@ -49,6 +49,32 @@ def _conversion_rules(model: nn.Module) -> tuple[list, list]:
 
 def _ignore_patterns(model: nn.Module, attr: str) -> list[str]:
     return list(getattr(model, attr, None) or [])
+
+
+def model_specs(model: nn.Module, slots: dict) -> dict[str, TargetSpec]:
+    """The tensors a checkpoint fills: parameters and persistent buffers, one per tie."""
+    state_names = set(model.state_dict().keys())
+    return {name: TargetSpec(name, tuple(t.shape), t.dtype)
+            for name, t in ((n, _tensor(s)) for n, s in slots.items()) if name in state_names}
+
+
+def map_model(index: CheckpointIndex, model: nn.Module, specs: dict[str, TargetSpec], aliases: dict[str, str],
+              key_map: KeyMap | None = None):
+    """Match checkpoint keys to the model's tensors. The conversion rules are fetched only
+    when plain names do not match everything (building transformers' table costs ~0.2 s);
+    names that match plainly are never converted, so the result is the same."""
+    def with_rules(renames, converts):
+        return build_mapping(
+            index, specs, aliases={a: c for a, c in aliases.items() if c in specs},
+            base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
+            renames=renames, converts=converts,
+            ignore_unexpected=_ignore_patterns(model, "_keys_to_ignore_on_load_unexpected"),
+            ignore_missing=_ignore_patterns(model, "_keys_to_ignore_on_load_missing"))
+
+    mapping = with_rules([], [])
+    if mapping.missing or mapping.unexpected or mapping.mismatched:
+        mapping = with_rules(*_conversion_rules(model))
+    return mapping
 
 
 def _show_progress(progress: bool | None, rank: int) -> bool:
@@ -122,17 +148,8 @@ class LazyCheckpoint:
 
         # Mapping: model tensors as expressions over checkpoint tensors.
         slots, aliases = model_slots(model)
-        state_names = set(model.state_dict().keys())
-        specs = {name: TargetSpec(name, tuple(t.shape), t.dtype)
-                 for name, t in ((n, _tensor(s)) for n, s in slots.items()) if name in state_names}
-        renames, converts = _conversion_rules(model)
-        map_targets = lambda specs: build_mapping(  # noqa: E731
-            index, specs, aliases={a: c for a, c in aliases.items() if c in specs},
-            base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
-            renames=renames, converts=converts,
-            ignore_unexpected=_ignore_patterns(model, "_keys_to_ignore_on_load_unexpected"),
-            ignore_missing=_ignore_patterns(model, "_keys_to_ignore_on_load_missing"))
-        mapping = map_targets(specs)
+        specs = model_specs(model, slots)
+        mapping = map_model(index, model, specs, aliases, key_map)
 
         # Placements (lazyload.tp): from DTensors, local shapes, plan= or the model's TP plan.
         placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
@@ -141,7 +158,7 @@ class LazyCheckpoint:
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
         if placements.local_shaped:  # the model holds local shards: map with the full shapes
             specs = placements.specs
-            mapping = map_targets(specs)
+            mapping = map_model(index, model, specs, aliases, key_map)
         if strict:
             check_mapping(mapping, index, specs)
         check_casts(mapping, index, {n: s.dtype for n, s in specs.items()})
@@ -152,22 +169,26 @@ class LazyCheckpoint:
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
         recompute = meta_buffers_to_recompute(model, set(mapping.exprs))
+        release_pages = release_pages or must_release_pages(items)
+        chosen = choose_reader(reader, device, release_pages, _partially_read_files(items, index))
+        views: dict[str, torch.Tensor] = {}
+        if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
+            views, items = mapped_views(targets, items, chosen, slots)
         groups = schedule(items)
         budget = max_host_bytes if max_host_bytes is not None else default_budget(groups)
         largest = max((item.nbytes for item in items), default=0)
         if budget < largest:
             raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
-                             f"({largest} bytes); raise it to at least that.")
-        partial_files = _partially_read_files(items, index)
-        chosen = choose_reader(reader, device, release_pages, partial_files)
-        logger.info("loading %d tensors (%d bytes) with the %s reader, budget %d bytes",
-                    len(targets), sum(i.nbytes for i in items), chosen.name, budget)
+                            f"({largest} bytes); raise it to at least that.")
+        total = sum(item.nbytes for item in items)
+        logger.info("loading %d tensors (%d bytes to read, %d mapped) with the %s reader, budget %d bytes",
+                    len(targets), total, sum(v.nbytes for v in views.values()), chosen.name, budget)
 
         # Read and place; from here on the model changes.
-        total = sum(item.nbytes for item in items)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="lazyload", disable=not _show_progress(progress, rank))
         with MemorySampler() as memory, bar:
-            dests = {t.name: allocate(t, slots[t.name], device) for t in targets}
+            dests = {t.name: views.get(t.name) if t.name in views else allocate(t, slots[t.name], device)
+                     for t in targets}
             try:
                 run_schedule(groups, chosen, dests, budget, on_bytes=bar.update)
             finally:
@@ -179,6 +200,7 @@ class LazyCheckpoint:
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
                             recomputed_buffers=recomputed, bytes_read=chosen.bytes_read,
+                            bytes_mapped=sum(v.nbytes for v in views.values()),
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
                             reader=chosen.name)

@@ -7,9 +7,9 @@ With a GPU destination, each worker copies its staged (pinned) bytes to the devi
 own CUDA stream, casts there, and frees the staging range only once that copy is done, so
 the copy of one item overlaps the read of the next.
 
-Page release: when the reader was asked to (`release_pages`), or when this process's
-memory cgroup limit is smaller than the files this rank reads from, each item's file pages
-are dropped once it is placed, so that RSS (not only anonymous memory) stays bounded.
+Page release: when the reader was asked to (`release_pages`, which the loader also turns
+on when `must_release_pages`), each item's file pages are dropped once it is placed, so
+that RSS (not only anonymous memory) stays bounded.
 """
 from __future__ import annotations
 
@@ -63,13 +63,13 @@ def direct_target(dest: torch.Tensor, item: ReadItem) -> torch.Tensor | None:
     return view.reshape(-1).view(torch.uint8)
 
 
-def must_release_pages(groups: list[Group]) -> bool:
+def must_release_pages(items: list[ReadItem]) -> bool:
     """True under a memory cgroup limit smaller than the files this rank reads from: their
     pages would otherwise push out the destination (or the page cache of the other ranks)."""
     limit = memory_limit()
     if limit is None:
         return False
-    files = {item.entry.file for group in groups for item in group.items}
+    files = {item.entry.file for item in items}
     return limit < sum(os.path.getsize(f) for f in files)
 
 
@@ -83,8 +83,6 @@ def _workers(reader: object) -> int:
 def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: dict[str, torch.Tensor],
                  budget: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
     device = next(iter(dests.values())).device if dests else torch.device("cpu")
-    if not reader.release_pages and must_release_pages(groups):
-        reader.release_pages = True
     cuda = device.type == "cuda"
     arena = Arena(budget, pin=cuda) if isinstance(reader, PreadReader) else None
     in_flight = ByteBudget(budget)

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from .errors import MetaBufferError
-from .expr import apply_ops
+from .expr import apply_ops, box_shape
 from .plan import ReadItem, TargetPlan
+from .reader import MmapReader, byte_runs
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,27 @@ def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> torch.Tens
             and tuple(existing.shape) == target.local_shape and existing.is_contiguous()):
         return existing.data
     return torch.empty(target.local_shape, dtype=target.dtype, device=device)
+
+
+def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: MmapReader,
+                 slots: dict[str, Slot]) -> tuple[dict[str, torch.Tensor], list[ReadItem]]:
+    """Targets that can be views of the checkpoint's file mapping instead of copies (what
+    `from_pretrained` does on CPU): a meta target filled by one contiguous run of a source
+    of its own dtype. Returns those views and the items still to read."""
+    by_target: dict[str, list[ReadItem]] = {}
+    for item in items:
+        by_target.setdefault(item.target, []).append(item)
+    views = {}
+    for target in targets:
+        own = by_target.get(target.name, [])
+        if len(own) != 1 or not _local(current_tensor(slots[target.name])).is_meta:
+            continue
+        item = own[0]
+        if (item.entry.dtype != target.dtype or any(op[0] == "transpose" for op in item.ops)
+                or box_shape(item.dst_box) != target.local_shape or len(byte_runs(item)[0]) != 1):
+            continue
+        views[target.name] = reader.view(item).reshape(target.local_shape)
+    return views, [item for item in items if item.target not in views]
 
 
 def copy_into(dest: torch.Tensor, item: ReadItem, source: torch.Tensor) -> None:

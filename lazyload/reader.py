@@ -254,6 +254,12 @@ class MmapReader:
             self.bytes_read += item.nbytes
         return tensor
 
+    def view(self, item: ReadItem) -> torch.Tensor:
+        """The item's bytes as a view of the file mapping, nothing read yet: pages are
+        faulted in when first used (copy-on-write: writing to it never changes the file)."""
+        handle = self._open(item.entry.file)
+        return handle.get_slice(item.entry.key)[tuple(slice(a, b) for a, b in item.src_box)]
+
     def release(self, item: ReadItem, tensor: torch.Tensor) -> None:
         """Drop the item's pages: from this process's mapping (RSS), then from the page
         cache. `tensor` is the view `read` returned; the mapping is never written, so a

@@ -545,8 +545,7 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> t
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModel
 
-    from .checkpoint import LazyCheckpoint, _conversion_rules
-    from .mapping import TargetSpec, build_mapping
+    from .checkpoint import LazyCheckpoint, map_model, model_specs
     from .placer import model_slots
     from .plan import plan_for_rank
 
@@ -561,13 +560,8 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> t
         except ValueError:
             model = AutoModel.from_config(config)
     slots, aliases = model_slots(model)
-    states = set(model.state_dict())
-    specs = {n: TargetSpec(n, tuple(_tensor_of(model, n).shape), _tensor_of(model, n).dtype)
-             for n in slots if n in states}
-    renames, converts = _conversion_rules(model)
-    mapping = build_mapping(ckpt.index, specs, aliases={a: c for a, c in aliases.items() if c in specs},
-                            base_prefix=getattr(model, "base_model_prefix", "") or "", renames=renames,
-                            converts=converts)
+    specs = model_specs(model, slots)
+    mapping = map_model(ckpt.index, model, specs, aliases)
     warnings = [f"{len(mapping.missing)} model tensors missing from the checkpoint"] if mapping.missing else []
     warnings += [f"{len(mapping.unexpected)} checkpoint tensors unused"] if mapping.unexpected else []
     dtypes = {n: ckpt.index[e.keys()[0]].dtype for n, e in mapping.exprs.items()}

@@ -250,14 +250,47 @@ def test_report_fields(checkpoint):
     params = {n for n, _ in model.named_parameters()}
     assert params <= set(report.loaded)
     assert report.missing == [] and report.unexpected == [] and report.mismatched == []
-    assert 0 < report.bytes_read <= ckpt.total_bytes
-    # every tensor of this checkpoint is used exactly once by a world=1 load
-    assert report.bytes_read == ckpt.total_bytes
+    # every tensor of this checkpoint is used exactly once by a world=1 load: read (copied)
+    # or, same dtype on CPU, left as a view of the file mapping
+    assert report.bytes_read + report.bytes_mapped == ckpt.total_bytes
     assert report.seconds >= 0
     assert isinstance(report.peak_rss, int) and report.peak_rss > 0
     assert isinstance(report.peak_anon, int) and report.peak_anon >= 0
     text = str(report)
+    if report.bytes_mapped:
+        assert "mapped" in text
     n = config.num_hidden_layers
     # layers are grouped "layers.{0...N}", not listed one by one
     assert f"layers.{{0...{n - 1}}}." in text, text
     assert "layers.1." not in text, text
+
+
+@pytest.mark.parametrize("reader", ["mmap", "pread"])
+def test_same_dtype_cpu_load_maps_with_mmap_and_copies_with_pread(checkpoint, tmp_path, reader):
+    """On CPU in the checkpoint's dtype the mmap reader leaves parameters as copy-on-write
+    views of the file mapping (as from_pretrained does); pread copies. Either way the values
+    are the checkpoint's, survive the reader closing, and writing them never changes the file."""
+    from checkpoints import copy_checkpoint
+
+    directory, config = checkpoint("llama", "fp32")
+    directory = copy_checkpoint(directory, tmp_path / "ckpt")
+    ckpt = LazyCheckpoint(str(directory))
+    model = build_model("llama", config, torch.float32)
+    report = ckpt.load_into(model, progress=False, reader=reader)
+    if reader == "mmap":
+        assert report.bytes_mapped == ckpt.total_bytes and report.bytes_read == 0
+    else:
+        assert report.bytes_read == ckpt.total_bytes and report.bytes_mapped == 0
+    ref = reference_model("llama", directory, torch.float32)
+    import gc
+    gc.collect()
+    assert_matches_reference(model, ref, config)
+
+    before = {p.name: p.read_bytes() for p in shard_files(directory)}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    assert {p.name: p.read_bytes() for p in shard_files(directory)} == before
+    reloaded = build_model("llama", config, torch.float32)
+    LazyCheckpoint(str(directory)).load_into(reloaded, progress=False, reader=reader)
+    assert_same_weights(reloaded, ref)
