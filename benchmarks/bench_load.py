@@ -51,6 +51,7 @@ def case_lazyload(args, meter):
         from lazyload import LazyCheckpoint
     except ImportError as exc:
         raise CaseSkipped(f"lazyload is not importable ({exc})")
+    from transformers import LlamaForCausalLM  # noqa: F401  imported before the clock, as in the other cases
     dtype, config = _torch_dtype(args), _config(args)
     meter.start()
     model = _meta_model(config, dtype)
