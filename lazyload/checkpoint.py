@@ -21,11 +21,15 @@ from .placer import allocate, assign, fill_meta_buffers, mapped_views, meta_buff
 from .plan import plan_for_rank
 from .reader import MmapReader, choose_reader
 from .report import LoadReport, MemorySampler
+from .residency import resident_fraction
 from .rules import BUILTIN_RULES, rules_from
 from .schedule import default_budget, schedule
 from .tp import auto_parallelize, resolve_placements
 
 logger = logging.getLogger("lazyload")
+
+# Share of this rank's pages that must already be in the page cache for the mmap reader.
+WARM_FRACTION = 0.9
 
 
 def _default_device(model: nn.Module) -> torch.device:
@@ -170,7 +174,8 @@ class LazyCheckpoint:
                                        placements.placements, rank, world)
         recompute = meta_buffers_to_recompute(model, set(mapping.exprs))
         release_pages = release_pages or must_release_pages(items)
-        chosen = choose_reader(reader, device, release_pages, _partially_read_files(items, index))
+        chosen = choose_reader(reader, device, release_pages, _partially_read_files(items, index),
+                               warm=lambda: resident_fraction(items) >= WARM_FRACTION)
         views: dict[str, torch.Tensor] = {}
         if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
             views, items = mapped_views(targets, items, chosen, slots)

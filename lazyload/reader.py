@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 import os
 import threading
+from typing import Callable
 import numpy as np
 import torch
 
-from .errors import ReadError
+from .errors import PlanError, ReadError
 from .expr import Box, box_shape
 from .plan import ReadItem
 
@@ -373,15 +374,16 @@ def memory_limit() -> int | None:
     return min(limits) if limits else None
 
 
-def choose_reader(name: str, device: torch.device, release_pages: bool,
-                  partial_files: set[str]) -> MmapReader | PreadReader:
-    """"auto": pread where the destination is a GPU (pinned staging), where pages must be
-    released, or where the rank reads only parts of files; mmap otherwise."""
+def choose_reader(name: str, device: torch.device, release_pages: bool, partial_files: set[str],
+                  warm: Callable[[], bool] = lambda: True) -> MmapReader | PreadReader:
+    """"auto": mmap for a CPU destination whose pages are already in the page cache (`warm`,
+    asked only then); pread where the destination is a GPU (pinned staging), where pages
+    must be released, or where they must come from storage (exact ranges, no readahead
+    beyond them)."""
     if name == "auto":
-        name = "pread" if (device.type != "cpu" or release_pages or partial_files) else "mmap"
+        name = "mmap" if device.type == "cpu" and not release_pages and warm() else "pread"
     if name == "pread":
         return PreadReader(release_pages, partial_files)
     if name == "mmap":
         return MmapReader(release_pages)
-    raise ValueError(f"unknown reader {name!r}; use 'auto', 'mmap' or 'pread'.")
-
+    raise PlanError(f"unknown reader {name!r}; use 'auto', 'mmap' or 'pread'.")

@@ -314,51 +314,20 @@ def outputs(model: torch.nn.Module, config) -> torch.Tensor:
 
 # ----------------------------------------------------------- page-cache residency
 
-_libc = None
-
-
-def _load_libc():
-    global _libc
-    if _libc is None:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc = libc
-    return _libc
-
 
 def resident_bytes(path, start: int = 0, end: int | None = None) -> int:
-    """Bytes of [start, end) of ``path`` present in the page cache (mincore over a mapping
-    that is never touched, so measuring does not fault anything in)."""
-    import ctypes
+    """Bytes of [start, end) of ``path`` present in the page cache (lazyload's own mincore
+    probe, which faults nothing in)."""
+    from lazyload.residency import PAGE, resident_pages
 
-    libc = _load_libc()
-    page = os.sysconf("SC_PAGE_SIZE")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        end = size if end is None else min(end, size)
-        if size == 0 or end <= start:
-            return 0
-        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap failed")
-        try:
-            n = (size + page - 1) // page
-            vec = (ctypes.c_ubyte * n)()
-            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), size)
-        first, last = start // page, (end + page - 1) // page
-        return sum(page for i in range(first, last) if vec[i] & 1)
-    finally:
-        os.close(fd)
+    pages = resident_pages(str(path))
+    if pages is None:
+        raise OSError("mincore is not available here")
+    size = os.path.getsize(path)
+    end = size if end is None else min(end, size)
+    if end <= start:
+        return 0
+    return int(pages[start // PAGE:(end + PAGE - 1) // PAGE].sum()) * PAGE
 
 
 def evict(paths) -> bool:

@@ -331,3 +331,31 @@ def test_readers_read_any_box_exactly(tmp_path, monkeypatch, box):
     mmap = reader_mod.MmapReader()
     assert torch.equal(mmap.read(item), want)
     mmap.close()
+
+
+def test_auto_reader_maps_warm_pages_and_reads_cold_ones(checkpoint):
+    """reader="auto" on CPU: mmap when this rank's pages are in the page cache, pread
+    (exact ranges) when they must come from storage."""
+    from checkpoints import evict
+
+    from lazyload.expr import full_box
+    from lazyload.plan import ReadItem
+    from lazyload.residency import resident_fraction
+
+    directory, config = checkpoint("llama", "bf16")
+    files = shard_files(directory)
+    for f in files:
+        f.read_bytes()
+    model = build_model("llama", config, torch.float16)
+    assert LazyCheckpoint(str(directory)).load_into(model, progress=False).reader == "mmap"
+    if not evict(files):
+        pytest.skip("the page cache cannot be emptied here (posix_fadvise DONTNEED had no visible effect)")
+    model = build_model("llama", config, torch.float16)
+    report = LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    assert report.reader == "pread"
+    # and the probe itself: a full read makes every needed page resident again
+    for f in files:
+        f.read_bytes()
+    ckpt = LazyCheckpoint(str(directory))
+    items = [ReadItem(e, full_box(e.shape), (), e.key, full_box(e.shape)) for e in ckpt.index.entries()]
+    assert resident_fraction(items) == 1.0

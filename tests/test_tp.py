@@ -181,15 +181,24 @@ def _slice_pages_and_bytes(directory, rank, world, kv):
     return total, len(pages) * PAGE
 
 
-def test_rank_reads_only_its_share(checkpoint):
+@pytest.mark.parametrize("reader", ["mmap", "pread"])
+def test_rank_reads_only_its_share(checkpoint, reader):
+    """mmap: exactly the slices (copied, or mapped when a slice is a whole contiguous
+    local tensor); pread: the slices, or for short strided runs their span, at most twice
+    the page-granular minimum."""
     directory, config = checkpoint("llama")
     world = 4
     for rank in range(world):
         share, page_min = _slice_pages_and_bytes(directory, rank, world, config.num_key_value_heads)
         assert plan_ranks(str(directory), world)[0][rank].bytes_to_read == share
         model = build_model("llama", config, torch.float32)
-        report = LazyCheckpoint(str(directory)).load_into(model, rank, world, progress=False)
-        assert share <= report.bytes_read <= max(2 * page_min, share), (rank, share, page_min, report.bytes_read)
+        report = LazyCheckpoint(str(directory)).load_into(model, rank, world, progress=False, reader=reader)
+        taken = report.bytes_read + report.bytes_mapped
+        if reader == "mmap":
+            assert taken == share, (rank, share, report.bytes_read, report.bytes_mapped)
+        else:
+            assert report.bytes_mapped == 0
+            assert share <= taken <= max(2 * page_min, share), (rank, share, page_min, taken)
 
 
 def _drop_caches() -> bool:
