@@ -269,8 +269,14 @@ class MmapReader:
             return
         offsets, run = byte_runs(item)
         span = int(offsets[-1]) + run - int(offsets[0])
-        if self._in_mapping(item.entry.file, tensor.data_ptr(), span):
-            _madvise_dontneed(tensor.data_ptr(), span)
+        mapping = self._mapping_of(item.entry.file, tensor.data_ptr(), span)
+        if mapping is not None:
+            # A fault also maps up to fault_around_bytes (64 KiB) of cached neighbours: drop
+            # those too, or they stay in RSS. Nothing here is written, so a neighbour that
+            # another item still reads is simply faulted in again.
+            lo = max(mapping[0], tensor.data_ptr() - FAULT_AROUND)
+            hi = min(mapping[1], tensor.data_ptr() + span + FAULT_AROUND)
+            _madvise_dontneed(lo, hi - lo)
         if hasattr(os, "posix_fadvise"):
             fd = os.open(item.entry.file, os.O_RDONLY)
             try:
@@ -278,12 +284,13 @@ class MmapReader:
             finally:
                 os.close(fd)
 
-    def _in_mapping(self, path: str, address: int, length: int) -> bool:
+    def _mapping_of(self, path: str, address: int, length: int) -> tuple[int, int] | None:
+        """The mapping of `path` that holds [address, address + length), if any."""
         with self._lock:
             ranges = self._maps.get(path)
             if ranges is None:  # safe_open mapped the file once; it does not move
                 ranges = self._maps[path] = file_mappings(path)
-        return any(lo <= address and address + length <= hi for lo, hi in ranges)
+        return next(((lo, hi) for lo, hi in ranges if lo <= address and address + length <= hi), None)
 
     def close(self) -> None:
         self._files.clear()
@@ -291,6 +298,7 @@ class MmapReader:
 
 
 _MADV_DONTNEED = 4
+FAULT_AROUND = 64 * 1024  # the kernel's default fault_around_bytes
 _libc = None
 
 

@@ -11,9 +11,8 @@ from collections import defaultdict
 import numpy as np
 
 from .plan import ReadItem
-from .reader import byte_runs
+from .reader import PAGE, byte_runs
 
-PAGE = mmap.PAGESIZE
 _libc = None
 
 
