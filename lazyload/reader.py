@@ -19,6 +19,8 @@
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import os
 import threading
@@ -299,25 +301,21 @@ class MmapReader:
 
 _MADV_DONTNEED = 4
 FAULT_AROUND = 64 * 1024  # the kernel's default fault_around_bytes
-_libc = None
-
-
-def _madvise():
-    global _libc
-    import ctypes
-
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc.madvise if _libc else None
+@functools.lru_cache(maxsize=None)
+def libc_function(name: str, *argtypes):
+    """A libc function through ctypes, or None where there is none (Python's mmap module has
+    no mincore, and madvise only on mappings it made itself)."""
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = list(argtypes)
+    return function
 
 
 def _madvise_dontneed(address: int, length: int) -> None:
     """madvise(MADV_DONTNEED) over the pages covering [address, address + length)."""
-    madvise = _madvise()
+    madvise = libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     if madvise is None or length <= 0:
         return
     start = address // PAGE * PAGE

@@ -11,27 +11,13 @@ from collections import defaultdict
 import numpy as np
 
 from .plan import ReadItem
-from .reader import PAGE, byte_runs
-
-_libc = None
-
-
-def _mincore():
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc.mincore if _libc else None
-
+from .reader import PAGE, byte_runs, libc_function
 
 def resident_pages(path: str) -> np.ndarray | None:
     """One bool per page of `path`: in the page cache or not (None where mincore is not
     available). The private mapping made for the question is never touched, so asking
     faults nothing in."""
-    mincore = _mincore()
+    mincore = libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     size = os.path.getsize(path)
     if mincore is None or size == 0:
         return None
