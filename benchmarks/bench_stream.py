@@ -145,6 +145,7 @@ class _Bytes:
 
 
 CASES = {
+    "lazyload auto": ("bench_stream:case_lazyload", {"reader": "auto"}),
     "lazyload mmap": ("bench_stream:case_lazyload", {"reader": "mmap"}),
     "lazyload pread": ("bench_stream:case_lazyload", {"reader": "pread"}),
     "transformers": ("bench_load:case_transformers", {}),
