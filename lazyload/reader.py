@@ -25,6 +25,7 @@ import math
 import os
 import threading
 from typing import Callable
+
 import numpy as np
 import torch
 
