@@ -157,15 +157,16 @@ class LazyCheckpoint:
 
         # Placements (lazyload.tp): from DTensors, local shapes, plan= or the model's TP plan.
         placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
-        if auto_parallelize(model, plan, rank, world, device, placements):
-            slots, _ = model_slots(model)  # parameters became DTensors: placements from them
-            placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
         if placements.local_shaped:  # the model holds local shards: map with the full shapes
             specs = placements.specs
             mapping = map_model(index, model, specs, aliases, key_map)
         if strict:
             check_mapping(mapping, index, specs)
         check_casts(mapping, index, {n: s.dtype for n, s in specs.items()})
+        # Only now, with the input checked, may the model change: made tensor parallel.
+        if auto_parallelize(model, plan, rank, world, device, placements):
+            slots, _ = model_slots(model)  # parameters became DTensors: placements from them
+            placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
         dtypes = {name: _target_dtype(specs[name].dtype, index[expr.keys()[0]].dtype, dtype)
                   for name, expr in mapping.exprs.items()}
 

@@ -69,7 +69,7 @@ def _case_forward(arch, directory, rank, world, plan=None):
     LazyCheckpoint(directory).load_into(ref, progress=False)
     model = build_model(arch, config, torch.float32)
     report = LazyCheckpoint(directory).load_into(model, rank, world, plan=plan, progress=False)
-    assert report.ok and report.bytes_read > 0
+    assert report.ok and report.bytes_read + report.bytes_mapped > 0
     label = f"{arch} world={world} plan={plan}"
     kv = getattr(config, "num_key_value_heads", None) or getattr(config, "n_head", 1)
     _check_shards(model, ref, rank, world, kv, label)
@@ -128,6 +128,21 @@ def _case_fsdp2(directory, rank, world, to_empty):
         torch.testing.assert_close(_logits(model, config), _logits(ref, config), rtol=RTOL, atol=ATOL)
 
 
+def _case_strict_error_leaves_model_untouched(directory, rank, world):
+    """Under a process group a model is made tensor parallel by load_into, but only once the
+    input is known good: a missing key fails first, and the model stays plain, on meta."""
+    from lazyload import LazyCheckpoint
+    from lazyload.errors import MissingKeysError
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    config.num_hidden_layers += 1  # a layer the checkpoint does not have
+    model = build_model("llama", config, torch.float32)
+    with pytest.raises(MissingKeysError, match=f"model.layers.{config.num_hidden_layers - 1}."):
+        LazyCheckpoint(directory).load_into(model, rank, world, progress=False)
+    assert all(type(p) is torch.nn.Parameter and p.is_meta for p in model.parameters())
+
+
 def _worker(rank, world, init_file, cases, errors):
     os.environ["LAZYLOAD_PROGRESS"] = "0"
     torch.set_num_threads(1)
@@ -145,6 +160,8 @@ def _worker(rank, world, init_file, cases, errors):
                     _case_torch_styles(args[0], rank, world)
                 elif kind == "fsdp2":
                     _case_fsdp2(args[0], rank, world, args[1])
+                elif kind == "strict_error":
+                    _case_strict_error_leaves_model_untouched(args[0], rank, world)
                 dist.barrier()
             except Exception:
                 errors.put((rank, repr(case), traceback.format_exc()))
@@ -179,6 +196,7 @@ def test_world2_all_architectures(checkpoint, tmp_path):
         ("torch_styles", str(llama)),
         ("fsdp2", str(llama), False),
         ("fsdp2", str(llama), True),
+        ("strict_error", str(llama)),
     ]
     _spawn(2, cases, tmp_path)
 
