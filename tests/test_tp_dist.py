@@ -77,10 +77,9 @@ def _case_forward(arch, directory, rank, world, plan=None):
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: {m}")
 
 
-def _case_torch_styles(directory, rank, world):
-    """The user applied torch's own parallelize_module (Colwise/Rowwise) on the meta model."""
+def _reference_mesh_and_meta_model(directory, world):
+    """The world-1 reference, a 1-D CPU mesh of all ranks, and a fresh meta Llama."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from lazyload import LazyCheckpoint
     from transformers import AutoConfig
 
@@ -88,7 +87,15 @@ def _case_torch_styles(directory, rank, world):
     ref = build_model("llama", config, torch.float32)
     LazyCheckpoint(directory).load_into(ref, progress=False)
     mesh = init_device_mesh("cpu", (world,))
-    model = build_model("llama", config, torch.float32)
+    return config, ref, mesh, build_model("llama", config, torch.float32)
+
+
+def _case_torch_styles(directory, rank, world):
+    """The user applied torch's own parallelize_module (Colwise/Rowwise) on the meta model."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from lazyload import LazyCheckpoint
+
+    config, ref, mesh, model = _reference_mesh_and_meta_model(directory, world)
     for layer in model.model.layers:
         parallelize_module(layer, mesh, {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
                                          "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -100,16 +107,10 @@ def _case_torch_styles(directory, rank, world):
 
 def _case_fsdp2(directory, rank, world, to_empty):
     """FSDP2's fully_shard (parameters: DTensors sharded on dim 0), on meta or after to_empty."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from lazyload import LazyCheckpoint
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(directory)
-    ref = build_model("llama", config, torch.float32)
-    LazyCheckpoint(directory).load_into(ref, progress=False)
-    mesh = init_device_mesh("cpu", (world,))
-    model = build_model("llama", config, torch.float32)
+    config, ref, mesh, model = _reference_mesh_and_meta_model(directory, world)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
