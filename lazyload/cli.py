@@ -16,22 +16,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="config.json or its directory (default: the checkpoint's)")
     args = parser.parse_args(argv)
     from .errors import LazyLoadError
-    if args.command == "plan":
-        from .tp import format_plan
-        try:
-            print(format_plan(args.path, args.world, args.config))
-        except LazyLoadError as exc:
-            print(f"lazyload: error: {exc}", file=sys.stderr)
-            return 2
-        return 0
     from .summary import inspect_checkpoint
+    from .tp import format_plan
+
     try:
-        print(inspect_checkpoint(args.path))
+        if args.command == "plan":
+            print(format_plan(args.path, args.world, args.config))
+        else:
+            print(inspect_checkpoint(args.path))
     except LazyLoadError as exc:
         print(f"lazyload: error: {exc}", file=sys.stderr)
         return 2
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,7 @@
   no conversion is needed; keeps readahead off for partial reads, and can drop consumed
   pages from the cache so that RSS stays bounded. Strided (row-parallel) boxes whose runs
   are short read the whole span in a few large reads through a small per-thread bounce
-  buffer and gather in memory, when that costs at most twice the pages of the exact runs
+  buffer and gather in memory, when that costs at most SPAN_WASTE times the pages of the exact runs
   (see `_span_is_cheaper`); `bytes_read` counts what was actually read.
 - `memory_limit()`: this process's memory cgroup limit (v1 or v2), so that the engine can
   release pages on its own on a host smaller than the checkpoint.
@@ -37,6 +37,10 @@ IOV_MAX = 1024
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 SPAN_CHUNK = 4 << 20  # bounce buffer per read thread for strided boxes read as whole spans
 SHORT_RUN = 256 << 10  # runs at least this long are read exactly (few syscalls anyway)
+# A span is read instead of its runs only if it costs at most this many times the pages
+# the runs touch: the storage reads whole pages anyway, so rows shorter than a page cost
+# nothing extra, while a span that is mostly other ranks' rows is not worth it.
+SPAN_WASTE = 1.25
 
 
 def byte_runs(item: ReadItem) -> tuple[np.ndarray, int]:
@@ -172,6 +176,11 @@ def _pread_exact(fd: int, memory: memoryview, offset: int, path: str) -> None:
 def _preadv_runs(fd: int, memory: memoryview, offsets: np.ndarray, run: int, path: str) -> None:
     # Runs that are not adjacent in the file need a read each (preadv scatters memory, not
     # file offsets); their pages are all this rank needs, so nothing else is fetched.
+    # Announce every run first (POSIX_FADV_WILLNEED queues their pages' I/O at once), so
+    # that the reads below find them cached instead of waiting on each page in turn.
+    if hasattr(os, "posix_fadvise"):
+        for offset in offsets.tolist():
+            os.posix_fadvise(fd, offset, run, os.POSIX_FADV_WILLNEED)
     for j, offset in enumerate(offsets.tolist()):
         _pread_exact(fd, memory[j * run:(j + 1) * run], offset, path)
 
@@ -186,13 +195,13 @@ def pages_touched(offsets: np.ndarray, run: int) -> int:
 
 def _span_is_cheaper(offsets: np.ndarray, run: int) -> bool:
     """Read the whole span instead of each run: when runs are short (a syscall each would
-    dominate, and the storage reads whole pages anyway) and the span holds at most twice
-    the pages the exact runs touch."""
+    dominate, and the storage reads whole pages anyway) and the span holds at most
+    SPAN_WASTE times the pages the exact runs touch."""
     if run >= SHORT_RUN:
         return False
     span = int(offsets[-1]) + run - int(offsets[0])
     span_pages = (int(offsets[0]) % PAGE + span + PAGE - 1) // PAGE
-    return span_pages <= 2 * pages_touched(offsets, run)
+    return span_pages <= SPAN_WASTE * pages_touched(offsets, run)
 
 
 def _read_spans(fd: int, out: np.ndarray, offsets: np.ndarray, run: int, bounce: np.ndarray, path: str) -> int:
