@@ -17,7 +17,8 @@ from .engine import must_release_pages, run_schedule
 from .errors import DtypeError, PlanError
 from .index import CheckpointIndex, TensorEntry, resolve_files
 from .mapping import KeyMap, TargetSpec, build_mapping, check_casts, check_mapping
-from .placer import allocate, assign, fill_meta_buffers, mapped_views, meta_buffers_to_recompute, model_slots
+from .placer import (allocate, assign, current_tensor, fill_meta_buffers, mapped_views, meta_buffers_to_recompute,
+                     model_slots)
 from .plan import plan_for_rank
 from .reader import MmapReader, choose_reader
 from .report import LoadReport, MemorySampler
@@ -59,7 +60,7 @@ def model_specs(model: nn.Module, slots: dict) -> dict[str, TargetSpec]:
     """The tensors a checkpoint fills: parameters and persistent buffers, one per tie."""
     state_names = set(model.state_dict().keys())
     return {name: TargetSpec(name, tuple(t.shape), t.dtype)
-            for name, t in ((n, _tensor(s)) for n, s in slots.items()) if name in state_names}
+            for name, t in ((n, current_tensor(s)) for n, s in slots.items()) if name in state_names}
 
 
 def map_model(index: CheckpointIndex, model: nn.Module, specs: dict[str, TargetSpec], aliases: dict[str, str],
@@ -187,8 +188,9 @@ class LazyCheckpoint:
             raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
                             f"({largest} bytes); raise it to at least that.")
         total = sum(item.nbytes for item in items)
+        mapped = sum(v.nbytes for v in views.values())
         logger.info("loading %d tensors (%d bytes to read, %d mapped) with the %s reader, budget %d bytes",
-                    len(targets), total, sum(v.nbytes for v in views.values()), chosen.name, budget)
+                    len(targets), total, mapped, chosen.name, budget)
 
         # Read and place; from here on the model changes.
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="lazyload", disable=not _show_progress(progress, rank))
@@ -206,7 +208,7 @@ class LazyCheckpoint:
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
                             recomputed_buffers=recomputed, bytes_read=chosen.bytes_read,
-                            bytes_mapped=sum(v.nbytes for v in views.values()),
+                            bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
                             reader=chosen.name)
@@ -214,11 +216,6 @@ class LazyCheckpoint:
             logger.warning("missing from checkpoint, left as it was: %s", name)
         logger.info("%s", report)
         return report
-
-
-def _tensor(slot) -> torch.Tensor:
-    module, attr = slot.owners[0]
-    return getattr(module, attr)
 
 
 def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype, requested: Any) -> torch.dtype:

@@ -7,6 +7,7 @@ tied before the load (the same Parameter under two names) are tied after it.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -63,13 +64,16 @@ def current_tensor(slot: Slot) -> torch.Tensor:
     return getattr(module, attr)
 
 
+def is_dtensor(tensor: object) -> bool:
+    # No import here: a DTensor can exist only once torch.distributed.tensor is imported,
+    # and importing it costs memory in every plain load.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank fills); any other tensor as it is."""
-    return tensor._local_tensor if _is_dtensor(tensor) else tensor
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "_local_tensor")
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
 
 
 def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> torch.Tensor:
@@ -114,7 +118,7 @@ def assign(slot: Slot, tensor: torch.Tensor) -> None:
     local = _local(current)
     if not local.is_meta and local.data_ptr() == tensor.data_ptr():
         return  # filled in place (a real model, or FSDP2 parameters after to_empty)
-    if _is_dtensor(current):
+    if is_dtensor(current):
         from torch.distributed.tensor import DTensor
 
         tensor = DTensor.from_local(tensor, current.device_mesh, current.placements, run_check=False,

@@ -9,7 +9,6 @@ Every check that can fail (rank range, divisibility) fails here, before any byte
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Mapping as MappingT
 
@@ -157,11 +156,3 @@ def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: Ma
                 dst = tuple((a - o + l, b - o + l) for (a, b), o, l in zip(piece.dst_box, origin, region.local_start))
                 items.append(ReadItem(index[piece.key], piece.src_box, piece.ops, name, dst))
     return targets, items
-
-
-def bytes_to_read(items: list[ReadItem]) -> int:
-    return sum(item.nbytes for item in items)
-
-
-def local_nbytes(target: TargetPlan) -> int:
-    return math.prod(target.local_shape) * target.dtype.itemsize

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .errors import PlanError, ReadError
-from .expr import Box, box_shape
+from .expr import box_shape
 from .plan import ReadItem
 
 IOV_MAX = 1024

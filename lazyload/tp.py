@@ -19,7 +19,6 @@ layout (torch.chunk: the last ranks hold less or nothing) is followed as it is.
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Mapping as MappingT
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from .errors import PlanError
+from .placer import is_dtensor
 from .plan import Placement, REPLICATE, check_rank, local_regions
 
 # transformers' style names -> what the style does to a parameter (see
@@ -192,13 +192,6 @@ def _attention_checks(name: str, last: str, placement: Placement, heads: Heads, 
 
 
 # ----------------------------------------------------------------------------- DTensors
-
-
-def is_dtensor(tensor: Any) -> bool:
-    # No import here: a DTensor can exist only once torch.distributed.tensor is imported,
-    # and importing it costs memory in every plain load.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
