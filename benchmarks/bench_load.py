@@ -46,6 +46,14 @@ def _meta_model(config, dtype):
         return LlamaForCausalLM(config)
 
 
+def _empty_model(config, dtype):
+    """accelerate's init_empty_weights model: parameters on meta, buffers real."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaForCausalLM
+    with common.default_dtype(dtype), init_empty_weights():
+        return LlamaForCausalLM(config)
+
+
 def case_lazyload(args, meter):
     try:
         from lazyload import LazyCheckpoint
@@ -72,26 +80,24 @@ def case_transformers(args, meter):
 
 
 def case_accelerate(args, meter):
-    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
-    from transformers import LlamaForCausalLM
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch  # noqa: F401  before the clock
+    from transformers import LlamaForCausalLM  # noqa: F401  imported before the clock
     dtype, config = _torch_dtype(args), _config(args)
     meter.start()
-    with common.default_dtype(dtype), init_empty_weights():
-        model = LlamaForCausalLM(config)
-    model = load_checkpoint_and_dispatch(model, args["ckpt_dir"], device_map={"": "cpu"}, dtype=dtype)
+    model = load_checkpoint_and_dispatch(_empty_model(config, dtype), args["ckpt_dir"], device_map={"": "cpu"},
+                                         dtype=dtype)
     meter.loaded(model)
     return model
 
 
 def case_whole_file(args, meter):
     import torch
-    from accelerate import init_empty_weights
+    from accelerate import init_empty_weights  # noqa: F401  imported before the clock
     from safetensors.torch import load_file
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # noqa: F401  imported before the clock
     dtype, config = _torch_dtype(args), _config(args)
     meter.start()
-    with common.default_dtype(dtype), init_empty_weights():
-        model = LlamaForCausalLM(config)  # parameters on meta, buffers (rotary) real
+    model = _empty_model(config, dtype)  # parameters on meta, buffers (rotary) real
     buffers = dict(model.named_buffers())
     model.to_empty(device="cpu")  # the destination, allocated
     with torch.no_grad():

@@ -28,7 +28,6 @@ import argparse
 import os
 import sys
 import threading
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_load  # noqa: E402  (the peers' cases)

@@ -11,7 +11,7 @@ def test_inspect_prints_tensors_files_layers_and_total(checkpoint):
                          capture_output=True, text=True, check=True).stdout
     files = shard_files(directory)
     total = tensor_bytes(files)
-    assert f"total: " in out and f"({total} bytes)" in out
+    assert "total: " in out and f"({total} bytes)" in out
     assert f"headers read: {header_bytes(files)} bytes" in out
     for f in files:
         assert f.name in out
