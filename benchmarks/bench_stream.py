@@ -21,7 +21,7 @@ Also: row-parallel read amplification (world 4, rank 0, o_proj/down_proj sharded
 input dim): bytes asked of the kernel and bytes read from storage (cold) for the mmap
 reader, pread with whole-span reads of short runs, and pread run by run.
 
-Usage: python benchmarks/bench_stream.py [--layers 44] [--dtype bf16] [--cache warm,cold] [--quick]
+Usage: python benchmarks/bench_stream.py [--layers 44] [--dtype bf16] [--cache warm,cold] [--repeat 3] [--quick]
 """
 
 import argparse
@@ -217,6 +217,7 @@ def main():
     parser.add_argument("--cache", default="warm,cold")
     parser.add_argument("--loaders", default=",".join(CASES))
     parser.add_argument("--no-amplification", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds over the cases; the tables show medians")
     args = parser.parse_args()
     layers = None if args.quick else args.layers
     ckpt_dir = args.ckpt_dir or (common.default_ckpt_dir(None, True) if args.quick else DEFAULT_DIR)
@@ -225,8 +226,8 @@ def main():
     files = common.shard_files(ckpt_dir)
     nbytes = sum(os.path.getsize(f) for f in files)
     print(f"## lazyload streaming benchmark\n\ncheckpoint {ckpt_dir}: {len(files)} shards, {nbytes / 1e9:.2f} GB "
-          f"bf16 -> {args.dtype}; {os.cpu_count()} CPUs; each case in a fresh process, one run each "
-          "(a shared machine: compare within this run, as ratios); "
+          f"bf16 -> {args.dtype}; {os.cpu_count()} CPUs; each case in a fresh process, "
+          f"median of {args.repeat} interleaved rounds (a shared machine: compare within this run, as ratios); "
           "cold = checkpoint dropped from the page cache, libraries warm")
     caches = args.cache.split(",")
     if "cold" in caches and common.can_drop_page_cache():
@@ -238,23 +239,32 @@ def main():
     for cache in caches:
         phys_name, phys_fn = ("memcpy", "bench_stream:case_memcpy") if cache == "warm" else \
             ("pread x8", "bench_stream:case_pread8")
-        physical = run(phys_fn, base | {"touch": False}, cache, ckpt_dir)["records"]["load"]
+        # Rounds interleave the cases, so that a slow spell of this shared machine hits
+        # them all alike; the table shows each case's median over the rounds.
+        runs = {name: [] for name in [phys_name] + loaders}
+        for _ in range(args.repeat):
+            runs[phys_name].append(run(phys_fn, base | {"touch": False}, cache, ckpt_dir))
+            for name in loaders:
+                fn, extra = CASES[name]
+                try:
+                    runs[name].append(run(fn, base | extra, cache, ckpt_dir))
+                except (CaseSkipped, RuntimeError) as exc:
+                    print(f"- {name}: {exc}")
+        physical = common.median_records(runs[phys_name])["load"]
         phys_rate = nbytes / physical["seconds"] / 1e9
         rows = [(phys_name + " (physical)", physical, None)]
         for name in loaders:
-            fn, extra = CASES[name]
-            try:
-                recs = run(fn, base | extra, cache, ckpt_dir)["records"]
-            except (CaseSkipped, RuntimeError) as exc:
-                print(f"- {name}: {exc}")
+            if not runs[name]:
                 continue
+            recs = common.median_records(runs[name])
             rows.append((name, recs["load"], None))
-            if name == "transformers" and args.dtype == "bf16":
+            if args.dtype == "bf16" and name != "accelerate" and name != "whole-file":
+                # same dtype: these may leave views of the mapping, so also time them touched
                 rows.append((name, recs["load"], recs["load+touch"]))
         print(f"\n### {cache} page cache, bf16 -> {args.dtype}\n")
         print(table(rows, nbytes, phys_rate))
         recs = {n: r for n, r, t in rows if t is None}
-        for name in ("lazyload mmap", "lazyload pread"):
+        for name in ("lazyload auto", "lazyload mmap", "lazyload pread"):
             if name in recs:
                 over = recs[name]["peak_anon"] - recs[name]["baseline_anon"] - recs[name]["dest_bytes"]
                 print(f"\n- {name}: {nbytes / recs[name]['seconds'] / 1e9:.2f} GB/s = "

@@ -179,15 +179,17 @@ class LazyCheckpoint:
         chosen = choose_reader(reader, device, release_pages, _partially_read_files(items, index),
                                warm=lambda: resident_fraction(items) >= WARM_FRACTION)
         views: dict[str, torch.Tensor] = {}
+        copies = items
         if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
-            views, items = mapped_views(targets, items, chosen, slots)
-        groups = schedule(items)
-        budget = max_host_bytes if max_host_bytes is not None else default_budget(groups)
-        largest = max((item.nbytes for item in items), default=0)
+            views, copies = mapped_views(targets, items, chosen, slots)
+        # Views of warm pages need nothing more; cold ones are paged in by the schedule.
+        groups = schedule(items if chosen.prefetching else copies)
+        budget = max_host_bytes if max_host_bytes is not None else default_budget(schedule(copies))
+        largest = max((item.nbytes for item in copies), default=0)
         if budget < largest:
             raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
                             f"({largest} bytes); raise it to at least that.")
-        total = sum(item.nbytes for item in items)
+        total = sum(group.nbytes for group in groups)
         mapped = sum(v.nbytes for v in views.values())
         logger.info("loading %d tensors (%d bytes to read, %d mapped) with the %s reader, budget %d bytes",
                     len(targets), total, mapped, chosen.name, budget)
@@ -198,7 +200,7 @@ class LazyCheckpoint:
             dests = {t.name: views.get(t.name) if t.name in views else allocate(t, slots[t.name], device)
                      for t in targets}
             try:
-                run_schedule(groups, chosen, dests, budget, on_bytes=bar.update)
+                run_schedule(groups, chosen, dests, budget, on_bytes=bar.update, mapped=frozenset(views))
             finally:
                 chosen.close()
             for target in targets:
@@ -211,7 +213,7 @@ class LazyCheckpoint:
                             bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
-                            reader=chosen.name)
+                            reader=chosen.name, prefetched=chosen.prefetching)
         for name in report.missing:
             logger.warning("missing from checkpoint, left as it was: %s", name)
         logger.info("%s", report)

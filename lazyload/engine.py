@@ -7,6 +7,10 @@ With a GPU destination, each worker copies its staged (pinned) bytes to the devi
 own CUDA stream, casts there, and frees the staging range only once that copy is done, so
 the copy of one item overlaps the read of the next.
 
+Cold pages (mmap reader with `prefetching`): a single prefetch thread announces the next
+layer's exact page ranges while this one is placed, so that the storage reads ahead of the
+copies; targets that are views of the mapping (`mapped`) are paged in rather than copied.
+
 Page release: when the reader was asked to (`release_pages`, which the loader also turns
 on when `must_release_pages`), each item's file pages are dropped once it is placed, so
 that RSS (not only anonymous memory) stays bounded.
@@ -81,7 +85,10 @@ def _workers(reader: object) -> int:
 
 
 def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: dict[str, torch.Tensor],
-                 budget: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
+                 budget: int, on_bytes: Callable[[int], None] = lambda n: None,
+                 mapped: frozenset[str] = frozenset()) -> None:
+    """Read and place every item. `mapped`: targets whose destination is already a view of
+    the file mapping; their items are only paged in (mmap reader), costing no host budget."""
     device = next(iter(dests.values())).device if dests else torch.device("cpu")
     cuda = device.type == "cuda"
     arena = Arena(budget, pin=cuda) if isinstance(reader, PreadReader) else None
@@ -122,13 +129,24 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
             in_flight.release(item.nbytes)
         on_bytes(item.nbytes)
 
+    def populate_task(item: ReadItem) -> None:
+        reader.populate(item, dests[item.target])
+        on_bytes(item.nbytes)
+
     workers = _workers(reader)
     pending: deque[Future] = deque()
-    with ThreadPoolExecutor(workers, thread_name_prefix="lazyload-read") as pool:
+    prefetched: list[Future] = []
+    with ThreadPoolExecutor(workers, thread_name_prefix="lazyload-read") as pool, \
+            ThreadPoolExecutor(1, thread_name_prefix="lazyload-prefetch") as prefetcher:
         try:
-            for group in groups:
+            for k, group in enumerate(groups):
+                if reader.prefetching:  # this group (first time only) and the next: one layer ahead
+                    for ahead in groups[k if k == 0 else k + 1:k + 2]:
+                        prefetched.append(prefetcher.submit(reader.prefetch, ahead.items))
                 for item in group.items:
-                    if arena is not None:
+                    if item.target in mapped:
+                        pending.append(pool.submit(populate_task, item))
+                    elif arena is not None:
                         direct = direct_target(dests[item.target], item)
                         buf = direct if direct is not None else arena.alloc(item.nbytes)
                         pending.append(pool.submit(pread_task, item, buf, direct is None))
@@ -139,7 +157,9 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
                         pending.popleft().result()
             while pending:
                 pending.popleft().result()
+            for future in prefetched:
+                future.result()
         except BaseException:
-            for future in pending:
+            for future in (*pending, *prefetched):
                 future.cancel()
             raise

@@ -1,19 +1,20 @@
 """Readers: the bytes of a read item, off disk.
 
-- `MmapReader`: safetensors' `safe_open(...).get_slice(...)` over mmap; fastest when the
-  page cache is warm; its pages count as file-backed RSS.
+- `MmapReader`: safetensors' `safe_open(...).get_slice(...)` over mmap; casts straight
+  from the page cache; its pages count as file-backed RSS.
   safetensors (0.8, framework="pt") maps the whole file once per `safe_open` and returns
   slices as views of that mapping: no anonymous memory is used, but every page touched
   stays in RSS (as RssFile) until unmapped. With `release_pages`, the pages of each item
   are dropped after it is placed (`madvise(MADV_DONTNEED)` on the view's address range,
   then `posix_fadvise(DONTNEED)` for the page cache), so RSS stays about one budget.
+  With cold pages, the engine has it `prefetch` each layer's exact ranges a layer ahead.
 - `PreadReader`: exact byte runs with `os.preadv` into a staging arena allocated once and
-  reused (pinned when the destination is a GPU), or straight into the destination when
-  no conversion is needed; keeps readahead off for partial reads, and can drop consumed
+  reused (pinned when the destination is a GPU, its use), or straight into the destination
+  when no conversion is needed; keeps readahead off for partial reads, and can drop consumed
   pages from the cache so that RSS stays bounded. Strided (row-parallel) boxes whose runs
   are short read the whole span in a few large reads through a small per-thread bounce
-  buffer and gather in memory, when that costs at most SPAN_WASTE times the pages of the exact runs
-  (see `_span_is_cheaper`); `bytes_read` counts what was actually read.
+  buffer and gather in memory, when that costs at most SPAN_WASTE times the pages of the
+  exact runs (see `_span_is_cheaper`); `bytes_read` counts what was actually read.
 - `memory_limit()`: this process's memory cgroup limit (v1 or v2), so that the engine can
   release pages on its own on a host smaller than the checkpoint.
 """
@@ -102,6 +103,7 @@ def _as_tensor(raw: torch.Tensor, item: ReadItem) -> torch.Tensor:
 
 class PreadReader:
     name = "pread"
+    prefetching = False  # it reads exact ranges itself
 
     def __init__(self, release_pages: bool = False, partial_files: set[str] = frozenset()):
         self.release_pages = release_pages
@@ -235,13 +237,24 @@ def _read_spans(fd: int, out: np.ndarray, offsets: np.ndarray, run: int, bounce:
 
 
 class MmapReader:
-    """safetensors' `get_slice` over its own mmap of each file."""
+    """safetensors' `get_slice` over its own mmap of each file.
+
+    Cold pages (`prefetch=True`): the engine announces each layer's exact page ranges one
+    layer ahead (`prefetch`, POSIX_FADV_WILLNEED: the kernel queues their reads at once), so
+    that the storage works while the previous layer is copied and cast, and copies find
+    their pages cached. Mappings of files this rank reads only part of are advised
+    MADV_RANDOM: a fault then reads its own page, not the 8 MB read-around of the device's
+    readahead, most of it other ranks' slices."""
 
     name = "mmap"
 
-    def __init__(self, release_pages: bool = False):
+    def __init__(self, release_pages: bool = False, partial_files: set[str] = frozenset(),
+                 prefetch: bool = False):
         self.release_pages = release_pages
+        self.prefetching = prefetch
+        self._partial = partial_files
         self._files: dict[str, object] = {}
+        self._fds: dict[str, int] = {}
         self._maps: dict[str, list[tuple[int, int]]] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -252,17 +265,37 @@ class MmapReader:
         with self._lock:
             handle = self._files.get(path)
             if handle is None:
+                if path in self._partial:
+                    self._cache_header(path)
                 try:
                     handle = safe_open(path, framework="pt")
                 except Exception as exc:  # safetensors raises its own error types
                     raise ReadError(f"{path}: safetensors cannot open it ({exc}).") from exc
                 self._files[path] = handle
+                if path in self._partial:
+                    for lo, hi in self._mappings(path):
+                        _madvise(lo, hi - lo, _MADV_RANDOM)
             return handle
 
+    def _fd(self, path: str) -> int:  # callers hold self._lock
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # reads fetch what they ask, no more
+        return fd
+
+    def _cache_header(self, path: str) -> None:
+        """Bring the header's pages, and only them, into the page cache. safe_open parses the
+        header through a mapping, and a fault on an uncached page 0 reads the 8 MB around it
+        (the device's readahead): other ranks' tensors, or the whole of a small file."""
+        fd = self._fd(path)
+        raw = os.pread(fd, 8, 0)
+        if len(raw) == 8:  # a shorter file is safe_open's error to report
+            os.pread(fd, int.from_bytes(raw, "little"), 8)
+
     def read(self, item: ReadItem) -> torch.Tensor:
-        handle = self._open(item.entry.file)
-        slices = tuple(slice(a, b) for a, b in item.src_box)
-        tensor = handle.get_slice(item.entry.key)[slices] if slices else handle.get_tensor(item.entry.key)
+        tensor = self.view(item) if item.src_box else self._open(item.entry.file).get_tensor(item.entry.key)
         with self._lock:
             self.bytes_read += item.nbytes
         return tensor
@@ -272,6 +305,28 @@ class MmapReader:
         faulted in when first used (copy-on-write: writing to it never changes the file)."""
         handle = self._open(item.entry.file)
         return handle.get_slice(item.entry.key)[tuple(slice(a, b) for a, b in item.src_box)]
+
+    def prefetch(self, items: tuple[ReadItem, ...]) -> None:
+        """Queue the reads of these items' pages (no waiting): the whole span of an item
+        when that costs few extra pages (see `_span_is_cheaper`), else run by run."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for item in items:
+            with self._lock:
+                fd = self._fd(item.entry.file)
+            offsets, run = byte_runs(item)
+            if len(offsets) == 1 or _adjacent(offsets, run) or _span_is_cheaper(offsets, run):
+                ranges = [(int(offsets[0]), int(offsets[-1]) + run - int(offsets[0]))]
+            else:
+                ranges = [(offset, run) for offset in offsets.tolist()]
+            for offset, length in ranges:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+
+    def populate(self, item: ReadItem, view: torch.Tensor) -> None:
+        """Fault a mapped view's pages in now (MADV_POPULATE_READ: read from storage if
+        needed, then mapped), so that the loaded model reads nothing from storage later.
+        On a kernel without it (< 5.14) the pages were at least announced by `prefetch`."""
+        _madvise(view.data_ptr(), view.nbytes, _MADV_POPULATE_READ)
 
     def release(self, item: ReadItem, tensor: torch.Tensor) -> None:
         """Drop the item's pages: from this process's mapping (RSS), then from the page
@@ -288,28 +343,35 @@ class MmapReader:
             # another item still reads is simply faulted in again.
             lo = max(mapping[0], tensor.data_ptr() - FAULT_AROUND)
             hi = min(mapping[1], tensor.data_ptr() + span + FAULT_AROUND)
-            _madvise_dontneed(lo, hi - lo)
+            _madvise(lo, hi - lo, _MADV_DONTNEED)
         if hasattr(os, "posix_fadvise"):
-            fd = os.open(item.entry.file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, int(offsets[0]), span, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            with self._lock:
+                fd = self._fd(item.entry.file)
+            os.posix_fadvise(fd, int(offsets[0]), span, os.POSIX_FADV_DONTNEED)
+
+    def _mappings(self, path: str) -> list[tuple[int, int]]:
+        ranges = self._maps.get(path)
+        if ranges is None:  # safe_open mapped the file once; it does not move
+            ranges = self._maps[path] = file_mappings(path)
+        return ranges
 
     def _mapping_of(self, path: str, address: int, length: int) -> tuple[int, int] | None:
         """The mapping of `path` that holds [address, address + length), if any."""
         with self._lock:
-            ranges = self._maps.get(path)
-            if ranges is None:  # safe_open mapped the file once; it does not move
-                ranges = self._maps[path] = file_mappings(path)
+            ranges = self._mappings(path)
         return next(((lo, hi) for lo, hi in ranges if lo <= address and address + length <= hi), None)
 
     def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         self._files.clear()
         self._maps.clear()
 
 
+_MADV_RANDOM = 1
 _MADV_DONTNEED = 4
+_MADV_POPULATE_READ = 22  # Linux >= 5.14; EINVAL before, which is fine (best effort)
 FAULT_AROUND = 64 * 1024  # the kernel's default fault_around_bytes
 @functools.lru_cache(maxsize=None)
 def libc_function(name: str, *argtypes):
@@ -323,14 +385,15 @@ def libc_function(name: str, *argtypes):
     return function
 
 
-def _madvise_dontneed(address: int, length: int) -> None:
-    """madvise(MADV_DONTNEED) over the pages covering [address, address + length)."""
+def _madvise(address: int, length: int, advice: int) -> None:
+    """madvise(advice) over the pages covering [address, address + length); best effort:
+    every advice used here only changes what is cached or mapped, never the data."""
     madvise = libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     if madvise is None or length <= 0:
         return
     start = address // PAGE * PAGE
     stop = -(-(address + length) // PAGE) * PAGE
-    madvise(start, stop - start, _MADV_DONTNEED)  # best effort: only RSS is at stake
+    madvise(start, stop - start, advice)
 
 
 def file_mappings(path: str) -> list[tuple[int, int]]:
@@ -392,14 +455,16 @@ def memory_limit() -> int | None:
 
 def choose_reader(name: str, device: torch.device, release_pages: bool, partial_files: set[str],
                   warm: Callable[[], bool] = lambda: True) -> MmapReader | PreadReader:
-    """"auto": mmap for a CPU destination whose pages are already in the page cache (`warm`,
-    asked only then); pread where the destination is a GPU (pinned staging), where pages
-    must be released, or where they must come from storage (exact ranges, no readahead
-    beyond them)."""
+    """"auto": mmap for a CPU destination, pread (pinned staging) for a GPU. The mmap
+    reader casts straight from the page cache, where pread pays one more copy (into its
+    staging) and, for same-dtype targets, cannot keep views of the mapping: measured on
+    cold storage too (benchmarks/bench_stream.py), mapping with exact prefetch wins. Its
+    prefetch is on when this rank's pages are not in the page cache (`warm`, asked only
+    for mmap: announcing cached pages costs a page-cache lookup each)."""
     if name == "auto":
-        name = "mmap" if device.type == "cpu" and not release_pages and warm() else "pread"
+        name = "mmap" if device.type == "cpu" else "pread"
     if name == "pread":
         return PreadReader(release_pages, partial_files)
     if name == "mmap":
-        return MmapReader(release_pages)
+        return MmapReader(release_pages, partial_files, prefetch=not warm())
     raise PlanError(f"unknown reader {name!r}; use 'auto', 'mmap' or 'pread'.")

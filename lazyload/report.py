@@ -94,7 +94,9 @@ class LoadReport:
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     recomputed_buffers: list[str] = field(default_factory=list)
     bytes_read: int = 0
-    bytes_mapped: int = 0  # tensors left as views of the file mapping (CPU, same dtype): read on first use
+    # tensors left as views of the file mapping (CPU, same dtype); with cold pages (`prefetched`)
+    # they are paged in during the load, with warm ones the pages are cached and mapped on first use
+    bytes_mapped: int = 0
     seconds: float = 0.0
     peak_rss: int = 0
     peak_anon: int = 0
@@ -102,6 +104,7 @@ class LoadReport:
     rank: int = 0
     world: int = 1
     reader: str = ""
+    prefetched: bool = False  # cold pages: each layer's ranges announced to the kernel a layer ahead
 
     @property
     def ok(self) -> bool:
@@ -110,7 +113,7 @@ class LoadReport:
     def __str__(self) -> str:
         lines = [f"lazyload: rank {self.rank}/{self.world}, {len(self.loaded)} tensors loaded, "
                  f"{_gib(self.bytes_read)} read" + (f", {_gib(self.bytes_mapped)} mapped" if self.bytes_mapped else "")
-                 + f" in {self.seconds:.2f} s ({self.reader} reader); "
+                 + f" in {self.seconds:.2f} s ({self.reader} reader{', prefetched' if self.prefetched else ''}); "
                  f"peak RSS {_gib(self.peak_rss)}, peak anonymous {_gib(self.peak_anon)}"]
         sections = [("loaded", self.loaded), ("missing", self.missing), ("unexpected", self.unexpected),
                     ("recomputed buffers", self.recomputed_buffers)]

@@ -333,9 +333,10 @@ def test_readers_read_any_box_exactly(tmp_path, monkeypatch, box):
     mmap.close()
 
 
-def test_auto_reader_maps_warm_pages_and_reads_cold_ones(checkpoint):
-    """reader="auto" on CPU: mmap when this rank's pages are in the page cache, pread
-    (exact ranges) when they must come from storage."""
+def test_auto_reader_maps_warm_pages_and_prefetches_cold_ones(checkpoint):
+    """reader="auto" on CPU is mmap. Warm pages: same-dtype targets become views, nothing is
+    announced. Cold pages: each layer's ranges are prefetched, and the views are paged in
+    during the load, so that right after it every byte the model holds is in memory."""
     from checkpoints import evict
 
     from lazyload.expr import full_box
@@ -344,18 +345,24 @@ def test_auto_reader_maps_warm_pages_and_reads_cold_ones(checkpoint):
 
     directory, config = checkpoint("llama", "bf16")
     files = shard_files(directory)
-    for f in files:
-        f.read_bytes()
-    model = build_model("llama", config, torch.float16)
-    assert LazyCheckpoint(str(directory)).load_into(model, progress=False).reader == "mmap"
-    if not evict(files):
-        pytest.skip("the page cache cannot be emptied here (posix_fadvise DONTNEED had no visible effect)")
-    model = build_model("llama", config, torch.float16)
-    report = LazyCheckpoint(str(directory)).load_into(model, progress=False)
-    assert report.reader == "pread"
-    # and the probe itself: a full read makes every needed page resident again
-    for f in files:
-        f.read_bytes()
     ckpt = LazyCheckpoint(str(directory))
     items = [ReadItem(e, full_box(e.shape), (), e.key, full_box(e.shape)) for e in ckpt.index.entries()]
-    assert resident_fraction(items) == 1.0
+    for f in files:
+        f.read_bytes()
+    assert resident_fraction(items) == 1.0  # the probe sees cached pages
+    warm = build_model("llama", config, torch.bfloat16)
+    report = ckpt.load_into(warm, progress=False)
+    assert (report.reader, report.prefetched) == ("mmap", False)
+    assert report.bytes_mapped > 0
+    expected = {name: tensor.clone() for name, tensor in warm.state_dict().items()}
+    del warm  # its views keep the pages mapped, and mapped pages cannot be evicted
+    if not evict(files):
+        pytest.skip("the page cache cannot be emptied here (posix_fadvise DONTNEED had no visible effect)")
+    assert resident_fraction(items) < 0.5
+    cold = build_model("llama", config, torch.bfloat16)
+    report = ckpt.load_into(cold, progress=False)
+    assert (report.reader, report.prefetched) == ("mmap", True)
+    assert report.bytes_mapped > 0
+    assert resident_fraction(items) == 1.0  # paged in by the load itself, nothing touched since
+    for name, tensor in cold.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
