@@ -20,8 +20,11 @@ by one rank is free for the others: per-rank read_bytes depends on who came firs
 OMP_NUM_THREADS is set to max(1, cpus // world) for every job (torchrun would give 1 thread
 to every rank of a multi-process job and leave world 1 with all cores).
 
+CPU s/rank is the rank's user + system time during the load: the work each rank does,
+which falls with 1/world even where the ranks outnumber the cores (their wall time cannot).
+
 Usage: python benchmarks/bench_tp.py [--quick] [--worlds 1,2,4,8] [--loaders lazyload,transformers]
-                                     [--cache warm,cold] [--ckpt-dir DIR]
+                                     [--cache warm,cold] [--repeat 3] [--ckpt-dir DIR]
 """
 
 import argparse
@@ -90,7 +93,10 @@ def worker(args):
     config = LlamaConfig.from_pretrained(args.ckpt_dir)
     dist.barrier()  # every rank imported and ready: start together
 
+    import resource
+
     meter = common.Meter()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     meter.start()
     report = None
     if args.loader == "lazyload":
@@ -100,6 +106,7 @@ def worker(args):
     else:
         model = LlamaForCausalLM.from_pretrained(args.ckpt_dir, dtype=torch.bfloat16, tp_plan="auto")
     meter.loaded(model)
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     touch_local_pages(model)
     meter.record("load+touch", model)
     meter.sampler.stop()
@@ -107,8 +114,9 @@ def worker(args):
         "rank": rank, "world": world,
         "load": meter.records["load"], "touch": meter.records["load+touch"],
         "local_bytes": local_bytes(model),
+        "cpu_s": cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime,
         "report": None if report is None else {
-            "bytes_read": report.bytes_read, "seconds": report.seconds, "peak_rss": report.peak_rss,
+            "bytes_read": report.bytes_read, "bytes_mapped": report.bytes_mapped, "seconds": report.seconds, "peak_rss": report.peak_rss,
             "peak_anon": report.peak_anon, "reader": report.reader, "ok": report.ok},
         "checksum": local_checksums(model, args.checksum_names.split(",")),
         "dtensors": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
@@ -165,7 +173,10 @@ def summarize(ranks):
     return {
         "median_s": statistics.median(secs), "max_s": max(secs),
         "median_touch_s": statistics.median(touch), "max_touch_s": max(touch),
-        "report_read": [r["report"]["bytes_read"] for r in ranks] if ranks[0]["report"] else None,
+        "median_cpu_s": statistics.median(col(lambda r: r["cpu_s"])),
+        # this rank's share: bytes copied out plus bytes left as views of the mapping
+        "report_read": [r["report"]["bytes_read"] + r["report"]["bytes_mapped"] for r in ranks]
+        if ranks[0]["report"] else None,
         "storage_read": col(lambda r: r["touch"]["read_bytes"]),
         "file_peak": max(col(lambda r: r["touch"]["peak_file"] - r["touch"]["baseline_file"])),
         "anon_peak": max(anon),
@@ -175,6 +186,16 @@ def summarize(ranks):
         "dtensors": ranks[0]["dtensors"],
         "checksums": [r["checksum"] for r in ranks],
     }
+
+
+def merge_repeats(summaries):
+    """One job's figures per (world, loader) from repeated jobs: the median of every scalar;
+    per-rank lists and checksums from the first job."""
+    merged = dict(summaries[0])
+    for key, value in merged.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            merged[key] = statistics.median(s[key] for s in summaries)
+    return merged
 
 
 def _mib(n):
@@ -195,7 +216,7 @@ def _span(values):
 
 def format_table(results):
     header = ("| world | loader | median s/rank | max s/rank | time vs lazyload | median s/rank +touch "
-              "| +touch vs lazyload | report.bytes_read/rank (MiB) | storage read_bytes/rank (MiB) "
+              "| +touch vs lazyload | CPU s/rank | report read+mapped/rank (MiB) | storage read_bytes/rank (MiB) "
               "| peak file-backed/rank (MiB) | peak anon/rank (MiB) | anon minus local shard (MiB) "
               "| VmHWM/rank (MiB) | anon vs lazyload | VmHWM vs lazyload |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -206,13 +227,13 @@ def format_table(results):
             if s is None:
                 continue
             if isinstance(s, str):
-                lines.append(f"| {world} | {loader} | failed: {s} |" + " |" * 13)
+                lines.append(f"| {world} | {loader} | failed: {s} |" + " |" * 14)
                 continue
             r = ref if isinstance(ref, dict) else None
             lines.append(
                 f"| {world} | {loader} | {s['median_s']:.2f} | {s['max_s']:.2f} | {_ratio(s['median_s'], r and r['median_s'])} "
                 f"| {s['median_touch_s']:.2f} | {_ratio(s['median_touch_s'], r and r['median_touch_s'])} "
-                f"| {_span(s['report_read'])} | {_span(s['storage_read'])} | {_mib(s['file_peak'])} "
+                f"| {s['median_cpu_s']:.2f} | {_span(s['report_read'])} | {_span(s['storage_read'])} | {_mib(s['file_peak'])} "
                 f"| {_mib(s['anon_peak'])} | {_mib(s['anon_over_local'])} | {_mib(s['vmhwm'])} "
                 f"| {_ratio(s['anon_peak'], r and r['anon_peak'])} | {_ratio(s['vmhwm'], r and r['vmhwm'])} |")
     return "\n".join(lines)
@@ -243,9 +264,12 @@ def print_targets(results, total_bytes):
             notes.append(f"time {lazy['median_s']:.2f} s vs world-1/{world} = {ideal:.2f} s "
                          f"(speedup {base['median_s'] / lazy['median_s']:.2f}x of {world}x) -> "
                          f"**{'PASS' if ok else 'FAIL'}** (within 1.5x of 1/world)")
+        if isinstance(base, dict) and world > 1:
+            notes.append(f"CPU {lazy['median_cpu_s']:.2f} s/rank = {lazy['median_cpu_s'] / base['median_cpu_s']:.2f} "
+                         f"of world 1's (1/world = {1 / world:.3f})")
         if lazy["report_read"]:
             per_rank = max(lazy["report_read"])
-            notes.append(f"bytes read/rank {per_rank / MiB:,.0f} MiB = {per_rank / total_bytes:.3f} of the "
+            notes.append(f"bytes read+mapped/rank {per_rank / MiB:,.0f} MiB = {per_rank / total_bytes:.3f} of the "
                          f"checkpoint (1/world = {1 / world:.3f})")
         if isinstance(tf, dict):
             for key, label in (("median_s", "time"), ("median_touch_s", "time +touch")):
@@ -270,6 +294,7 @@ def parse_args():
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--cache", default="warm,cold", help="warm, cold or both (cold needs root)")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per torchrun job")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of jobs; the table shows medians")
     # worker side (set by the driver)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--loader", help=argparse.SUPPRESS)
@@ -304,19 +329,24 @@ def main():
         print(f"\nNote: worlds above {CPUS} run more ranks than this machine has CPUs: those jobs are CPU-bound "
               "(ranks take turns on the cores), so their per-rank seconds do not show 1/world scaling.", flush=True)
     for cache in caches:
-        print(f"\n### {cache} page cache, one job per (world, loader)\n", flush=True)
-        results = {}
-        for world in worlds:
-            for loader in loaders:
-                try:
-                    ranks, wall = launch(loader, world, cache, args, num_layers)
-                    results[(world, loader)] = summarize(ranks)
-                    s = results[(world, loader)]
-                    print(f"- {loader} world {world}: median {s['median_s']:.2f} s/rank, max {s['max_s']:.2f} s, "
-                          f"{s['dtensors']} DTensor parameters; job wall {wall:.0f} s (startup included)", flush=True)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    results[(world, loader)] = str(exc).splitlines()[0][:120]
-                    print(f"- {loader} world {world}: FAILED: {str(exc)[-3000:]}", flush=True)
+        print(f"\n### {cache} page cache, one job per (world, loader) and round, median of {args.repeat} "
+              "interleaved rounds\n", flush=True)
+        jobs = {}
+        for _ in range(args.repeat):
+            for world in worlds:
+                for loader in loaders:
+                    if isinstance(jobs.get((world, loader)), str):
+                        continue  # failed before
+                    try:
+                        ranks, wall = launch(loader, world, cache, args, num_layers)
+                        s = summarize(ranks)
+                        jobs.setdefault((world, loader), []).append(s)
+                        print(f"- {loader} world {world}: median {s['median_s']:.2f} s/rank, max {s['max_s']:.2f} s, "
+                              f"{s['dtensors']} DTensor parameters; job wall {wall:.0f} s (startup included)", flush=True)
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        jobs[(world, loader)] = str(exc).splitlines()[0][:120]
+                        print(f"- {loader} world {world}: FAILED: {str(exc)[-3000:]}", flush=True)
+        results = {key: v if isinstance(v, str) else merge_repeats(v) for key, v in jobs.items()}
         print()
         print(format_table(results))
         print("\nper-rank columns: median/max over the ranks of a job for seconds; memory columns are the worst "

@@ -215,7 +215,8 @@ def _read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def test_cold_cache_os_reads_stay_near_the_page_minimum(checkpoint):
+@pytest.mark.parametrize("reader", ["auto", "pread"])  # auto on CPU: mmap with exact prefetch
+def test_cold_cache_os_reads_stay_near_the_page_minimum(checkpoint, reader):
     directory, config = checkpoint("llama", hidden_size=512, intermediate_size=2048, num_attention_heads=8,
                                    num_key_value_heads=2, vocab_size=2048, num_hidden_layers=2)
     world, rank = 4, 1
@@ -226,10 +227,11 @@ def test_cold_cache_os_reads_stay_near_the_page_minimum(checkpoint):
     # in would count as reads of the checkpoint here.
     if not _drop_caches():
         pytest.skip("dropping the page cache needs root (/proc/sys/vm/drop_caches not writable)")
-    ckpt.load_into(build_model("llama", config, torch.float32), rank, world, progress=False)
+    ckpt.load_into(build_model("llama", config, torch.float32), rank, world, progress=False, reader=reader)
     model = build_model("llama", config, torch.float32)
     _drop_caches()
     before = _read_bytes()
-    ckpt.load_into(model, rank, world, progress=False)
+    report = ckpt.load_into(model, rank, world, progress=False, reader=reader)
     read = _read_bytes() - before
+    assert report.reader == ("mmap" if reader == "auto" else "pread")
     assert read <= 1.05 * page_min + 4 * 2**20, f"OS read {read} bytes for a page-granular minimum of {page_min}"
