@@ -96,8 +96,8 @@ def worker(args):
     import resource
 
     meter = common.Meter()
+    meter.start()  # collects garbage first: not the load's CPU time
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    meter.start()
     report = None
     if args.loader == "lazyload":
         with common.default_dtype(torch.bfloat16), torch.device("meta"):
@@ -105,8 +105,8 @@ def worker(args):
         report = LazyCheckpoint(args.ckpt_dir).load_into(model, rank, world, progress=False)
     else:
         model = LlamaForCausalLM.from_pretrained(args.ckpt_dir, dtype=torch.bfloat16, tp_plan="auto")
-    meter.loaded(model)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    meter.loaded(model)
     touch_local_pages(model)
     meter.record("load+touch", model)
     meter.sampler.stop()

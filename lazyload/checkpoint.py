@@ -233,13 +233,12 @@ def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype, requested: 
 
 
 def _partially_read_files(items, index: CheckpointIndex) -> set[str]:
-    """Files of which this rank reads less than the whole tensors it touches."""
+    """Files of which this rank reads less than all the tensor bytes: readahead there would
+    fetch other ranks' slices, other experts, or tensors the model does not use."""
     read: dict[str, int] = {}
-    whole: dict[str, int] = {}
-    seen = set()
     for item in items:
         read[item.entry.file] = read.get(item.entry.file, 0) + item.nbytes
-        if item.entry.key not in seen:
-            seen.add(item.entry.key)
-            whole[item.entry.file] = whole.get(item.entry.file, 0) + item.entry.nbytes
-    return {f for f in read if read[f] < whole[f]}
+    stored: dict[str, int] = {}
+    for entry in index.entries():
+        stored[entry.file] = stored.get(entry.file, 0) + entry.nbytes
+    return {f for f in read if read[f] < stored[f]}

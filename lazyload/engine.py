@@ -135,14 +135,19 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
 
     workers = _workers(reader)
     pending: deque[Future] = deque()
-    prefetched: list[Future] = []
+    announced: dict[int, Future] = {}
     with ThreadPoolExecutor(workers, thread_name_prefix="lazyload-read") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="lazyload-prefetch") as prefetcher:
         try:
             for k, group in enumerate(groups):
-                if reader.prefetching:  # this group (first time only) and the next: one layer ahead
-                    for ahead in groups[k if k == 0 else k + 1:k + 2]:
-                        prefetched.append(prefetcher.submit(reader.prefetch, ahead.items))
+                if reader.prefetching:
+                    # Announce the next layer while this one is placed; but never let a
+                    # worker touch a page not yet announced: on a partly read file that
+                    # fault would read its one page alone (MADV_RANDOM).
+                    for ahead in range(k, min(k + 2, len(groups))):
+                        if ahead not in announced:
+                            announced[ahead] = prefetcher.submit(reader.prefetch, groups[ahead].items)
+                    announced[k].result()
                 for item in group.items:
                     if item.target in mapped:
                         pending.append(pool.submit(populate_task, item))
@@ -157,9 +162,9 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
                         pending.popleft().result()
             while pending:
                 pending.popleft().result()
-            for future in prefetched:
+            for future in announced.values():
                 future.result()
         except BaseException:
-            for future in (*pending, *prefetched):
+            for future in (*pending, *announced.values()):
                 future.cancel()
             raise

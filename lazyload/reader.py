@@ -319,8 +319,12 @@ class MmapReader:
                 ranges = [(int(offsets[0]), int(offsets[-1]) + run - int(offsets[0]))]
             else:
                 ranges = [(offset, run) for offset in offsets.tolist()]
+            # One WILLNEED reads at most the file's readahead window and silently drops the
+            # rest (force_page_cache_ra), so a long range is announced a window at a time.
+            chunk = readahead_window(item.entry.file)
             for offset, length in ranges:
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                for start in range(offset, offset + length, chunk):
+                    os.posix_fadvise(fd, start, min(chunk, offset + length - start), os.POSIX_FADV_WILLNEED)
 
     def populate(self, item: ReadItem, view: torch.Tensor) -> None:
         """Fault a mapped view's pages in now (MADV_POPULATE_READ: read from storage if
@@ -394,6 +398,27 @@ def _madvise(address: int, length: int, advice: int) -> None:
     start = address // PAGE * PAGE
     stop = -(-(address + length) // PAGE) * PAGE
     madvise(start, stop - start, advice)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_readahead(device: int) -> int:
+    major, minor = os.major(device), os.minor(device)
+    for path in (f"/sys/class/bdi/{major}:{minor}/read_ahead_kb",  # whole disks, NFS, FUSE
+                 f"/sys/dev/block/{major}:{minor}/../queue/read_ahead_kb"):  # a partition's disk
+        try:
+            with open(path) as f:
+                kb = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if kb > 0:
+            return kb * 1024
+    return 128 * 1024  # the kernel's default window; smaller windows are rare
+
+
+def readahead_window(path: str) -> int:
+    """Bytes one POSIX_FADV_WILLNEED on `path` reads at most: its device's readahead window
+    (/sys/class/bdi/*/read_ahead_kb), or 128 KiB where that cannot be found."""
+    return _device_readahead(os.stat(path).st_dev)
 
 
 def file_mappings(path: str) -> list[tuple[int, int]]:

@@ -366,3 +366,33 @@ def test_auto_reader_maps_warm_pages_and_prefetches_cold_ones(checkpoint):
     assert resident_fraction(items) == 1.0  # paged in by the load itself, nothing touched since
     for name, tensor in cold.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_prefetch_announces_ranges_longer_than_the_readahead_window(tmp_path):
+    """One POSIX_FADV_WILLNEED reads at most the device's readahead window and drops the
+    rest: a tensor three windows long must still be in the page cache after `prefetch`."""
+    import time
+
+    from checkpoints import evict
+    from safetensors.torch import save_file
+
+    from lazyload.expr import full_box
+    from lazyload.index import CheckpointIndex
+    from lazyload.plan import ReadItem
+    from lazyload.reader import MmapReader, readahead_window
+    from lazyload.residency import resident_fraction
+
+    path = str(tmp_path / "long.safetensors")
+    nbytes = 3 * readahead_window(str(tmp_path)) + 12345
+    save_file({"w": torch.ones(nbytes, dtype=torch.uint8)}, path)
+    if not evict([path]):
+        pytest.skip("the page cache cannot be emptied here (posix_fadvise DONTNEED had no visible effect)")
+    entry = CheckpointIndex([path])["w"]
+    item = ReadItem(entry, full_box(entry.shape), (), "w", full_box(entry.shape))
+    reader = MmapReader(prefetch=True)
+    reader.prefetch((item,))
+    reader.close()
+    deadline = time.monotonic() + 10
+    while resident_fraction([item]) < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the reads were queued, not waited for
+    assert resident_fraction([item]) == 1.0
