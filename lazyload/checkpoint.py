@@ -177,7 +177,8 @@ class LazyCheckpoint:
         recompute = meta_buffers_to_recompute(model, set(mapping.exprs))
         release_pages = release_pages or must_release_pages(items)
         chosen = choose_reader(reader, device, release_pages, _partially_read_files(items, index),
-                               warm=lambda: resident_fraction(items) >= WARM_FRACTION)
+                               warm=lambda: resident_fraction(items) >= WARM_FRACTION,
+                               host_ranks=_host_ranks(world))
         views: dict[str, torch.Tensor] = {}
         copies = items
         if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
@@ -230,6 +231,15 @@ def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype, requested: 
     if isinstance(requested, torch.dtype):
         return requested
     raise DtypeError(f"dtype must be None, 'auto' or a torch.dtype, got {requested!r}.")
+
+
+def _host_ranks(world: int) -> int:
+    """Ranks of this load on this host: torchrun's LOCAL_WORLD_SIZE (1 when not set)."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return min(max(local, 1), world)
 
 
 def _partially_read_files(items, index: CheckpointIndex) -> set[str]:

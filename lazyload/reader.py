@@ -195,15 +195,17 @@ def pages_touched(offsets: np.ndarray, run: int) -> int:
     return int(np.sum(last - first + 1)) - shared
 
 
-def _span_is_cheaper(offsets: np.ndarray, run: int) -> bool:
+def _span_is_cheaper(offsets: np.ndarray, run: int, sharers: int = 1) -> bool:
     """Read the whole span instead of each run: when runs are short (a syscall each would
     dominate, and the storage reads whole pages anyway) and the span holds at most
-    SPAN_WASTE times the pages the exact runs touch."""
+    SPAN_WASTE times the pages the exact runs touch. `sharers`: ranks on this host that
+    read the same span into the one page cache share its cost (each page still comes from
+    storage once), so the span may be that many times larger."""
     if run >= SHORT_RUN:
         return False
     span = int(offsets[-1]) + run - int(offsets[0])
     span_pages = (int(offsets[0]) % PAGE + span + PAGE - 1) // PAGE
-    return span_pages <= SPAN_WASTE * pages_touched(offsets, run)
+    return span_pages <= SPAN_WASTE * sharers * pages_touched(offsets, run)
 
 
 def _read_spans(fd: int, out: np.ndarray, offsets: np.ndarray, run: int, bounce: np.ndarray, path: str) -> int:
@@ -249,9 +251,13 @@ class MmapReader:
     name = "mmap"
 
     def __init__(self, release_pages: bool = False, partial_files: set[str] = frozenset(),
-                 prefetch: bool = False):
+                 prefetch: bool = False, host_ranks: int = 1):
         self.release_pages = release_pages
         self.prefetching = prefetch
+        # Ranks of this load on this host, which share the page cache: a strided span that
+        # they read together costs each of them a share (not when pages are released:
+        # then each rank would drop the others' pages and read them again).
+        self._sharers = 1 if release_pages else max(1, host_ranks)
         self._partial = partial_files
         self._files: dict[str, object] = {}
         self._fds: dict[str, int] = {}
@@ -315,7 +321,7 @@ class MmapReader:
             with self._lock:
                 fd = self._fd(item.entry.file)
             offsets, run = byte_runs(item)
-            if len(offsets) == 1 or _adjacent(offsets, run) or _span_is_cheaper(offsets, run):
+            if len(offsets) == 1 or _adjacent(offsets, run) or _span_is_cheaper(offsets, run, self._sharers):
                 ranges = [(int(offsets[0]), int(offsets[-1]) + run - int(offsets[0]))]
             else:
                 ranges = [(offset, run) for offset in offsets.tolist()]
@@ -479,17 +485,18 @@ def memory_limit() -> int | None:
 
 
 def choose_reader(name: str, device: torch.device, release_pages: bool, partial_files: set[str],
-                  warm: Callable[[], bool] = lambda: True) -> MmapReader | PreadReader:
+                  warm: Callable[[], bool] = lambda: True, host_ranks: int = 1) -> MmapReader | PreadReader:
     """"auto": mmap for a CPU destination, pread (pinned staging) for a GPU. The mmap
     reader casts straight from the page cache, where pread pays one more copy (into its
     staging) and, for same-dtype targets, cannot keep views of the mapping: measured on
     cold storage too (benchmarks/bench_stream.py), mapping with exact prefetch wins. Its
     prefetch is on when this rank's pages are not in the page cache (`warm`, asked only
-    for mmap: announcing cached pages costs a page-cache lookup each)."""
+    for mmap: announcing cached pages costs a page-cache lookup each). `host_ranks`: ranks
+    of this load on this host (see `MmapReader`)."""
     if name == "auto":
         name = "mmap" if device.type == "cpu" else "pread"
     if name == "pread":
         return PreadReader(release_pages, partial_files)
     if name == "mmap":
-        return MmapReader(release_pages, partial_files, prefetch=not warm())
+        return MmapReader(release_pages, partial_files, prefetch=not warm(), host_ranks=host_ranks)
     raise PlanError(f"unknown reader {name!r}; use 'auto', 'mmap' or 'pread'.")
