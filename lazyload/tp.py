@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping as MappingT
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -195,13 +196,12 @@ def _attention_checks(name: str, last: str, placement: Placement, heads: Heads, 
 
 
 def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return tuple((a, b) for a, b in runs)
+    """Consecutive index runs as (start, stop) spans: [0, 1, 2, 5, 6] -> ((0, 3), (5, 7))."""
+    ix = np.asarray(indices, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(ix) != 1) + 1
+    starts = ix[np.concatenate(([0], breaks))]
+    stops = ix[np.concatenate((breaks - 1, [len(ix) - 1]))] + 1
+    return tuple(zip(starts.tolist(), stops.tolist()))
 
 
 def dtensor_placement(name: str, tensor: Any) -> Placement:
@@ -214,7 +214,7 @@ def dtensor_placement(name: str, tensor: Any) -> Placement:
     coord = mesh.get_coordinate()
     if coord is None:
         raise PlanError(f"{name}: this rank is not in the parameter's device mesh {mesh}; load on the mesh's ranks.")
-    indices = [list(range(n)) for n in shape]
+    indices: list[list[int] | None] = [None] * len(shape)  # None: the whole dim, unsplit
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Replicate):
             continue
@@ -223,11 +223,12 @@ def dtensor_placement(name: str, tensor: Any) -> Placement:
                             "tensor (only Shard and Replicate can be loaded); redistribute it after loading.")
         dim = p.dim % len(shape)
         one_d = type(p)(0, **({"split_factor": p.split_factor} if hasattr(p, "split_factor") else {}))
-        chunks, _ = one_d._split_tensor(torch.tensor(indices[dim], dtype=torch.long), mesh.size(mesh_dim),
-                                        with_padding=False, contiguous=True)
+        current = torch.arange(shape[dim]) if indices[dim] is None else torch.tensor(indices[dim], dtype=torch.long)
+        chunks, _ = one_d._split_tensor(current, mesh.size(mesh_dim), with_padding=False, contiguous=True)
         mine = coord[mesh_dim]
         indices[dim] = chunks[mine].tolist() if mine < len(chunks) else []
-    return Placement("box", spans=tuple(_runs(ix) if ix else ((0, 0),) for ix in indices))
+    return Placement("box", spans=tuple(((0, n),) if ix is None else _runs(ix) if ix else ((0, 0),)
+                                        for ix, n in zip(indices, shape)))
 
 
 # ----------------------------------------------------------------------------- resolution
