@@ -184,8 +184,9 @@ class LazyCheckpoint:
         if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
             views, copies = mapped_views(targets, items, chosen, slots)
         # Views of warm pages need nothing more; cold ones are paged in by the schedule.
-        groups = schedule(items if chosen.prefetching else copies)
-        budget = max_host_bytes if max_host_bytes is not None else default_budget(schedule(copies))
+        copy_groups = schedule(copies)
+        groups = schedule(items) if chosen.prefetching else copy_groups
+        budget = max_host_bytes if max_host_bytes is not None else default_budget(copy_groups)
         largest = max((item.nbytes for item in copies), default=0)
         if budget < largest:
             raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "

@@ -261,6 +261,7 @@ class MmapReader:
         self._partial = partial_files
         self._files: dict[str, object] = {}
         self._fds: dict[str, int] = {}
+        self._windows: dict[str, int] = {}  # path -> readahead_window, found with its fd
         self._maps: dict[str, list[tuple[int, int]]] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -287,6 +288,7 @@ class MmapReader:
         fd = self._fds.get(path)
         if fd is None:
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            self._windows[path] = readahead_window(path)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # reads fetch what they ask, no more
         return fd
@@ -320,6 +322,7 @@ class MmapReader:
         for item in items:
             with self._lock:
                 fd = self._fd(item.entry.file)
+                chunk = self._windows[item.entry.file]
             offsets, run = byte_runs(item)
             if len(offsets) == 1 or _adjacent(offsets, run) or _span_is_cheaper(offsets, run, self._sharers):
                 ranges = [(int(offsets[0]), int(offsets[-1]) + run - int(offsets[0]))]
@@ -327,7 +330,6 @@ class MmapReader:
                 ranges = [(offset, run) for offset in offsets.tolist()]
             # One WILLNEED reads at most the file's readahead window and silently drops the
             # rest (force_page_cache_ra), so a long range is announced a window at a time.
-            chunk = readahead_window(item.entry.file)
             for offset, length in ranges:
                 for start in range(offset, offset + length, chunk):
                     os.posix_fadvise(fd, start, min(chunk, offset + length - start), os.POSIX_FADV_WILLNEED)
@@ -375,6 +377,7 @@ class MmapReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._windows.clear()
         self._files.clear()
         self._maps.clear()
 
