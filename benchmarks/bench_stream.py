@@ -59,8 +59,8 @@ def case_lazyload(args, meter):
                 row = "o_proj" in name or "down_proj" in name
                 plan[name] = Placement("shard", 1 if row else 0)
     if args.get("short_run") is not None:
-        import lazyload.reader
-        lazyload.reader.SHORT_RUN = args["short_run"]
+        import lazyload.readers.runs
+        lazyload.readers.runs.SHORT_RUN = args["short_run"]
     report = LazyCheckpoint(args["ckpt_dir"]).load_into(
         model, args.get("rank", 0), args.get("world", 1), dtype=dtype, reader=args["reader"], plan=plan,
         progress=False, release_pages=args.get("release_pages", False))

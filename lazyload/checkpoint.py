@@ -16,22 +16,17 @@ from tqdm.auto import tqdm
 from .engine import must_release_pages, run_schedule
 from .errors import DtypeError, PlanError
 from .index import CheckpointIndex, TensorEntry, resolve_files
-from .mapping import KeyMap, TargetSpec, build_mapping, check_casts, check_mapping
-from .placer import (allocate, assign, current_tensor, fill_meta_buffers, mapped_views, meta_buffers_to_recompute,
-                     model_slots)
+from .mapping import KeyMap, check_casts, check_mapping, map_model
+from .parallel import auto_parallelize
+from .placements import resolve_placements
+from .placer import allocate, assign, fill_meta_buffers, mapped_views, meta_buffers_to_recompute
 from .plan import plan_for_rank
-from .reader import MmapReader, choose_reader
+from .readers import MmapReader, choose_reader
 from .report import LoadReport, MemorySampler
-from .residency import resident_fraction
-from .rules import BUILTIN_RULES, rules_from
 from .schedule import default_budget, schedule
-from .tp import auto_parallelize, resolve_placements
+from .targets import model_slots, model_specs
 
 logger = logging.getLogger("lazyload")
-
-# Share of this rank's pages that must already be in the page cache for the mmap reader.
-WARM_FRACTION = 0.9
-
 
 def _default_device(model: nn.Module) -> torch.device:
     for tensor in list(model.parameters()) + list(model.buffers()):
@@ -40,46 +35,6 @@ def _default_device(model: nn.Module) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-def _conversion_rules(model: nn.Module) -> tuple[list, list]:
-    from .hf_rules import hf_rules
-
-    rules = hf_rules(model)
-    if rules is not None:
-        return rules
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return rules_from(BUILTIN_RULES.get(model_type, []))
-
-
-def _ignore_patterns(model: nn.Module, attr: str) -> list[str]:
-    return list(getattr(model, attr, None) or [])
-
-
-def model_specs(model: nn.Module, slots: dict) -> dict[str, TargetSpec]:
-    """The tensors a checkpoint fills: parameters and persistent buffers, one per tie."""
-    state_names = set(model.state_dict().keys())
-    return {name: TargetSpec(name, tuple(t.shape), t.dtype)
-            for name, t in ((n, current_tensor(s)) for n, s in slots.items()) if name in state_names}
-
-
-def map_model(index: CheckpointIndex, model: nn.Module, specs: dict[str, TargetSpec], aliases: dict[str, str],
-              key_map: KeyMap | None = None):
-    """Match checkpoint keys to the model's tensors. The conversion rules are fetched only
-    when plain names do not match everything (building transformers' table costs ~0.2 s);
-    names that match plainly are never converted, so the result is the same."""
-    def with_rules(renames, converts):
-        return build_mapping(
-            index, specs, aliases={a: c for a, c in aliases.items() if c in specs},
-            base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
-            renames=renames, converts=converts,
-            ignore_unexpected=_ignore_patterns(model, "_keys_to_ignore_on_load_unexpected"),
-            ignore_missing=_ignore_patterns(model, "_keys_to_ignore_on_load_missing"))
-
-    mapping = with_rules([], [])
-    if mapping.missing or mapping.unexpected or mapping.mismatched:
-        mapping = with_rules(*_conversion_rules(model))
-    return mapping
 
 
 def _show_progress(progress: bool | None, rank: int) -> bool:
@@ -141,12 +96,12 @@ class LazyCheckpoint:
         Every input error (keys, shapes, casts, rank/world) is raised before any tensor
         byte is read, leaving the model untouched.
 
-        Tensor parallel (see lazyload.tp): a DTensor parameter gets its mesh share; a
+        Tensor parallel (see lazyload.placements): a DTensor parameter gets its mesh share; a
         parameter of local shape gets its share; for a model nobody made parallel, world > 1
         shards by `plan` (glob -> transformers style, or name -> Placement; "tp" / "ep" / None:
         the model's own plan or the structural rule; {}: nothing sharded). With
         torch.distributed initialised and (rank, world) this process's, such a model is made
-        runnable first (`lazyload.tp.parallelize`)."""
+        runnable first (`lazyload.parallel.parallelize`)."""
         start = time.perf_counter()
         index = self.index
         device = torch.device(device) if device is not None else _default_device(model)
@@ -156,7 +111,7 @@ class LazyCheckpoint:
         specs = model_specs(model, slots)
         mapping = map_model(index, model, specs, aliases, key_map)
 
-        # Placements (lazyload.tp): from DTensors, local shapes, plan= or the model's TP plan.
+        # Placements: from DTensors, local shapes, plan= or the model's TP plan.
         placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
         if placements.local_shaped:  # the model holds local shards: map with the full shapes
             specs = placements.specs
@@ -176,9 +131,7 @@ class LazyCheckpoint:
                                        placements.placements, rank, world)
         recompute = meta_buffers_to_recompute(model, set(mapping.exprs))
         release_pages = release_pages or must_release_pages(items)
-        chosen = choose_reader(reader, device, release_pages, _partially_read_files(items, index),
-                               warm=lambda: resident_fraction(items) >= WARM_FRACTION,
-                               host_ranks=_host_ranks(world))
+        chosen = choose_reader(reader, device, release_pages, items, index, world)
         views: dict[str, torch.Tensor] = {}
         copies = items
         if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
@@ -232,24 +185,3 @@ def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype, requested: 
     if isinstance(requested, torch.dtype):
         return requested
     raise DtypeError(f"dtype must be None, 'auto' or a torch.dtype, got {requested!r}.")
-
-
-def _host_ranks(world: int) -> int:
-    """Ranks of this load on this host: torchrun's LOCAL_WORLD_SIZE (1 when not set)."""
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        local = 1
-    return min(max(local, 1), world)
-
-
-def _partially_read_files(items, index: CheckpointIndex) -> set[str]:
-    """Files of which this rank reads less than all the tensor bytes: readahead there would
-    fetch other ranks' slices, other experts, or tensors the model does not use."""
-    read: dict[str, int] = {}
-    for item in items:
-        read[item.entry.file] = read.get(item.entry.file, 0) + item.nbytes
-    stored: dict[str, int] = {}
-    for entry in index.entries():
-        stored[entry.file] = stored.get(entry.file, 0) + entry.nbytes
-    return {f for f in read if read[f] < stored[f]}

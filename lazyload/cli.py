@@ -16,8 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="config.json or its directory (default: the checkpoint's)")
     args = parser.parse_args(argv)
     from .errors import LazyLoadError
-    from .summary import inspect_checkpoint
-    from .tp import format_plan
+    from .summary import format_plan, inspect_checkpoint
 
     try:
         if args.command == "plan":

@@ -27,7 +27,8 @@ import torch
 
 from .placer import copy_into
 from .plan import ReadItem
-from .reader import Arena, MmapReader, PreadReader, byte_runs, memory_limit
+from .readers import Arena, MmapReader, PreadReader, byte_runs
+from .system import memory_limit
 from .schedule import Group
 
 

@@ -2,7 +2,8 @@
 
 Each checkpoint key is tried, in order, as: the exact model name; the name with the
 model's base prefix added or removed; the user's `key_map`; the conversion rules (renames,
-then at most one gathering rule). Checkpoint keys that reach no model tensor are
+then at most one gathering rule): transformers' own published mapping for its models
+(`hf_rules`), lazyload's built-in table (`rules`) otherwise. Checkpoint keys that reach no model tensor are
 unexpected; model tensors that no key reaches are missing. Only names and shapes are
 used: nothing here reads a tensor byte.
 """
@@ -15,22 +16,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping as MappingT, Sequence
 
 import torch
+from torch import nn
 
 from .errors import DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
 from .expr import Cat, Chunk, Expr, Source, Stack, Transpose
 from .index import CheckpointIndex
-from .rules import CatOp, ChunkOp, StackOp, TransposeOp
+from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
+from .targets import TargetSpec
 
 KeyMap = MappingT[str, str] | Callable[[str], str]
-
-
-@dataclass(frozen=True)
-class TargetSpec:
-    """A model tensor to fill: its full (unsharded) shape and the dtype the model gives it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -237,3 +231,32 @@ def check_casts(mapping: Mapping, index: CheckpointIndex, dtypes: MappingT[str, 
                 raise DtypeError(f"{name}: checkpoint tensor {key!r} in {index[key].file} is {source}, which cannot "
                                  f"be cast to the model's {target} without losing its values; fix the model's "
                                  "dtype or the checkpoint.")
+
+
+def _conversion_rules(model: nn.Module) -> tuple[list, list]:
+    from .hf_rules import hf_rules  # imports transformers: only when plain names fall short
+
+    rules = hf_rules(model)
+    if rules is not None:
+        return rules
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return rules_from(BUILTIN_RULES.get(model_type, []))
+
+
+def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, TargetSpec],
+              aliases: MappingT[str, str], key_map: KeyMap | None = None) -> Mapping:
+    """Match checkpoint keys to the model's tensors. The conversion rules are fetched only
+    when plain names do not match everything (building transformers' table costs ~0.2 s);
+    names that match plainly are never converted, so the result is the same."""
+    def with_rules(renames, converts):
+        return build_mapping(
+            index, specs, aliases={a: c for a, c in aliases.items() if c in specs},
+            base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
+            renames=renames, converts=converts,
+            ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
+            ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []))
+
+    mapping = with_rules([], [])
+    if mapping.missing or mapping.unexpected or mapping.mismatched:
+        mapping = with_rules(*_conversion_rules(model))
+    return mapping

@@ -7,77 +7,18 @@ tied before the load (the same Parameter under two names) are tied after it.
 """
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from .errors import MetaBufferError
 from .expr import apply_ops, box_shape
 from .plan import ReadItem, TargetPlan
-from .reader import MmapReader, byte_runs
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a model tensor lives: every (module, attribute) holding it, and its kind."""
-
-    owners: tuple[tuple[nn.Module, str], ...]
-    is_parameter: bool
-    requires_grad: bool
-
-
-def model_slots(model: nn.Module) -> tuple[dict[str, Slot], dict[str, str]]:
-    """name -> Slot for each distinct parameter and buffer (the first name is canonical),
-    and alias name -> canonical name for tensors reachable under several names."""
-    by_id: dict[int, list] = {}
-    names: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for is_param, named in ((True, model.named_parameters(remove_duplicate=False)),
-                            (False, model.named_buffers(remove_duplicate=False))):
-        for name, tensor in named:
-            if tensor is None:
-                continue
-            module_name, _, attr = name.rpartition(".")
-            owner = (model.get_submodule(module_name), attr)
-            key = id(tensor)
-            if key in names:
-                aliases[name] = names[key]
-                by_id[key][0].append(owner)
-            else:
-                names[key] = name
-                by_id[key] = [[owner], is_param, bool(getattr(tensor, "requires_grad", False))]
-    slots = {names[k]: Slot(tuple(o), p, g) for k, (o, p, g) in by_id.items()}
-    # Ties the model declares but that are not (or no longer) the same object, e.g. under
-    # accelerate's init_empty_weights, which re-creates each registered meta parameter.
-    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
-        if tied in slots and source in slots and tied != source:
-            owners = slots[source].owners + slots.pop(tied).owners
-            slots[source] = Slot(owners, slots[source].is_parameter, slots[source].requires_grad)
-            aliases[tied] = source
-    return slots, aliases
-
-
-def current_tensor(slot: Slot) -> torch.Tensor:
-    module, attr = slot.owners[0]
-    return getattr(module, attr)
-
-
-def is_dtensor(tensor: object) -> bool:
-    # No import here: a DTensor can exist only once torch.distributed.tensor is imported,
-    # and importing it costs memory in every plain load.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what this rank fills); any other tensor as it is."""
-    return tensor._local_tensor if is_dtensor(tensor) else tensor
+from .readers import MmapReader, byte_runs
+from .targets import Slot, current_tensor, is_dtensor, local_tensor
 
 
 def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> torch.Tensor:
-    existing = _local(current_tensor(slot))
+    existing = local_tensor(current_tensor(slot))
     if (existing.device == device and existing.dtype == target.dtype
             and tuple(existing.shape) == target.local_shape and existing.is_contiguous()):
         return existing.data
@@ -95,7 +36,7 @@ def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: MmapR
     views = {}
     for target in targets:
         own = by_target.get(target.name, [])
-        if len(own) != 1 or not _local(current_tensor(slots[target.name])).is_meta:
+        if len(own) != 1 or not local_tensor(current_tensor(slots[target.name])).is_meta:
             continue
         item = own[0]
         if (item.entry.dtype != target.dtype or any(op[0] == "transpose" for op in item.ops)
@@ -115,7 +56,7 @@ def assign(slot: Slot, tensor: torch.Tensor) -> None:
     """Put `tensor` in place of the slot's tensor in every module that holds it. A DTensor
     slot gets a DTensor again, `tensor` being its local shard (same mesh and placements)."""
     current = current_tensor(slot)
-    local = _local(current)
+    local = local_tensor(current)
     if not local.is_meta and local.data_ptr() == tensor.data_ptr():
         return  # filled in place (a real model, or FSDP2 parameters after to_empty)
     if is_dtensor(current):

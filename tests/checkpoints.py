@@ -318,7 +318,7 @@ def outputs(model: torch.nn.Module, config) -> torch.Tensor:
 def resident_bytes(path, start: int = 0, end: int | None = None) -> int:
     """Bytes of [start, end) of ``path`` present in the page cache (lazyload's own mincore
     probe, which faults nothing in)."""
-    from lazyload.residency import PAGE, resident_pages
+    from lazyload.system import PAGE, resident_pages
 
     pages = resident_pages(str(path))
     if pages is None:

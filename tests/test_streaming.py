@@ -114,7 +114,7 @@ def _measured_load(directory, config, reader, release_pages, rank=0, world=1, cg
     report = ckpt.load_into(model, rank, world, dtype=torch.float16, reader=reader, plan=plan,
                             release_pages=release_pages, progress=False)
     after = status()
-    from lazyload.reader import memory_limit
+    from lazyload.system import memory_limit
 
     return dict(before=before, after=after, peak_anon=report.peak_anon, peak_rss=report.peak_rss,
                 reader=report.reader, bytes_read=report.bytes_read, dest=model_bytes(model),
@@ -217,7 +217,7 @@ def test_readers_bit_identical_under_back_pressure(llama):
 def test_readers_bit_identical_sharded(llama, world, monkeypatch):
     """Row-parallel (input-dim) shards are strided: pread reads them as whole spans (short
     runs), or run by run (forced here with SHORT_RUN=0); both equal mmap and the reference."""
-    import lazyload.reader
+    import lazyload.readers.runs
 
     directory, config = llama
     reference = _reference(directory, torch.float16)
@@ -226,7 +226,7 @@ def test_readers_bit_identical_sharded(llama, world, monkeypatch):
         needed = None
         for reader, short_run in (("mmap", None), ("pread", None), ("pread", 0)):
             if short_run is not None:
-                monkeypatch.setattr(lazyload.reader, "SHORT_RUN", short_run)
+                monkeypatch.setattr(lazyload.readers.runs, "SHORT_RUN", short_run)
             model, report = _load(directory, config, reader, rank, world, dtype=torch.float16)
             monkeypatch.undo()
             _assert_equal(model, reference, plan, rank, world)
@@ -305,9 +305,9 @@ def test_readers_read_any_box_exactly(tmp_path, monkeypatch, box):
     run, equal plain slicing; bytes_read counts what was read."""
     from safetensors.torch import save_file
 
-    import lazyload.reader as reader_mod
     from lazyload.index import CheckpointIndex
     from lazyload.plan import ReadItem
+    from lazyload.readers import MmapReader, PreadReader, pread, runs
 
     full = torch.arange(4 * 6 * 16, dtype=torch.float32).reshape(4, 6, 16).to(torch.bfloat16)
     path = str(tmp_path / "t.safetensors")
@@ -316,19 +316,19 @@ def test_readers_read_any_box_exactly(tmp_path, monkeypatch, box):
     item = ReadItem(entry, box, (), "x", tuple((0, b - a) for a, b in box))
     want = full[tuple(slice(a, b) for a, b in box)]
     # Default, run by run (SHORT_RUN=0), and bounce buffers of a few runs or less than one run.
-    for short_run, chunk in ((reader_mod.SHORT_RUN, reader_mod.SPAN_CHUNK), (0, reader_mod.SPAN_CHUNK),
-                             (reader_mod.SHORT_RUN, 100), (reader_mod.SHORT_RUN, 8)):
-        monkeypatch.setattr(reader_mod, "SHORT_RUN", short_run)
-        monkeypatch.setattr(reader_mod, "SPAN_CHUNK", chunk)
-        pread = reader_mod.PreadReader()
+    for short_run, chunk in ((runs.SHORT_RUN, pread.SPAN_CHUNK), (0, pread.SPAN_CHUNK),
+                             (runs.SHORT_RUN, 100), (runs.SHORT_RUN, 8)):
+        monkeypatch.setattr(runs, "SHORT_RUN", short_run)
+        monkeypatch.setattr(pread, "SPAN_CHUNK", chunk)
+        reader = PreadReader()
         out = torch.empty(item.nbytes, dtype=torch.uint8)
-        got = pread.read_into(item, out)
-        pread.close()
+        got = reader.read_into(item, out)
+        reader.close()
         assert torch.equal(got, want), f"pread (SHORT_RUN={short_run}, SPAN_CHUNK={chunk}) differs for box {box}"
-        assert pread.bytes_read >= item.nbytes
+        assert reader.bytes_read >= item.nbytes
         if short_run == 0:
-            assert pread.bytes_read == item.nbytes
-    mmap = reader_mod.MmapReader()
+            assert reader.bytes_read == item.nbytes
+    mmap = MmapReader()
     assert torch.equal(mmap.read(item), want)
     mmap.close()
 
@@ -341,7 +341,7 @@ def test_auto_reader_maps_warm_pages_and_prefetches_cold_ones(checkpoint):
 
     from lazyload.expr import full_box
     from lazyload.plan import ReadItem
-    from lazyload.residency import resident_fraction
+    from lazyload.readers.residency import resident_fraction
 
     directory, config = checkpoint("llama", "bf16")
     files = shard_files(directory)
@@ -379,8 +379,9 @@ def test_prefetch_announces_ranges_longer_than_the_readahead_window(tmp_path):
     from lazyload.expr import full_box
     from lazyload.index import CheckpointIndex
     from lazyload.plan import ReadItem
-    from lazyload.reader import MmapReader, readahead_window
-    from lazyload.residency import resident_fraction
+    from lazyload.readers import MmapReader
+    from lazyload.readers.residency import resident_fraction
+    from lazyload.system import readahead_window
 
     path = str(tmp_path / "long.safetensors")
     nbytes = 3 * readahead_window(str(tmp_path)) + 12345
@@ -404,9 +405,10 @@ def test_prefetch_of_a_row_parallel_slice_is_exact_alone_and_whole_span_among_ho
     need every page, announce the whole span in a few large reads instead."""
     from safetensors.torch import save_file
 
-    import lazyload.reader as reader_mod
     from lazyload.index import CheckpointIndex
     from lazyload.plan import ReadItem
+    from lazyload.readers import MmapReader
+    from lazyload.system import readahead_window
 
     rows, cols = 64, 5632
     path = str(tmp_path / "down.safetensors")
@@ -415,13 +417,13 @@ def test_prefetch_of_a_row_parallel_slice_is_exact_alone_and_whole_span_among_ho
     box = ((0, rows), (cols // 4, cols // 2))  # rank 1 of 4, input dim
     item = ReadItem(entry, box, (), "w", ((0, rows), (0, cols // 4)))
     calls = []
-    monkeypatch.setattr(reader_mod.os, "posix_fadvise",
+    monkeypatch.setattr(os, "posix_fadvise",
                         lambda fd, offset, length, advice: calls.append((offset, length, advice)))
     span = (rows - 1) * cols * 2 + cols // 4 * 2
-    window = reader_mod.readahead_window(path)
+    window = readahead_window(path)
     for host_ranks, expected in ((1, rows), (4, -(-span // window))):
         calls.clear()
-        reader = reader_mod.MmapReader(prefetch=True, host_ranks=host_ranks)
+        reader = MmapReader(prefetch=True, host_ranks=host_ranks)
         reader.prefetch((item,))
         reader.close()
         announced = [(o, n) for o, n, advice in calls if advice == os.POSIX_FADV_WILLNEED]
@@ -429,7 +431,7 @@ def test_prefetch_of_a_row_parallel_slice_is_exact_alone_and_whole_span_among_ho
         assert sum(n for _, n in announced) == (rows * cols // 4 * 2 if host_ranks == 1 else span)
     # pages are released by each rank: no sharing, exact again
     calls.clear()
-    reader = reader_mod.MmapReader(release_pages=True, prefetch=True, host_ranks=4)
+    reader = MmapReader(release_pages=True, prefetch=True, host_ranks=4)
     reader.prefetch((item,))
     reader.close()
     assert len([c for c in calls if c[2] == os.POSIX_FADV_WILLNEED]) == rows

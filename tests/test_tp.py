@@ -15,7 +15,7 @@ from torch import nn
 from checkpoints import build_model, meta_tensors, shard_files
 from lazyload import LazyCheckpoint, Placement
 from lazyload.errors import PlanError
-from lazyload.tp import plan_ranks
+from lazyload.summary import plan_ranks
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

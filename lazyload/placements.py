@@ -1,9 +1,10 @@
-"""Tensor parallel: where each target's placement comes from, and a runnable TP model.
+"""Placements: where each target's tensor-parallel placement comes from, and its checks.
 
 Placements are found, per parameter, in this order:
 
 1. The parameter is a DTensor (torch's `parallelize_module`, FSDP2's `fully_shard`, or
-   `parallelize` below): this rank's share is read off its mesh and placements, on any mesh.
+   `lazyload.parallel.parallelize`): this rank's share is read off its mesh and placements,
+   on any mesh.
 2. The parameter was given a placement by `parallelize` (KV heads replicated over groups of
    ranks, GPT-2's fused Conv1D): a plain local tensor with a recorded share.
 3. The parameter already has a local shape (the user's own parallel layers): the sharded dim
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from .errors import PlanError
-from .placer import is_dtensor
+from .targets import TargetSpec, is_dtensor
 from .plan import Placement, REPLICATE, check_rank, local_regions
 
 # transformers' style names -> what the style does to a parameter (see
@@ -54,7 +55,7 @@ KV_NAMES = {"k_proj", "v_proj", "key", "value", "wk", "wv"}
 Q_NAMES = {"q_proj", "query", "wq"}
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")  # transformers' GPT-2 layer: weight [in, out]
 
 
@@ -141,7 +142,7 @@ def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
 def structural_style(module: nn.Module, module_name: str, attr: str) -> tuple[str | None, int]:
     """(style, packed parts) for a parameter by its module's name: input projections
     colwise, output projections rowwise; anything else (routers, norms, embeddings) None."""
-    if not (isinstance(module, nn.Linear) or _is_conv1d(module)) or attr not in ("weight", "bias"):
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)) or attr not in ("weight", "bias"):
         return None, 1
     last = module_name.rpartition(".")[2]
     if last in PACKED_NAMES:
@@ -171,7 +172,7 @@ def model_heads(model: nn.Module) -> Heads:
     return Heads(heads, kv)
 
 
-def _attention_checks(name: str, last: str, placement: Placement, heads: Heads, world: int) -> Placement:
+def attention_checks(name: str, last: str, placement: Placement, heads: Heads, world: int) -> Placement:
     """Whole heads per rank: q heads must divide; KV heads divide, or are replicated in
     groups when world > KV heads (rank r holds head r // (world // kv))."""
     if placement.kind == "replicate" or world == 1:
@@ -241,12 +242,12 @@ class Resolved:
     local_shaped: list[str]  # parameters whose model shape was already the local one
 
 
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str, str]:
+def owner_of(model: nn.Module, name: str) -> tuple[nn.Module, str, str]:
     module_name, _, attr = name.rpartition(".")
     return model.get_submodule(module_name), module_name, attr
 
 
-def _static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) -> dict[str, Placement]:
+def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) -> dict[str, Placement]:
     """Case 4: a plan of ours for a model nobody made parallel."""
     if isinstance(plan, str):
         plan = model_tp_plan(model, plan)
@@ -262,8 +263,8 @@ def _static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int)
     heads = model_heads(model)
     out = {}
     for name, spec in specs.items():
-        module, module_name, attr = _owner(model, name)
-        conv1d = _is_conv1d(module)
+        module, module_name, attr = owner_of(model, name)
+        conv1d = is_conv1d(module)
         last = module_name.rpartition(".")[2]
         style = user.style_of_param(name) if user else None
         if style is None and explicit is not None and name in explicit:
@@ -284,7 +285,7 @@ def _static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int)
         if style is None:
             continue
         placement = style_placement(style, name, len(spec.shape), conv1d)
-        out[name] = _attention_checks(name, last, placement, heads, world)
+        out[name] = attention_checks(name, last, placement, heads, world)
     return out
 
 
@@ -293,8 +294,6 @@ def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan
     """Every target's placement for this rank (see the module docstring), validated here,
     before any byte is read. `mismatched` are the mapping's (name, checkpoint shape, model
     shape): those that are this rank's share of the checkpoint tensor get their full shape."""
-    from .mapping import TargetSpec
-
     check_rank(rank, world)
     if plan is not None and not isinstance(plan, (dict, str)):
         raise PlanError(f"plan must be a dict (glob -> transformers style, or name -> Placement), 'tp' or 'ep'; "
@@ -320,7 +319,7 @@ def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan
 
     parallel_already = bool(placements)
     if not parallel_already and world > 1 and plan != {}:
-        placements.update(_static_placements(model, specs, plan if plan is not None else "tp", world))
+        placements.update(static_placements(model, specs, plan if plan is not None else "tp", world))
     for name, placement in placements.items():  # fail here, not while reading
         if placement.kind != "replicate":
             local_regions(name, specs[name].shape, placement, rank, world)
@@ -343,8 +342,8 @@ def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank,
     k = ckpt_shape[dim] // model_shape[dim]
     style = StylePlan(explicit).style_of_param(name) if explicit else None
     if style is not None:
-        module, _, _ = _owner(model, name)
-        candidate = style_placement(style, name, len(ckpt_shape), _is_conv1d(module))
+        module, _, _ = owner_of(model, name)
+        candidate = style_placement(style, name, len(ckpt_shape), is_conv1d(module))
     elif k == world:
         candidate = Placement("shard", dim)
     elif world % k == 0:
@@ -356,233 +355,3 @@ def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank,
     except PlanError:
         return None
     return candidate if local_shape == model_shape else None
-
-
-# ----------------------------------------------------------------------------- runnable TP
-
-
-def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str = "tp") -> nn.Module:
-    """Make `model` (best on meta, before loading) a tensor-parallel model over the 1-D
-    DeviceMesh `mesh`, so that after `load_into` its forward gives the world=1 result on every rank.
-
-    transformers models with a TP plan (or `plan=`, a glob -> style dict) get transformers'
-    own DTensor styles (`apply_tensor_parallelism`; experts="ep": `apply_expert_parallelism`),
-    except KV projections when world > KV heads: those stay plain tensors holding the rank's
-    KV head group, and attention modules get their local `num_key_value_groups`. Models
-    without a plan (GPT-2, plain modules) get the structural rule: colwise/packed layers keep
-    plain local weights (their output stays local), rowwise layers all-reduce their partial
-    output through DTensor (`Partial` -> `Replicate`) before adding their bias."""
-    if mesh.ndim != 1:
-        raise PlanError(f"parallelize takes a 1-D DeviceMesh (got {mesh.ndim}-D); for 2-D layouts apply "
-                        "torch's parallelize_module / fully_shard yourself: load_into follows any DTensor.")
-    world, rank = mesh.size(), mesh.get_local_rank()
-    heads = model_heads(model)
-    style_plan = model_tp_plan(model, experts) if plan is None else dict(plan)
-    recorded: dict[str, Placement] = {}
-    if style_plan and hasattr(model, "_expand_parallel_plan"):
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
-        expanded = model._expand_parallel_plan(style_plan)
-        if heads.heads and heads.heads % world:
-            raise PlanError(f"{type(model).__name__}: {heads.heads} attention heads do not split evenly over "
-                            f"{world} ranks; choose a world that divides the number of heads.")
-        if heads.kv_heads and world > heads.kv_heads:
-            for name in [n for n in expanded if _kv_entry(n)]:
-                style = expanded.pop(name)
-                if name.endswith((".weight", ".bias")) or isinstance(_get(model, name), torch.Tensor):
-                    shape = tuple(_get(model, name).shape)
-                    placement = _attention_checks(name, _kv_entry(name), style_placement(style, name, len(shape)),
-                                                  heads, world)
-                    recorded[name] = _box(name, shape, placement, rank, world)
-        elif heads.kv_heads and heads.kv_heads % world:
-            raise PlanError(f"{type(model).__name__}: {heads.kv_heads} KV heads do not split evenly over {world} "
-                            "ranks; use a world that divides the number of KV heads, or a multiple of it.")
-        ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
-        tp = {k: v for k, v in expanded.items() if k not in ep}
-        apply_tensor_parallelism(model, mesh, tp)
-        if ep:
-            from transformers.distributed.expert_parallel import apply_expert_parallelism
-
-            apply_expert_parallelism(model, mesh, mesh, ep)
-    else:
-        static = _static_placements(model, _plain_specs(model), style_plan or "tp", world)
-        for name, placement in static.items():
-            module, _, attr = _owner(model, name)
-            if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
-                raise PlanError(f"{name}: parallelize can run only Linear/Conv1D layers sharded in a model without "
-                                "a transformers TP plan; leave this tensor replicated (drop it from plan=).")
-            recorded[name] = _box(name, tuple(_get(model, name).shape), placement, rank, world)
-            if attr == "weight":  # the layer's own size bookkeeping (Conv1D reshapes with nf)
-                local = [sum(b - a for a, b in runs) for runs in recorded[name].spans]
-                if _is_conv1d(module):
-                    module.nf = local[1]
-                else:
-                    module.out_features, module.in_features = local[0], local[1]
-        for module_name, module in model.named_modules():
-            weight = static.get(f"{module_name}.weight" if module_name else "weight")
-            if weight is not None and weight.kind == "shard" and weight.dim == (0 if _is_conv1d(module) else 1):
-                _install_rowwise(module, mesh)
-    _set_local_heads(model, heads, world)
-    model._lazyload_placements = {**getattr(model, "_lazyload_placements", {}), **recorded}
-    return model
-
-
-def _plain_specs(model: nn.Module) -> dict:
-    from .mapping import TargetSpec
-
-    return {n: TargetSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
-
-
-def _kv_entry(name: str) -> str:
-    parts = name.split(".")
-    for part in reversed(parts[-2:]):
-        if part in KV_NAMES:
-            return part
-    return ""
-
-
-def _get(model: nn.Module, name: str) -> Any:
-    try:
-        return model.get_parameter(name)
-    except AttributeError:
-        return model.get_submodule(name)
-
-
-def _box(name: str, shape: tuple[int, ...], placement: Placement, rank: int, world: int) -> Placement:
-    _, regions = local_regions(name, shape, placement, rank, world)
-    spans = []
-    for d in range(len(shape)):
-        seen = []
-        for region in regions:
-            if region.global_box[d] not in seen:
-                seen.append(region.global_box[d])
-        spans.append(tuple(seen))
-    return Placement("box", spans=tuple(spans))
-
-
-def _set_local_heads(model: nn.Module, heads: Heads, world: int) -> None:
-    """Attention modules whose head bookkeeping is not derived from tensor shapes."""
-    if not heads.heads or world == 1:
-        return
-    local_q = heads.heads // world
-    local_kv = max(1, (heads.kv_heads or heads.heads) // world)
-    for module in model.modules():
-        if hasattr(module, "num_key_value_groups"):
-            module.num_key_value_groups = local_q // local_kv
-        if _is_conv1d(getattr(module, "c_attn", None) or nn.Module()) and hasattr(module, "split_size"):
-            module.split_size = module.split_size // world  # GPT-2: c_attn output split into q, k, v
-            if hasattr(module, "num_heads"):
-                module.num_heads = local_q
-            if hasattr(module, "embed_dim"):
-                module.embed_dim = module.embed_dim // world
-
-
-def _install_rowwise(module: nn.Module, mesh: Any) -> None:
-    """Row-parallel Linear/Conv1D with a plain local weight: partial product, summed over
-    the mesh by DTensor (Partial -> Replicate), then the (replicated) bias added once."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    conv1d = _is_conv1d(module)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        weight = module.weight
-        y = x @ weight if conv1d else nn.functional.linear(x, weight)
-        y = DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-        return y if module.bias is None else y + module.bias
-
-    module.forward = forward
-
-
-def default_mesh(world: int, device: torch.device) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cuda" if device.type == "cuda" else "cpu", (world,))
-
-
-def auto_parallelize(model: nn.Module, plan: Any, rank: int, world: int, device: torch.device,
-                     resolved: Resolved) -> bool:
-    """With torch.distributed initialised and (rank, world) this process's, make a model
-    that nobody made parallel runnable (`parallelize` on a 1-D mesh of all ranks). False
-    when nothing was done: no process group, world 1, plan={} or a name -> Placement plan
-    (local shards only), or a model already parallel (DTensors, `parallelize`, local shapes)."""
-    import torch.distributed as dist
-
-    if world == 1 or not dist.is_available() or not dist.is_initialized():
-        return False
-    if world != dist.get_world_size() or rank != dist.get_rank():
-        return False
-    if plan == {} or (isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values())):
-        return False
-    if resolved.local_shaped or any(p.kind == "box" for p in resolved.placements.values()):
-        return False
-    parallelize(model, default_mesh(world, device), plan if isinstance(plan, dict) else None,
-                experts=plan if isinstance(plan, str) else "tp")
-    return True
-
-
-# ----------------------------------------------------------------------------- plan summary (CLI)
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    rank: int
-    bytes_to_read: int
-    tensors: int
-    sharded: int
-
-
-def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> tuple[list[RankPlan], list[str]]:
-    """Per rank: bytes to read and tensors, from the checkpoint headers and a meta model of
-    `config` (a transformers config, or a directory/file holding config.json; default: the
-    checkpoint's directory). Returns (ranks, warnings); a plan that cannot be made is a warning."""
-    import os
-
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModel
-
-    from .checkpoint import LazyCheckpoint, map_model, model_specs
-    from .placer import model_slots
-    from .plan import plan_for_rank
-
-    check_rank(0, world)
-    ckpt = LazyCheckpoint(path)
-    if config is None or isinstance(config, (str, os.PathLike)):
-        source = config or (path if os.path.isdir(path) else os.path.dirname(path))
-        config = AutoConfig.from_pretrained(source)
-    with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            model = AutoModel.from_config(config)
-    slots, aliases = model_slots(model)
-    specs = model_specs(model, slots)
-    mapping = map_model(ckpt.index, model, specs, aliases)
-    warnings = [f"{len(mapping.missing)} model tensors missing from the checkpoint"] if mapping.missing else []
-    warnings += [f"{len(mapping.unexpected)} checkpoint tensors unused"] if mapping.unexpected else []
-    dtypes = {n: ckpt.index[e.keys()[0]].dtype for n, e in mapping.exprs.items()}
-    ranks = []
-    for rank in range(world):
-        try:
-            resolved = resolve_placements(model, specs, [], plan, rank, world)
-            _, items = plan_for_rank(mapping.exprs, ckpt.index, {n: s.shape for n, s in specs.items()}, dtypes,
-                                     resolved.placements, rank, world)
-        except PlanError as exc:
-            warnings.append(f"world {world} cannot be planned: {exc}")
-            return [], warnings
-        sharded = sum(1 for n in mapping.exprs if resolved.placements.get(n, REPLICATE).kind != "replicate")
-        ranks.append(RankPlan(rank, sum(i.nbytes for i in items), len(mapping.exprs), sharded))
-    heads = model_heads(model)
-    if world > 1 and heads.kv_heads and world > heads.kv_heads and any(
-            p.groups for p in resolved.placements.values()):
-        warnings.append(f"{heads.kv_heads} KV heads replicated over {world} ranks: each KV head is read by "
-                        f"{world // heads.kv_heads} ranks")
-    if world > 1 and not any(r.sharded for r in ranks):
-        warnings.append("nothing is sharded: every rank reads the whole checkpoint (no TP plan matched)")
-    return ranks, warnings
-
-
-def format_plan(path: str, world: int, config: Any = None) -> str:
-    ranks, warnings = plan_ranks(path, world, config)
-    lines = [f"{path}: world {world}", f"{'rank':>4}  {'bytes to read':>15}  {'tensors':>7}  {'sharded':>7}"]
-    lines += [f"{r.rank:>4}  {r.bytes_to_read:>15,}  {r.tensors:>7}  {r.sharded:>7}" for r in ranks]
-    lines += [f"warning: {w}" for w in warnings]
-    return "\n".join(lines)

@@ -1,0 +1,174 @@
+"""A runnable tensor-parallel model: `parallelize` makes a model (best on meta, before
+loading) tensor parallel over a 1-D DeviceMesh with torch's DTensor (transformers' own
+styles where the model has a TP plan, the structural rule otherwise), and
+`auto_parallelize` does it inside `load_into` under torch.distributed. Where each tensor's
+share comes from is `placements`; this module only changes the model."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import PlanError
+from .placements import (KV_NAMES, Heads, Resolved, attention_checks, is_conv1d, model_heads, model_tp_plan,
+                         owner_of, static_placements, style_placement)
+from .plan import Placement, local_regions
+from .targets import TargetSpec
+
+
+def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str = "tp") -> nn.Module:
+    """Make `model` (best on meta, before loading) a tensor-parallel model over the 1-D
+    DeviceMesh `mesh`, so that after `load_into` its forward gives the world=1 result on every rank.
+
+    transformers models with a TP plan (or `plan=`, a glob -> style dict) get transformers'
+    own DTensor styles (`apply_tensor_parallelism`; experts="ep": `apply_expert_parallelism`),
+    except KV projections when world > KV heads: those stay plain tensors holding the rank's
+    KV head group, and attention modules get their local `num_key_value_groups`. Models
+    without a plan (GPT-2, plain modules) get the structural rule: colwise/packed layers keep
+    plain local weights (their output stays local), rowwise layers all-reduce their partial
+    output through DTensor (`Partial` -> `Replicate`) before adding their bias."""
+    if mesh.ndim != 1:
+        raise PlanError(f"parallelize takes a 1-D DeviceMesh (got {mesh.ndim}-D); for 2-D layouts apply "
+                        "torch's parallelize_module / fully_shard yourself: load_into follows any DTensor.")
+    world, rank = mesh.size(), mesh.get_local_rank()
+    heads = model_heads(model)
+    style_plan = model_tp_plan(model, experts) if plan is None else dict(plan)
+    recorded: dict[str, Placement] = {}
+    if style_plan and hasattr(model, "_expand_parallel_plan"):
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        expanded = model._expand_parallel_plan(style_plan)
+        if heads.heads and heads.heads % world:
+            raise PlanError(f"{type(model).__name__}: {heads.heads} attention heads do not split evenly over "
+                            f"{world} ranks; choose a world that divides the number of heads.")
+        if heads.kv_heads and world > heads.kv_heads:
+            for name in [n for n in expanded if _kv_entry(n)]:
+                style = expanded.pop(name)
+                if name.endswith((".weight", ".bias")) or isinstance(_get(model, name), torch.Tensor):
+                    shape = tuple(_get(model, name).shape)
+                    placement = attention_checks(name, _kv_entry(name), style_placement(style, name, len(shape)),
+                                                  heads, world)
+                    recorded[name] = _box(name, shape, placement, rank, world)
+        elif heads.kv_heads and heads.kv_heads % world:
+            raise PlanError(f"{type(model).__name__}: {heads.kv_heads} KV heads do not split evenly over {world} "
+                            "ranks; use a world that divides the number of KV heads, or a multiple of it.")
+        ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
+        tp = {k: v for k, v in expanded.items() if k not in ep}
+        apply_tensor_parallelism(model, mesh, tp)
+        if ep:
+            from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+            apply_expert_parallelism(model, mesh, mesh, ep)
+    else:
+        static = static_placements(model, _plain_specs(model), style_plan or "tp", world)
+        for name, placement in static.items():
+            module, _, attr = owner_of(model, name)
+            if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+                raise PlanError(f"{name}: parallelize can run only Linear/Conv1D layers sharded in a model without "
+                                "a transformers TP plan; leave this tensor replicated (drop it from plan=).")
+            recorded[name] = _box(name, tuple(_get(model, name).shape), placement, rank, world)
+            if attr == "weight":  # the layer's own size bookkeeping (Conv1D reshapes with nf)
+                local = [sum(b - a for a, b in runs) for runs in recorded[name].spans]
+                if is_conv1d(module):
+                    module.nf = local[1]
+                else:
+                    module.out_features, module.in_features = local[0], local[1]
+        for module_name, module in model.named_modules():
+            weight = static.get(f"{module_name}.weight" if module_name else "weight")
+            if weight is not None and weight.kind == "shard" and weight.dim == (0 if is_conv1d(module) else 1):
+                _install_rowwise(module, mesh)
+    _set_local_heads(model, heads, world)
+    model._lazyload_placements = {**getattr(model, "_lazyload_placements", {}), **recorded}
+    return model
+
+
+def _plain_specs(model: nn.Module) -> dict:
+    return {n: TargetSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+
+
+def _kv_entry(name: str) -> str:
+    parts = name.split(".")
+    for part in reversed(parts[-2:]):
+        if part in KV_NAMES:
+            return part
+    return ""
+
+
+def _get(model: nn.Module, name: str) -> Any:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_submodule(name)
+
+
+def _box(name: str, shape: tuple[int, ...], placement: Placement, rank: int, world: int) -> Placement:
+    _, regions = local_regions(name, shape, placement, rank, world)
+    spans = []
+    for d in range(len(shape)):
+        seen = []
+        for region in regions:
+            if region.global_box[d] not in seen:
+                seen.append(region.global_box[d])
+        spans.append(tuple(seen))
+    return Placement("box", spans=tuple(spans))
+
+
+def _set_local_heads(model: nn.Module, heads: Heads, world: int) -> None:
+    """Attention modules whose head bookkeeping is not derived from tensor shapes."""
+    if not heads.heads or world == 1:
+        return
+    local_q = heads.heads // world
+    local_kv = max(1, (heads.kv_heads or heads.heads) // world)
+    for module in model.modules():
+        if hasattr(module, "num_key_value_groups"):
+            module.num_key_value_groups = local_q // local_kv
+        if is_conv1d(getattr(module, "c_attn", None) or nn.Module()) and hasattr(module, "split_size"):
+            module.split_size = module.split_size // world  # GPT-2: c_attn output split into q, k, v
+            if hasattr(module, "num_heads"):
+                module.num_heads = local_q
+            if hasattr(module, "embed_dim"):
+                module.embed_dim = module.embed_dim // world
+
+
+def _install_rowwise(module: nn.Module, mesh: Any) -> None:
+    """Row-parallel Linear/Conv1D with a plain local weight: partial product, summed over
+    the mesh by DTensor (Partial -> Replicate), then the (replicated) bias added once."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    conv1d = is_conv1d(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        y = x @ weight if conv1d else nn.functional.linear(x, weight)
+        y = DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+        return y if module.bias is None else y + module.bias
+
+    module.forward = forward
+
+
+def default_mesh(world: int, device: torch.device) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cuda" if device.type == "cuda" else "cpu", (world,))
+
+
+def auto_parallelize(model: nn.Module, plan: Any, rank: int, world: int, device: torch.device,
+                     resolved: Resolved) -> bool:
+    """With torch.distributed initialised and (rank, world) this process's, make a model
+    that nobody made parallel runnable (`parallelize` on a 1-D mesh of all ranks). False
+    when nothing was done: no process group, world 1, plan={} or a name -> Placement plan
+    (local shards only), or a model already parallel (DTensors, `parallelize`, local shapes)."""
+    import torch.distributed as dist
+
+    if world == 1 or not dist.is_available() or not dist.is_initialized():
+        return False
+    if world != dist.get_world_size() or rank != dist.get_rank():
+        return False
+    if plan == {} or (isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values())):
+        return False
+    if resolved.local_shaped or any(p.kind == "box" for p in resolved.placements.values()):
+        return False
+    parallelize(model, default_mesh(world, device), plan if isinstance(plan, dict) else None,
+                experts=plan if isinstance(plan, str) else "tp")
+    return True

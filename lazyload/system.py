@@ -1,0 +1,148 @@
+"""Operating-system facts the readers and the engine rely on: page size, libc calls
+Python has no binding for (madvise on any address, mincore), where a file is mapped,
+the readahead window of a file's device, and this process's memory cgroup limit.
+
+Everything here is Linux behaviour with a best-effort fallback elsewhere; the measurements
+behind each use are in docs/architecture.md ("Kernel behaviours").
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+
+import numpy as np
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MADV_RANDOM = 1
+MADV_DONTNEED = 4
+MADV_POPULATE_READ = 22  # Linux >= 5.14; EINVAL before, which is fine (best effort)
+FAULT_AROUND = 64 * 1024  # the kernel's default fault_around_bytes
+DEFAULT_READAHEAD = 128 * 1024  # the kernel's default window; smaller windows are rare
+
+
+@functools.lru_cache(maxsize=None)
+def libc_function(name: str, *argtypes):
+    """A libc function through ctypes, or None where there is none (Python's mmap module has
+    no mincore, and madvise only on mappings it made itself)."""
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = list(argtypes)
+    return function
+
+
+def madvise(address: int, length: int, advice: int) -> None:
+    """madvise(advice) over the pages covering [address, address + length); best effort:
+    every advice used here only changes what is cached or mapped, never the data."""
+    function = libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if function is None or length <= 0:
+        return
+    start = address // PAGE * PAGE
+    stop = -(-(address + length) // PAGE) * PAGE
+    function(start, stop - start, advice)
+
+
+def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+    """posix_fadvise where the platform has it (a hint only: nothing is lost without it)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, advice)
+
+
+def resident_pages(path: str) -> np.ndarray | None:
+    """One bool per page of `path`: in the page cache or not (None where mincore is not
+    available). The private mapping made for the question is never touched, so asking
+    faults nothing in."""
+    mincore = libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    size = os.path.getsize(path)
+    if mincore is None or size == 0:
+        return None
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        vec = np.zeros((size + PAGE - 1) // PAGE, dtype=np.uint8)
+        try:
+            if mincore(ctypes.c_void_p(address), size, vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+                return None
+        finally:
+            del address  # no buffer export may outlive the mapping
+    return (vec & 1).astype(bool)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_readahead(device: int) -> int:
+    major, minor = os.major(device), os.minor(device)
+    for path in (f"/sys/class/bdi/{major}:{minor}/read_ahead_kb",  # whole disks, NFS, FUSE
+                 f"/sys/dev/block/{major}:{minor}/../queue/read_ahead_kb"):  # a partition's disk
+        try:
+            with open(path) as f:
+                kb = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if kb > 0:
+            return kb * 1024
+    return DEFAULT_READAHEAD
+
+
+def readahead_window(path: str) -> int:
+    """Bytes one POSIX_FADV_WILLNEED on `path` reads at most: its device's readahead window
+    (/sys/class/bdi/*/read_ahead_kb), or 128 KiB where that cannot be found."""
+    return _device_readahead(os.stat(path).st_dev)
+
+
+def file_mappings(path: str) -> list[tuple[int, int]]:
+    """Address ranges where this process maps `path` (from /proc/self/maps). Pages are
+    dropped (MADV_DONTNEED) only inside them, where nothing is lost: they are read again
+    from the file. A tensor that safetensors had copied into anonymous memory would be
+    zeroed instead, so it is never advised."""
+    real = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((lo, hi))
+    except OSError:
+        pass
+    return ranges
+
+
+def _cgroup_paths() -> list[str]:
+    """Files holding this process's memory limit, from its cgroup up to the root
+    (v1 memory controller, v2 unified hierarchy, or both on hybrid hosts)."""
+    paths = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return paths
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            roots, name = ["/sys/fs/cgroup/memory"], "memory.limit_in_bytes"
+        elif controllers == "":
+            roots, name = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"], "memory.max"
+        else:
+            continue
+        for root in roots:
+            parts = [p for p in group.split("/") if p]
+            for depth in range(len(parts), -1, -1):
+                paths.append(os.path.join(root, *parts[:depth], name))
+    return paths
+
+
+def memory_limit() -> int | None:
+    """The tightest memory cgroup limit over this process (None when unlimited or unknown)."""
+    limits = []
+    for path in _cgroup_paths():
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < (1 << 60):  # v1 writes "unlimited" as ~2**63
+            limits.append(int(text))
+    return min(limits) if limits else None

@@ -1,0 +1,83 @@
+"""The model's side of a load: every tensor it holds (a `Slot`: each module attribute that
+holds it, so ties survive), and the `TargetSpec`s the checkpoint must fill. Nothing here
+reads the checkpoint."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A model tensor to fill: its full (unsharded) shape and the dtype the model gives it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a model tensor lives: every (module, attribute) holding it, and its kind."""
+
+    owners: tuple[tuple[nn.Module, str], ...]
+    is_parameter: bool
+    requires_grad: bool
+
+
+def model_slots(model: nn.Module) -> tuple[dict[str, Slot], dict[str, str]]:
+    """name -> Slot for each distinct parameter and buffer (the first name is canonical),
+    and alias name -> canonical name for tensors reachable under several names."""
+    by_id: dict[int, list] = {}
+    names: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for is_param, named in ((True, model.named_parameters(remove_duplicate=False)),
+                            (False, model.named_buffers(remove_duplicate=False))):
+        for name, tensor in named:
+            if tensor is None:
+                continue
+            module_name, _, attr = name.rpartition(".")
+            owner = (model.get_submodule(module_name), attr)
+            key = id(tensor)
+            if key in names:
+                aliases[name] = names[key]
+                by_id[key][0].append(owner)
+            else:
+                names[key] = name
+                by_id[key] = [[owner], is_param, bool(getattr(tensor, "requires_grad", False))]
+    slots = {names[k]: Slot(tuple(o), p, g) for k, (o, p, g) in by_id.items()}
+    # Ties the model declares but that are not (or no longer) the same object, e.g. under
+    # accelerate's init_empty_weights, which re-creates each registered meta parameter.
+    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if tied in slots and source in slots and tied != source:
+            owners = slots[source].owners + slots.pop(tied).owners
+            slots[source] = Slot(owners, slots[source].is_parameter, slots[source].requires_grad)
+            aliases[tied] = source
+    return slots, aliases
+
+
+def current_tensor(slot: Slot) -> torch.Tensor:
+    module, attr = slot.owners[0]
+    return getattr(module, attr)
+
+
+def model_specs(model: nn.Module, slots: dict[str, Slot]) -> dict[str, TargetSpec]:
+    """The tensors a checkpoint fills: parameters and persistent buffers, one per tie."""
+    state_names = set(model.state_dict().keys())
+    return {name: TargetSpec(name, tuple(t.shape), t.dtype)
+            for name, t in ((n, current_tensor(s)) for n, s in slots.items()) if name in state_names}
+
+
+def is_dtensor(tensor: object) -> bool:
+    # No import here: a DTensor can exist only once torch.distributed.tensor is imported,
+    # and importing it costs memory in every plain load.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank fills); any other tensor as it is."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
