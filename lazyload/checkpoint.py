@@ -61,7 +61,7 @@ class LazyCheckpoint:
         return self._index
 
     def keys(self) -> list[str]:
-        return self.index.keys()
+        return list(self.index)
 
     def __contains__(self, key: object) -> bool:
         return key in self.index

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -153,7 +154,7 @@ def _weight_map(index_json: str) -> dict[str, str]:
         raise CheckpointError(f"{index_json}: unreadable or has no 'weight_map' ({exc}).") from exc
 
 
-class CheckpointIndex:
+class CheckpointIndex(MappingABC):
     """key -> TensorEntry for every tensor of the checkpoint, built from headers only."""
 
     def __init__(self, files: Iterable[str], index_json: str | None = None):
@@ -188,20 +189,11 @@ class CheckpointIndex:
     def __getitem__(self, key: str) -> TensorEntry:
         return self._entries[key]
 
-    def get(self, key: str) -> TensorEntry | None:
-        return self._entries.get(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
     def __len__(self) -> int:
         return len(self._entries)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
-
-    def keys(self) -> list[str]:
-        return list(self._entries)
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries.values())

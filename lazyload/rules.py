@@ -13,21 +13,21 @@ from typing import Sequence
 
 
 @dataclass(frozen=True)
-class StackOp:
+class DimOp:
+    """An operation along one dim; the subclasses say which."""
+    dim: int = 0
+
+
+class StackOp(DimOp):
     """Stack the tensors matched by each source pattern (sorted by their index)."""
-    dim: int = 0
 
 
-@dataclass(frozen=True)
-class CatOp:
+class CatOp(DimOp):
     """Concatenate the results of all source patterns, in the rule's order."""
-    dim: int = 0
 
 
-@dataclass(frozen=True)
-class ChunkOp:
+class ChunkOp(DimOp):
     """Split the one result into as many equal chunks as the rule has targets."""
-    dim: int = 0
 
 
 @dataclass(frozen=True)
