@@ -194,6 +194,29 @@ def print_targets(rows, one_layer):
           f"-> **{'PASS' if over <= limit else 'FAIL'}**")
 
 
+def format_table(rows, reference="lazyload"):
+    """Markdown table. ``rows``: list of (loader name, record); record as in ``Meter.record``.
+
+    Ratios compare each row against the row named ``reference`` (``reference+touch`` for
+    rows ending in ``+touch``) from the same run.
+    """
+    by_name = dict(rows)
+    header = ("| loader | seconds | time vs lazyload | peak anon above baseline (MiB) "
+              "| peak anon minus destination (MiB) | peak file-backed above baseline (MiB) "
+              "| VmHWM (MiB) | anon vs lazyload | read from storage (MiB) |")
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for name, rec in rows:
+        ref = by_name.get(reference + ("+touch" if name.endswith("+touch") else ""))
+        anon = rec["peak_anon"] - rec["baseline_anon"]
+        ref_anon = ref["peak_anon"] - ref["baseline_anon"] if ref else None
+        lines.append(
+            f"| {name} | {rec['seconds']:.2f} | {common.ratio(rec['seconds'], ref and ref['seconds'])} "
+            f"| {common.mib(anon)} | {common.mib(anon - rec['dest_bytes'])} "
+            f"| {common.mib(rec['peak_file'] - rec['baseline_file'])} | {common.mib(rec['vmhwm'])} "
+            f"| {common.ratio(anon, ref_anon)} | {common.mib(rec['read_bytes'])} |")
+    return "\n".join(lines)
+
+
 def run_case(dtype_name, cache, loaders, num_layers):
     title = f"bf16 -> {dtype_name}, {cache} page cache, median of {ARGS.repeat}"
     print(f"\n### {title}\n", flush=True)
@@ -207,7 +230,7 @@ def run_case(dtype_name, cache, loaders, num_layers):
         return
     rows = [(name, recs["load"]) for name, recs in records.items()]
     rows += [(name + "+touch", recs["load+touch"]) for name, recs in records.items()]
-    print(common.format_table(rows))
+    print(format_table(rows))
     first = next(iter(records.values()))["load"]
     print(f"\ndestination {first['dest_bytes'] / MiB:,.0f} MiB; baseline before load: "
           f"RSS {first['baseline_rss'] / MiB:,.0f} MiB, anon {first['baseline_anon'] / MiB:,.0f} MiB, "

@@ -198,20 +198,12 @@ def merge_repeats(summaries):
     return merged
 
 
-def _mib(n):
-    return f"{n / MiB:,.0f}"
-
-
-def _ratio(x, ref):
-    return "-" if ref is None or not ref else f"{x / ref:.2f}x"
-
-
 def _span(values):
     """median (min-max) of per-rank byte counts, in MiB."""
     if not values:
         return "-"
     lo, hi, med = min(values), max(values), statistics.median(values)
-    return _mib(med) if hi - lo < MiB else f"{_mib(med)} ({_mib(lo)}-{_mib(hi)})"
+    return common.mib(med) if hi - lo < MiB else f"{common.mib(med)} ({common.mib(lo)}-{common.mib(hi)})"
 
 
 def format_table(results):
@@ -231,11 +223,11 @@ def format_table(results):
                 continue
             r = ref if isinstance(ref, dict) else None
             lines.append(
-                f"| {world} | {loader} | {s['median_s']:.2f} | {s['max_s']:.2f} | {_ratio(s['median_s'], r and r['median_s'])} "
-                f"| {s['median_touch_s']:.2f} | {_ratio(s['median_touch_s'], r and r['median_touch_s'])} "
-                f"| {s['median_cpu_s']:.2f} | {_span(s['report_read'])} | {_span(s['storage_read'])} | {_mib(s['file_peak'])} "
-                f"| {_mib(s['anon_peak'])} | {_mib(s['anon_over_local'])} | {_mib(s['vmhwm'])} "
-                f"| {_ratio(s['anon_peak'], r and r['anon_peak'])} | {_ratio(s['vmhwm'], r and r['vmhwm'])} |")
+                f"| {world} | {loader} | {s['median_s']:.2f} | {s['max_s']:.2f} | {common.ratio(s['median_s'], r and r['median_s'])} "
+                f"| {s['median_touch_s']:.2f} | {common.ratio(s['median_touch_s'], r and r['median_touch_s'])} "
+                f"| {s['median_cpu_s']:.2f} | {_span(s['report_read'])} | {_span(s['storage_read'])} | {common.mib(s['file_peak'])} "
+                f"| {common.mib(s['anon_peak'])} | {common.mib(s['anon_over_local'])} | {common.mib(s['vmhwm'])} "
+                f"| {common.ratio(s['anon_peak'], r and r['anon_peak'])} | {common.ratio(s['vmhwm'], r and r['vmhwm'])} |")
     return "\n".join(lines)
 
 

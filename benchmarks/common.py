@@ -3,7 +3,7 @@
 - a Llama-shaped checkpoint written by transformers' ``save_pretrained`` (cached on disk),
 - a memory sampler reading ``/proc/self/status`` every few milliseconds,
 - ``run_isolated``: one measured case per fresh Python process, result as JSON,
-- a markdown table printer with ratios against lazyload measured in the same run.
+- table cells (MiB, ratios against a row measured in the same run).
 
 Run ``python benchmarks/common.py --write-checkpoint [--layers N | --quick]`` to only
 write the checkpoint (e.g. in the background before a benchmark).
@@ -366,39 +366,15 @@ def median_records(results):
     return merged
 
 
-# --------------------------------------------------------------------------- table
+# --------------------------------------------------------------------------- table cells
 
-def _mib(n):
+def mib(n):
     return f"{n / MiB:,.0f}"
 
 
-def _ratio(x, ref):
-    if ref is None or ref <= 0:
-        return "-"
-    return f"{x / ref:.2f}x"
-
-
-def format_table(rows, reference="lazyload"):
-    """Markdown table. ``rows``: list of (loader name, record); record as in ``Meter.record``.
-
-    Ratios compare each row against the row named ``reference`` (``reference+touch`` for
-    rows ending in ``+touch``) from the same run.
-    """
-    by_name = dict(rows)
-    header = ("| loader | seconds | time vs lazyload | peak anon above baseline (MiB) "
-              "| peak anon minus destination (MiB) | peak file-backed above baseline (MiB) "
-              "| VmHWM (MiB) | anon vs lazyload | read from storage (MiB) |")
-    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
-    for name, rec in rows:
-        ref = by_name.get(reference + ("+touch" if name.endswith("+touch") else ""))
-        anon = rec["peak_anon"] - rec["baseline_anon"]
-        ref_anon = ref["peak_anon"] - ref["baseline_anon"] if ref else None
-        lines.append(
-            f"| {name} | {rec['seconds']:.2f} | {_ratio(rec['seconds'], ref and ref['seconds'])} "
-            f"| {_mib(anon)} | {_mib(anon - rec['dest_bytes'])} "
-            f"| {_mib(rec['peak_file'] - rec['baseline_file'])} | {_mib(rec['vmhwm'])} "
-            f"| {_ratio(anon, ref_anon)} | {_mib(rec['read_bytes'])} |")
-    return "\n".join(lines)
+def ratio(x, ref):
+    """x / ref as "1.23x", "-" without a reference."""
+    return "-" if ref is None or ref <= 0 else f"{x / ref:.2f}x"
 
 
 # --------------------------------------------------------------------------- CLI
