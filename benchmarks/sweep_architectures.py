@@ -1,0 +1,411 @@
+"""Every model class transformers ships, loaded by lazyload and by `from_pretrained`.
+
+For each class in transformers' auto mappings (`MODEL_*_MAPPING_NAMES`): build a small
+config (the shrinking rules below), make the model with random weights, write it with
+`save_pretrained` in several shards, then compare lazyload's load into a model built on the
+meta device with `from_pretrained`, tensor by tensor (parameters and every buffer) and by
+the outputs of the model's own `dummy_inputs`. Prints a table by outcome; classes that no
+small config could be made for, or that `from_pretrained` itself cannot load, are counted
+apart.
+
+    python benchmarks/sweep_architectures.py                      # every class (~1,500; about an hour on 2 cores)
+    python benchmarks/sweep_architectures.py --match llama,clip   # classes whose model type contains a word
+    python benchmarks/sweep_architectures.py --tp                 # causal LMs at world 2 (gloo) vs world 1
+
+Each chunk of classes runs in a fresh process with a time limit per class, so that one
+class that crashes or hangs costs only itself. `--json FILE` keeps every row.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter, defaultdict
+
+SMALL = {  # field -> value, wherever a config (or a sub-config) has the field as an int
+    **dict.fromkeys(("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                     "num_encoder_layers", "num_decoder_layers", "num_text_layers", "num_vision_layers"), 2),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "hidden_dim", "d_embed", "word_embed_proj_dim",
+                     "text_embed_dim", "vision_embed_dim"), 64),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim",
+                     "mlp_dim", "intermediate_size_mlp", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "expert_intermediate_size"), 64),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads",
+                     "decoder_attention_heads"), 4),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"), 2),
+    **dict.fromkeys(("head_dim", "kv_channels", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), 16),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk"), 2),
+    **dict.fromkeys(("n_group", "topk_group", "n_shared_experts"), 1),
+    **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 32),
+    "projection_dim": 32,
+    "image_size": 32,
+    "patch_size": 8,
+}
+MAX_POSITIONS = 512
+SMALL_VOCAB = 512
+
+
+def shrink(config):
+    """A small copy of `config`: every size field found in SMALL (sub-configs too), vocab
+    512 with special token ids renumbered below it, positions at most 512."""
+    config = copy.deepcopy(config)
+    _shrink(config, set())
+    return config
+
+
+def _shrink(config, seen):
+    if id(config) in seen:
+        return
+    seen.add(id(config))
+    fields = config.to_dict() if hasattr(config, "to_dict") else {}
+    for name, value in list(vars(config).items()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            _shrink(value, seen)
+    for name, small in SMALL.items():
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > small:
+            setattr(config, name, small)
+        elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            setattr(config, name, [min(v, small) for v in value])
+    layer_types = getattr(config, "layer_types", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layer_types, list) and isinstance(layers, int) and len(layer_types) > layers:
+        config.layer_types = layer_types[:layers]  # one entry per layer, validated against the count
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > MAX_POSITIONS:
+            setattr(config, name, MAX_POSITIONS)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > SMALL_VOCAB:
+        config.vocab_size = SMALL_VOCAB
+        ids = sorted({v for k, v in fields.items() if k.endswith(("_token_id", "_token_index"))
+                      and isinstance(v, int) and v >= SMALL_VOCAB - 64})
+        renumber = {old: SMALL_VOCAB - 64 + i for i, old in enumerate(ids[:64])}
+        for k, v in fields.items():
+            if k.endswith(("_token_id", "_token_index")) and v in renumber:
+                setattr(config, k, renumber[v])
+
+
+def model_classes(match: list[str] | None = None, causal_lm: bool = False) -> list[tuple[str, str]]:
+    """(model type, class name) for every class in transformers' auto mappings (only the
+    causal LM mapping with `causal_lm`)."""
+    from transformers.models.auto import modeling_auto
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    types: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(dir(modeling_auto)):
+        if causal_lm and name != "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES":
+            continue
+        if name.startswith("MODEL_") and name.endswith("_MAPPING_NAMES"):
+            for model_type, classes in getattr(modeling_auto, name).items():
+                for cls in classes if isinstance(classes, (list, tuple)) else [classes]:
+                    types[cls].append(model_type)
+    rows = []
+    for cls, candidates in types.items():  # a class listed under several types (aliases): its own type
+        own = [t for t in candidates if CONFIG_MAPPING_NAMES.get(t) and cls.startswith(
+            CONFIG_MAPPING_NAMES[t].removesuffix("Config"))]
+        rows.append((sorted(own or candidates, key=len)[0], cls))
+    rows.sort()
+    if match:
+        rows = [(t, c) for t, c in rows if any(m in t for m in match)]
+    return rows
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Timeout()
+
+
+def _tensors(model):
+    import torch
+
+    out = dict(model.state_dict())
+    out.update({f"(buffer) {n}": b for n, b in model.named_buffers()})
+    return {n: t for n, t in out.items() if isinstance(t, torch.Tensor)}
+
+
+def _differences(got, want) -> list[str]:
+    import torch
+
+    diffs = sorted(set(got) ^ set(want))
+    for name in sorted(set(got) & set(want)):
+        a, b = got[name], want[name]
+        if a.is_meta:
+            diffs.append(f"{name} (left on meta)")
+        elif a.dtype != b.dtype or a.shape != b.shape:
+            diffs.append(f"{name} ({a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)})")
+        elif not torch.equal(a, b):
+            diffs.append(f"{name} (values)")
+    return diffs
+
+
+def _outputs(model):
+    import torch
+
+    inputs = getattr(model, "dummy_inputs", None)
+    if not isinstance(inputs, dict) or not inputs:
+        return None
+    try:
+        with torch.no_grad():
+            out = model(**inputs)
+    except Exception:
+        return None
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.to_tuple() if hasattr(out, "to_tuple") else out if isinstance(out, (tuple, list)) else []
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
+    """Build, save, load both ways and compare one class. Returns a row:
+    outcome in exact | differs | outputs differ | lazyload error | no small config |
+    from_pretrained fails; detail says what."""
+    import torch
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    from lazyload import LazyCheckpoint
+
+    row = {"model_type": model_type, "class": class_name}
+    try:
+        cls = getattr(transformers, class_name)
+        config_class = CONFIG_MAPPING[model_type]
+        if cls.config_class is not None and cls.config_class is not config_class:
+            config_class = cls.config_class  # e.g. Llama4ForCausalLM takes the text config
+        config = shrink(config_class())
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = cls(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.add_(torch.randn_like(p) * 0.02)
+        directory = os.path.join(workdir, class_name)
+        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        model.save_pretrained(directory, max_shard_size=max(total // 4, 1))
+        del model
+    except Exception as exc:
+        return row | {"outcome": "no small config", "detail": _short(exc)}
+    try:
+        reference = cls.from_pretrained(directory, attn_implementation="eager").eval()
+    except Exception as exc:
+        return row | {"outcome": "from_pretrained fails", "detail": _short(exc)}
+    try:
+        saved = cls.config_class.from_pretrained(directory)
+        saved._attn_implementation = "eager"
+        with torch.device("meta"):
+            model = cls._from_config(saved, attn_implementation="eager", dtype=reference.dtype)
+        model.eval()
+        report = LazyCheckpoint(directory).load_into(model, progress=False)
+    except Exception as exc:
+        return row | {"outcome": "lazyload error", "detail": _short(exc)}
+    diffs = _differences(_tensors(model), _tensors(reference))
+    if diffs:
+        return row | {"outcome": "differs", "detail": f"{len(diffs)}: " + ", ".join(diffs[:4])}
+    got, want = _outputs(model), _outputs(reference)
+    if want is not None and (got is None or len(got) != len(want)
+                             or not all(torch.equal(a, b) for a, b in zip(got, want))):
+        return row | {"outcome": "outputs differ", "detail": ""}
+    return row | {"outcome": "exact", "detail": f"{len(report.loaded)} tensors"
+                  + ("" if want is not None else ", no dummy forward")}
+
+
+TP_WORLD = 2
+TP_TOLERANCE = 1e-4  # a row-parallel all-reduce sums in another order than one matmul
+
+
+def _tp_rank(rank: int, world: int, init_file: str, directory: str, class_name: str, out_dir: str) -> None:
+    """One rank of the world-2 job: meta model, lazyload TP load (made runnable under the
+    process group), logits of a fixed prompt saved for rank 0 of the parent to compare."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from lazyload import LazyCheckpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    result = {}
+    try:
+        cls = getattr(transformers, class_name)
+        config = cls.config_class.from_pretrained(directory)
+        config._attn_implementation = "eager"
+        with torch.device("meta"):
+            model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+        LazyCheckpoint(directory).load_into(model.eval(), rank, world, progress=False)
+        with torch.no_grad():
+            logits = model(input_ids=_prompt(config)).logits
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        result["dtensors"] = sum(isinstance(p, DTensor) for p in model.parameters())
+        result["local_plain"] = len(getattr(model, "_lazyload_placements", {}))
+        torch.save(logits, os.path.join(out_dir, f"rank{rank}.pt"))
+    except Exception as exc:
+        result["error"] = _short(exc)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _prompt(config):
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, min(config.get_text_config().vocab_size, SMALL_VOCAB - 64), (1, 12), generator=g)
+
+
+def sweep_tp_one(model_type: str, class_name: str, workdir: str) -> dict:
+    """A causal LM at world 2 under gloo against the same load at world 1."""
+    import torch
+    import torch.multiprocessing as mp
+    import transformers
+
+    from lazyload import LazyCheckpoint
+
+    row = sweep_one(model_type, class_name, workdir)
+    if row["outcome"] != "exact":
+        return row | {"outcome": f"world 1: {row['outcome']}"}
+    directory = os.path.join(workdir, class_name)
+    cls = getattr(transformers, class_name)
+    config = cls.config_class.from_pretrained(directory)
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    LazyCheckpoint(directory).load_into(model.eval(), progress=False)
+    with torch.no_grad():
+        want = model(input_ids=_prompt(config)).logits
+    out_dir = tempfile.mkdtemp(dir=workdir)
+    init_file = os.path.join(out_dir, "init")
+    mp.start_processes(_tp_rank, args=(TP_WORLD, init_file, directory, class_name, out_dir), nprocs=TP_WORLD,
+                       start_method="spawn")
+    ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(TP_WORLD)]
+    errors = [f"rank {r}: {x['error']}" for r, x in enumerate(ranks) if "error" in x]
+    if errors:
+        return row | {"outcome": "TP error", "detail": errors[0]}
+    if not ranks[0]["dtensors"] and not ranks[0]["local_plain"]:
+        return row | {"outcome": "nothing sharded", "detail": ""}
+    worst = max(float((torch.load(os.path.join(out_dir, f"rank{r}.pt")) - want).abs().max()) for r in range(TP_WORLD))
+    scale = float(want.abs().max())
+    if worst > TP_TOLERANCE * max(scale, 1.0):
+        return row | {"outcome": "TP logits differ", "detail": f"max abs diff {worst:.3g} (logits up to {scale:.3g})"}
+    return row | {"outcome": "TP matches world 1", "detail": f"max abs diff {worst:.2g}"}
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text[:300]
+
+
+def run_chunk(rows: list[tuple[str, str]], per_class: int, tp: bool = False) -> list[dict]:
+    """In this process, one class after another, each under a time limit."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    signal.signal(signal.SIGALRM, _alarm)
+    out = []
+    with tempfile.TemporaryDirectory(prefix="lazyload-sweep-") as workdir:
+        for model_type, class_name in rows:
+            signal.alarm(per_class)
+            try:
+                result = (sweep_tp_one if tp else sweep_one)(model_type, class_name, workdir)
+            except Timeout:
+                result = {"model_type": model_type, "class": class_name, "outcome": "timed out",
+                          "detail": f"> {per_class} s"}
+            except Exception:
+                result = {"model_type": model_type, "class": class_name, "outcome": "lazyload error",
+                          "detail": traceback.format_exc(limit=2)[-300:]}
+            finally:
+                signal.alarm(0)
+            print("SWEEP_ROW " + json.dumps(result), flush=True)
+            out.append(result)
+    return out
+
+
+def run_all(rows, chunk: int, per_class: int, on_row=lambda r: None, tp: bool = False) -> list[dict]:
+    """Chunks of classes in fresh processes; a chunk that dies is retried class by class."""
+    results = []
+    pending = [rows[i:i + chunk] for i in range(0, len(rows), chunk)]
+    env = dict(os.environ, LAZYLOAD_PROGRESS="0", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    while pending:
+        part = pending.pop(0)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--chunk", json.dumps(part),
+                               "--per-class", str(per_class)] + (["--tp"] if tp else []), capture_output=True, text=True, env=env,
+                              timeout=per_class * len(part) + 120)
+        done = [json.loads(line[len("SWEEP_ROW "):]) for line in proc.stdout.splitlines()
+                if line.startswith("SWEEP_ROW ")]
+        for r in done:
+            on_row(r)
+        results += done
+        rest = part[len(done):]
+        if rest:  # the process died on rest[0]
+            dead = {"model_type": rest[0][0], "class": rest[0][1], "outcome": "crashed",
+                    "detail": proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else f"exit {proc.returncode}"}
+            on_row(dead)
+            results.append(dead)
+            if rest[1:]:
+                pending.insert(0, rest[1:])
+    return results
+
+
+APART = ("no small config", "from_pretrained fails")
+
+
+def format_table(results: list[dict]) -> str:
+    counts = Counter(r["outcome"] for r in results)
+    tried = sum(n for o, n in counts.items() if o not in APART)
+    lines = ["| outcome | classes | share of those from_pretrained loads |", "|---|---|---|"]
+    for outcome, n in counts.most_common():
+        share = "-" if outcome in APART else f"{n / tried:.1%}"
+        lines.append(f"| {outcome} | {n} | {share} |")
+    lines.append(f"| total | {len(results)} | {tried} loaded by from_pretrained |")
+    by_outcome = defaultdict(list)
+    for r in results:
+        if r["outcome"] not in ("exact", "TP matches world 1") + APART:
+            by_outcome[r["outcome"]].append(r)
+    for outcome, rows in by_outcome.items():
+        lines += ["", f"{outcome}:"]
+        lines += [f"- {r['class']} ({r['model_type']}): {r['detail']}" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--match", default=None, help="comma-separated words; classes whose model type has one")
+    parser.add_argument("--chunk", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--per-class", type=int, default=120, help="seconds allowed per class")
+    parser.add_argument("--chunk-size", type=int, default=40)
+    parser.add_argument("--json", default=None, help="write every row to this file")
+    parser.add_argument("--tp", action="store_true", help=f"causal LMs at world {TP_WORLD} (gloo) vs world 1")
+    args = parser.parse_args()
+    if args.chunk:
+        run_chunk([tuple(r) for r in json.loads(args.chunk)], args.per_class, args.tp)
+        return
+    rows = model_classes(args.match.split(",") if args.match else None, causal_lm=args.tp)
+    print(f"{len(rows)} model classes", flush=True)
+    start = time.time()
+    results = run_all(rows, args.chunk_size, args.per_class,
+                      on_row=lambda r: print(f"  {r['outcome']:<22} {r['class']}", flush=True), tp=args.tp)
+    print(f"\n{len(results)} classes in {time.time() - start:.0f} s\n")
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Whole families of transformers models, each built small by the architecture sweep
+(benchmarks/sweep_architectures.py), saved in several shards, and loaded by lazyload into a
+meta model: every parameter and buffer, and the outputs, equal `from_pretrained`'s.
+
+A dozen families run by default; every class transformers ships runs with `-m slow`."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep_architectures.py"
+_spec = importlib.util.spec_from_file_location("sweep_architectures", _PATH)
+sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sweep)
+
+FAMILIES = [
+    "LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM",                        # decoder, tied head, encoder
+    "T5ForConditionalGeneration", "BartForConditionalGeneration",                    # encoder-decoder
+    "WhisperForConditionalGeneration", "ViTForImageClassification",                  # speech, vision
+    "Qwen2VLForConditionalGeneration",                                               # multimodal
+    "MambaForCausalLM", "JambaForCausalLM",                                          # state-space, hybrid
+    "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM",  # MoE
+]
+
+
+@pytest.fixture(scope="module")
+def classes():
+    return {cls: model_type for model_type, cls in sweep.model_classes()}
+
+
+def _check(model_type, cls, tmp_path):
+    row = sweep.sweep_one(model_type, cls, str(tmp_path))
+    assert row["outcome"] in ("exact", "from_pretrained fails"), f"{cls}: {row['outcome']}: {row['detail']}"
+    return row
+
+
+@pytest.mark.parametrize("cls", FAMILIES)
+def test_family_loads_exactly_as_from_pretrained(classes, cls, tmp_path):
+    row = _check(classes[cls], cls, tmp_path)
+    assert row["outcome"] == "exact"
+
+
+def test_sweep_tells_a_wrong_tensor_from_a_right_one(classes, tmp_path, monkeypatch):
+    """The comparison itself: a load that changes one value is reported as differing."""
+    import torch
+
+    from lazyload import LazyCheckpoint
+
+    load_into = LazyCheckpoint.load_into
+
+    def off_by_one(self, model, *args, **kwargs):
+        report = load_into(self, model, *args, **kwargs)
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] += 1
+        return report
+
+    monkeypatch.setattr(LazyCheckpoint, "load_into", off_by_one)
+    row = sweep.sweep_one(classes["LlamaForCausalLM"], "LlamaForCausalLM", str(tmp_path))
+    assert row["outcome"] == "differs", row
+
+
+@pytest.mark.slow
+def test_every_class_loads_as_from_pretrained(classes):
+    """The whole sweep: every class that from_pretrained loads, lazyload loads exactly."""
+    rows = sweep.run_all(sorted((t, c) for c, t in classes.items()), chunk=40, per_class=120)
+    failed = [r for r in rows if r["outcome"] not in ("exact", "no small config", "from_pretrained fails")]
+    assert not failed, sweep.format_table(rows)
