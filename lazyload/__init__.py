@@ -1,5 +1,6 @@
 """lazyload: load huge sharded safetensors checkpoints into PyTorch models, each rank
 reading only its own slices, with host memory bounded by about one layer."""
+from .auto import load_model
 from .checkpoint import LazyCheckpoint
 from .errors import (CheckpointError, DtypeError, LazyLoadError, MappingError, MetaBufferError, MissingKeysError,
                      PlanError, ReadError, ShapeMismatchError, UnexpectedKeysError)
@@ -8,7 +9,7 @@ from .plan import Placement
 from .report import LoadReport
 
 __all__ = [
-    "LazyCheckpoint", "LoadReport", "Placement", "TensorEntry",
+    "LazyCheckpoint", "load_model", "LoadReport", "Placement", "TensorEntry",
     "LazyLoadError", "CheckpointError", "MappingError", "MissingKeysError", "UnexpectedKeysError",
     "ShapeMismatchError", "DtypeError", "PlanError", "ReadError", "MetaBufferError",
 ]
