@@ -93,6 +93,9 @@ def main() -> int:
     model.eval()
     report = LazyCheckpoint(path).load_into(model, rank, world, progress=False)
     say(tagged(rank, report))
+    # Ranks of one node share its page cache (a strided span they all read is fetched once).
+    say(f"[rank {rank}] node {os.environ.get('GROUP_RANK', '0')}, ranks on this node: "
+        f"{os.environ.get('LOCAL_WORLD_SIZE', '1')}")
 
     if max(PROMPT) >= config.vocab_size:  # a sharded embedding maps unknown ids to zeros, silently
         raise SystemExit(f"the prompt's token ids must be < vocab_size {config.vocab_size}")
