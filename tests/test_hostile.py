@@ -1,0 +1,231 @@
+"""Hostile and malformed checkpoints: every bad header or index json is a CheckpointError
+naming the file (and key), raised while indexing, with no large allocation."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from safetensors import SafetensorError, safe_open
+
+from checkpoints import write_raw_safetensors
+from lazyload import LazyCheckpoint
+from lazyload.errors import CheckpointError
+from lazyload.index import CheckpointIndex
+
+
+def F32(shape, begin, end) -> dict:
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+def file_bytes(header, data: bytes = b"", *, length: int | None = None) -> bytes:
+    """A safetensors file: `header` is a JSON-able value or raw bytes; `length` overrides
+    the 8-byte header length."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def index(paths):
+    ckpt = LazyCheckpoint(paths)
+    ckpt.keys()
+    return ckpt
+
+
+def refused(path, *fragments: str) -> str:
+    """Indexing `path` raises a CheckpointError whose message names the file and `fragments`."""
+    with pytest.raises(CheckpointError) as e:
+        index(str(path))
+    msg = str(e.value)
+    assert Path(path).name in msg, msg
+    for fragment in fragments:
+        assert fragment in msg, msg
+    return msg
+
+
+def assert_tiles_the_file(path: str, idx: CheckpointIndex) -> None:
+    """An accepted file: every entry within the file, sizes agree with shapes, and in offset
+    order the entries cover the data exactly."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    end, size = 8 + n, os.path.getsize(path)
+    for e in sorted(idx.entries(), key=lambda e: (e.start, e.end)):
+        assert e.start == end and e.end <= size
+        assert e.nbytes == math.prod(e.shape) * e.itemsize
+        assert len(e.shape) <= 64 and all(type(d) is int and d >= 0 for d in e.shape)
+        end = e.end
+    assert end == size
+
+
+
+# --------------------------------------------------------------------- malformed files
+# id -> (file bytes, fragments the message must hold besides the file name)
+MALFORMED = {
+    "empty-file": (b"", ["too short"]),
+    "short-prefix": (b"\x01\x02\x03", ["too short"]),
+    "length-zero": (struct.pack("<Q", 0), ["header length 0"]),
+    "length-one": (file_bytes(b"{"), ["header length 1"]),
+    "length-past-eof": (file_bytes(b"{}", length=64), ["header length 64", "past the end"]),
+    "length-99MB-tiny-file": (file_bytes(b"{}", length=99_000_000), ["past the end"]),
+    "length-above-cap": (file_bytes(b"{}", length=200_000_000), ["implausible"]),
+    "length-max-u64": (file_bytes(b"{}", length=2**64 - 1), ["implausible"]),
+    "invalid-utf8": (file_bytes(b'{"w\xff": 1}'), ["not UTF-8"]),
+    "utf16-header": (file_bytes("{}".encode("utf-16-le")), ["not valid JSON"]),
+    "invalid-json": (file_bytes(b"not json"), ["not valid JSON"]),
+    "nul-after-json": (file_bytes(b"{}\0\0"), ["not valid JSON"]),
+    "nan-constant": (file_bytes(b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": NaN}}',
+                                b"\0" * 4), ["not valid JSON"]),
+    "deep-nesting": (file_bytes(b"[" * 100_000 + b"]" * 100_000), ["not valid JSON"]),
+    "top-level-list": (file_bytes([]), ["JSON list, not an object"]),
+    "top-level-string": (file_bytes("w"), ["JSON string"]),
+    "top-level-null": (file_bytes(None), ["JSON null"]),
+    "entry-list": (file_bytes({"w": [1, 2]}), ["'w'", "JSON list"]),
+    "entry-string": (file_bytes({"w": "F32"}), ["'w'", "JSON string"]),
+    "missing-data-offsets": (file_bytes({"w": {"dtype": "F32", "shape": [1]}}, b"\0" * 4), ["'w'", "data_offsets"]),
+    "missing-dtype": (file_bytes({"w": {"shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), ["'w'", "dtype"]),
+    "missing-shape": (file_bytes({"w": {"dtype": "F32", "data_offsets": [0, 4]}}, b"\0" * 4), ["'w'", "shape"]),
+    "dtype-list": (file_bytes({"w": {**F32([1], 0, 4), "dtype": ["F32"]}}, b"\0" * 4), ["'w'", "dtype ['F32']"]),
+    "dtype-unknown": (file_bytes({"w": {**F32([1], 0, 4), "dtype": "Q9"}}, b"\0" * 4), ["'w'", "Q9"]),
+    "dtype-lowercase": (file_bytes({"w": {**F32([1], 0, 4), "dtype": "f32"}}, b"\0" * 4), ["'w'", "f32"]),
+    "shape-int": (file_bytes({"w": F32(4, 0, 16)}, b"\0" * 16), ["'w'", "shape 4"]),
+    "shape-negative": (file_bytes({"w": F32([-1], 0, 0)}), ["'w'", "shape [-1]"]),
+    "shape-float": (file_bytes({"w": F32([1.0], 0, 4)}, b"\0" * 4), ["'w'", "shape [1.0]"]),
+    "shape-bool": (file_bytes({"w": F32([True], 0, 4)}, b"\0" * 4), ["'w'", "shape [True]"]),
+    "shape-string-dim": (file_bytes({"w": F32(["4"], 0, 16)}, b"\0" * 16), ["'w'", "shape ['4']"]),
+    "shape-rank-100000": (file_bytes({"w": F32([1] * 100_000, 0, 4)}, b"\0" * 4), ["'w'", "at most 64"]),
+    "shape-dim-2**64": (file_bytes({"w": F32([0, 2**64], 0, 0)}), ["'w'", "shape"]),
+    "shape-2**40-elements": (file_bytes({"w": F32([2**20, 2**20], 0, 4)}, b"\0" * 4), ["'w'", "needs 4398046511104"]),
+    "shape-size-mismatch": (file_bytes({"w": F32([3], 0, 8)}, b"\0" * 8), ["'w'", "spans 8 bytes", "needs 12"]),
+    "offsets-int": (file_bytes({"w": {**F32([1], 0, 4), "data_offsets": 4}}, b"\0" * 4), ["'w'", "data_offsets 4"]),
+    "offsets-three": (file_bytes({"w": {**F32([1], 0, 4), "data_offsets": [0, 4, 4]}}, b"\0" * 4),
+                      ["'w'", "data_offsets [0, 4, 4]"]),
+    "offsets-negative": (file_bytes({"w": F32([1], -4, 0)}, b"\0" * 4), ["'w'", "data_offsets [-4, 0]"]),
+    "offsets-bool": (file_bytes({"w": {"dtype": "U8", "shape": [1], "data_offsets": [False, True]}}, b"\0"),
+                     ["'w'", "data_offsets [False, True]"]),
+    "offsets-float": (file_bytes({"w": F32([1], 0, 4.0)}, b"\0" * 4), ["'w'", "data_offsets [0, 4.0]"]),
+    "offsets-reversed": (file_bytes({"w": F32([0], 8, 4)}, b"\0" * 8), ["'w'", "end before they begin"]),
+    "overlap": (file_bytes({"a": F32([2], 0, 8), "b": F32([1], 4, 8)}, b"\0" * 8), ["'a'", "'b'", "overlaps"]),
+    "same-range": (file_bytes({"a": F32([1], 0, 4), "b": F32([1], 0, 4)}, b"\0" * 4), ["'a'", "'b'", "overlaps"]),
+    "gap-between": (file_bytes({"a": F32([1], 0, 4), "b": F32([1], 8, 12)}, b"\0" * 12), ["'b'", "no gap"]),
+    "gap-at-start": (file_bytes({"a": F32([1], 4, 8)}, b"\0" * 8), ["'a'", "no gap"]),
+    "trailing-bytes": (file_bytes({"a": F32([1], 0, 4)}, b"\0" * 8), ["at the end of the file"]),
+    "out-of-file": (file_bytes({"w": F32([16], 0, 64)}, b"\0" * 8), ["'w'", "past the end of the file"]),
+    "duplicate-key": (file_bytes(b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+                                 b'"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', b"\0" * 8),
+                      ["'w'", "twice"]),
+    "duplicate-field": (file_bytes(b'{"w": {"dtype": "F32", "dtype": "F16", "shape": [1], "data_offsets": [0, 4]}}',
+                                   b"\0" * 4), ["'dtype'", "twice"]),
+    "duplicate-metadata": (file_bytes(b'{"__metadata__": {"a": "1"}, "__metadata__": {"a": "2"}}'),
+                           ["'__metadata__'", "twice"]),
+    "metadata-list": (file_bytes({"__metadata__": ["pt"]}), ["__metadata__"]),
+    "metadata-int-value": (file_bytes({"__metadata__": {"format": 1}}), ["__metadata__"]),
+    "metadata-nested": (file_bytes({"__metadata__": {"format": {"a": "b"}}}), ["__metadata__"]),
+    "surrogate-key": (file_bytes(b'{"w\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+                                 b"\0" * 4), ["surrogate"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_file_is_a_checkpoint_error(tmp_path, case):
+    raw, fragments = MALFORMED[case]
+    path = tmp_path / f"{case}.safetensors"
+    path.write_bytes(raw)
+    refused(path, *fragments)
+    with pytest.raises(CheckpointError):  # the class itself too, not only LazyCheckpoint
+        CheckpointIndex([str(path)])
+
+
+@pytest.mark.parametrize("case", ["gap-between", "trailing-bytes", "overlap", "duplicate-field",
+                                  "metadata-int-value", "nan-constant", "shape-dim-2**64"])
+def test_safetensors_refuses_them_too(tmp_path, case):
+    """The layout and type rules are safetensors' own, not stricter ones of lazyload."""
+    path = tmp_path / f"{case}.safetensors"
+    path.write_bytes(MALFORMED[case][0])
+    with pytest.raises(SafetensorError):
+        safe_open(str(path), "pt")
+
+
+# What safetensors accepts, lazyload accepts: unordered ranges, zero-size tensors sharing
+# an offset, extra fields, null metadata, whitespace around the JSON.
+ACCEPTED = {
+    "unordered-ranges": (file_bytes({"b": F32([1], 4, 8), "a": F32([1], 0, 4)}, b"\0" * 8), {"a", "b"}),
+    "empty-tensors-share-offset": (file_bytes({"a": F32([0], 0, 0), "b": F32([1], 0, 4), "c": F32([2, 0], 4, 4)},
+                                              b"\0" * 4), {"a", "b", "c"}),
+    "extra-field": (file_bytes({"w": {**F32([1], 0, 4), "comment": [1, None]}}, b"\0" * 4), {"w"}),
+    "metadata-null": (file_bytes({"__metadata__": None, "w": F32([1], 0, 4)}, b"\0" * 4), {"w"}),
+    "whitespace": (file_bytes(b'  {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}  ', b"\0" * 4),
+                   {"w"}),
+    "no-tensors": (file_bytes({"__metadata__": {"format": "pt"}}), set()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED))
+def test_what_safetensors_accepts_indexes(tmp_path, case):
+    raw, keys = ACCEPTED[case]
+    path = tmp_path / f"{case}.safetensors"
+    path.write_bytes(raw)
+    with safe_open(str(path), "pt") as f:
+        assert set(f.keys()) == keys
+    ckpt = index(str(path))
+    assert set(ckpt.keys()) == keys
+    assert_tiles_the_file(str(path), ckpt.index)
+
+
+# ------------------------------------------------------------------ not regular files
+
+def test_directory_fifo_and_broken_links_are_checkpoint_errors(tmp_path):
+    good = write_raw_safetensors(tmp_path / "good.safetensors", {"w": ("F32", [1], b"\0" * 4)})
+    (tmp_path / "adir.safetensors").mkdir()
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    os.symlink("nowhere.safetensors", tmp_path / "dangling.safetensors")
+    os.symlink("loop.safetensors", tmp_path / "loop.safetensors")
+    for name in ("adir", "pipe", "dangling", "loop"):
+        path = tmp_path / f"{name}.safetensors"
+        for paths in (str(path), [str(good), str(path)]):
+            with pytest.raises(CheckpointError) as e:
+                index(paths)
+            assert path.name in str(e.value), str(e.value)
+        with pytest.raises(CheckpointError) as e:  # the index reads the files it is given
+            CheckpointIndex([str(good), str(path)])
+        assert path.name in str(e.value), str(e.value)
+    with pytest.raises(CheckpointError) as e:  # a glob matching them all; adir sorts first
+        index(str(tmp_path / "*.safetensors"))
+    assert "adir.safetensors" in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------- bounded memory
+
+@pytest.mark.parametrize("case", ["length-99MB-tiny-file", "shape-2**40-elements", "length-above-cap"])
+def test_refused_without_large_allocation(tmp_path, case):
+    path = tmp_path / f"{case}.safetensors"
+    path.write_bytes(MALFORMED[case][0])
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError):
+            CheckpointIndex([str(path)])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak} bytes allocated to refuse a {path.stat().st_size}-byte file"
+
+
+def test_huge_shape_beyond_the_file_without_large_allocation(tmp_path):
+    """2**40 elements whose range claims 4 TiB of a tiny file."""
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(file_bytes({"w": F32([2**40], 0, 2**42)}, b"\0" * 16))
+    tracemalloc.start()
+    try:
+        msg = refused(path, "'w'", "past the end of the file")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20 and len(msg) < 1000
+
+
+def test_messages_stay_short_for_huge_values(tmp_path):
+    path = tmp_path / "long.safetensors"
+    path.write_bytes(file_bytes({"w": {**F32([1], 0, 4), "dtype": "X" * 1_000_000}}, b"\0" * 4))
+    assert len(refused(path, "'w'")) < 2000
