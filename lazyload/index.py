@@ -241,7 +241,7 @@ def _check_layout(path: str, entries: list[TensorEntry], data_start: int, size: 
 
 
 def resolve_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[str], str | None]:
-    """Turn a directory, a file, a glob or a list of files into (files, index json or None)."""
+    """Turn a directory, a file, an index json, a glob or a list of files into (files, index json or None)."""
     if isinstance(paths, (str, os.PathLike)):
         path = os.fspath(paths)
         if os.path.isdir(path):
@@ -252,6 +252,8 @@ def resolve_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tup
             if not files:
                 raise CheckpointError(f"{path}: directory holds no *.safetensors file and no {INDEX_JSON}.")
             return files, None
+        if os.path.isfile(path) and path.endswith(".index.json"):  # the checkpoint it indexes is meant
+            return _files_from_index_json(path), path
         if os.path.isfile(path):
             return [path], None
         files = sorted(glob.glob(path))
@@ -263,26 +265,46 @@ def resolve_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tup
         raise CheckpointError("an empty list of checkpoint files was given; pass at least one .safetensors file.")
     for f in files:
         if not os.path.isfile(f):
-            raise CheckpointError(f"{f}: no such file.")
+            raise CheckpointError(f"{f}: no such file (or not a regular file); pass .safetensors files.")
     return files, None
 
 
 def _files_from_index_json(index_json: str) -> list[str]:
-    weight_map = _weight_map(index_json)
     folder = os.path.dirname(index_json)
-    files = sorted({os.path.join(folder, name) for name in weight_map.values()})
+    files = sorted({os.path.join(folder, name) for name in _weight_map(index_json).values()})
     for f in files:
-        if not os.path.isfile(f):
-            raise CheckpointError(f"{index_json} names {os.path.basename(f)}, which is missing from {folder}.")
+        if not os.path.isfile(f):  # follows symlinks: the Hugging Face cache links shards into blobs/
+            raise CheckpointError(f"{index_json} names {os.path.relpath(f, folder or '.')}, which is missing "
+                                  f"from {folder or '.'} (or not a regular file).")
     return files
 
 
 def _weight_map(index_json: str) -> dict[str, str]:
-    try:
-        with open(index_json) as f:
-            return dict(json.load(f)["weight_map"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{index_json}: unreadable or has no 'weight_map' ({exc}).") from exc
+    """The index json's weight_map, key -> shard name, each name normalized and inside the
+    index json's directory (the name only: the file may be a symlink to anywhere)."""
+
+    def read(f: BinaryIO, size: int) -> bytes:
+        if size > _MAX_HEADER:
+            raise CheckpointError(f"{index_json}: {size} bytes, too big for an index json; it is not one.")
+        return f.read()
+
+    doc = _load_json(index_json, _read_regular(index_json, read), "index json")
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_json}: no 'weight_map' object (found {_short(weight_map)}); this is not a "
+                              "safetensors index json, re-download or re-save the checkpoint.")
+    return {key: _shard_name(index_json, key, name) for key, name in weight_map.items()}
+
+
+def _shard_name(index_json: str, key: str, name: Any) -> str:
+    """`name` normalized, refused unless a relative path that stays inside the directory."""
+    norm = os.path.normpath(name) if isinstance(name, str) and name and "\0" not in name else None
+    if (norm is None or not _is_utf8(key) or not _is_utf8(norm) or os.path.isabs(norm)
+            or norm in (os.curdir, os.pardir) or norm.startswith(os.pardir + os.sep)):
+        raise CheckpointError(f"{index_json}: weight_map entry {_short(key)} names {_short(name)}, which is not a "
+                              "file inside the index json's directory; shard names must be relative and stay "
+                              "inside it (fix or re-download the index json).")
+    return norm
 
 
 class CheckpointIndex:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import struct
 import tracemalloc
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import SafetensorError, safe_open
 
-from checkpoints import write_raw_safetensors
+from checkpoints import (assert_same_weights, build_model, copy_checkpoint, index_json, reference_model,
+                         shard_files, weight_map, write_raw_safetensors)
 from lazyload import LazyCheckpoint
 from lazyload.errors import CheckpointError
 from lazyload.index import CheckpointIndex
@@ -229,3 +232,107 @@ def test_messages_stay_short_for_huge_values(tmp_path):
     path = tmp_path / "long.safetensors"
     path.write_bytes(file_bytes({"w": {**F32([1], 0, 4), "dtype": "X" * 1_000_000}}, b"\0" * 4))
     assert len(refused(path, "'w'")) < 2000
+
+
+# ----------------------------------------------------------------------- index json
+
+def write_index_json(directory, doc) -> Path:
+    path = index_json(directory)
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return path
+
+
+INDEX_CASES = {
+    "not-json": ("{'weight_map': {}}", ["not valid JSON"]),
+    "top-level-list": ([], ["weight_map"]),
+    "no-weight-map": ({"metadata": {}}, ["weight_map"]),
+    "weight-map-list": ({"weight_map": [["a", "b"]]}, ["weight_map"]),
+    "name-not-string": ({"weight_map": {"w": 3}}, ["'w'", "3"]),
+    "name-empty": ({"weight_map": {"w": ""}}, ["'w'"]),
+    "name-null-byte": ({"weight_map": {"w": "a\0.safetensors"}}, ["'w'"]),
+    "parent-dir": ({"weight_map": {"w": "../x.safetensors"}}, ["'w'", "../x.safetensors"]),
+    "nested-parent-dir": ({"weight_map": {"w": "sub/../../x.safetensors"}}, ["'w'", "sub/../../x.safetensors"]),
+    "absolute-path": ({"weight_map": {"w": "/etc/passwd"}}, ["'w'", "/etc/passwd"]),
+    "directory-itself": ({"weight_map": {"w": "."}}, ["'w'"]),
+    "missing-file": ({"weight_map": {"w": "model-99999.safetensors"}}, ["model-99999.safetensors", "missing"]),
+    "duplicate-key": ('{"weight_map": {"w": "a.safetensors", "w": "b.safetensors"}}', ["'w'", "twice"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_CASES))
+def test_malformed_index_json(tmp_path, case):
+    doc, fragments = INDEX_CASES[case]
+    write_raw_safetensors(tmp_path / "a.safetensors", {"w": ("F32", [1], b"\0" * 4)})
+    path = write_index_json(tmp_path, doc)
+    for target in (tmp_path, path):
+        with pytest.raises(CheckpointError) as e:
+            index(str(target))
+        msg = str(e.value)
+        assert path.name in msg, msg
+        for fragment in fragments:
+            assert fragment in msg, msg
+
+
+def test_index_json_that_is_a_directory(tmp_path):
+    write_raw_safetensors(tmp_path / "a.safetensors", {"w": ("F32", [1], b"\0" * 4)})
+    index_json(tmp_path).mkdir()
+    with pytest.raises(CheckpointError) as e:
+        index(str(tmp_path))
+    assert index_json(tmp_path).name in str(e.value)
+
+
+def test_traversal_to_a_real_file_is_refused(tmp_path):
+    """`../` names a file that exists (a real shard outside the directory): still refused."""
+    outside = write_raw_safetensors(tmp_path / "outside.safetensors", {"w": ("F32", [1], b"\0" * 4)})
+    inner = tmp_path / "ckpt"
+    inner.mkdir()
+    for name in ("../outside.safetensors", str(outside)):
+        path = write_index_json(inner, {"weight_map": {"w": name}})
+        with pytest.raises(CheckpointError) as e:
+            index(str(inner))
+        assert path.name in str(e.value) and "'w'" in str(e.value) and name in str(e.value)
+
+
+def test_index_json_as_the_path_loads_its_checkpoint(checkpoint, monkeypatch):
+    directory, _ = checkpoint("llama", "fp32")
+    by_dir, by_json = index(str(directory)), index(str(index_json(directory)))
+    assert by_json.files == by_dir.files and by_json.keys() == by_dir.keys()
+    assert set(by_json.keys()) == set(weight_map(directory))
+    monkeypatch.chdir(directory)  # a bare name: its directory is the current one
+    assert index(index_json(directory).name).keys() == by_dir.keys()
+
+
+def test_shard_names_with_dot_segments_inside_the_directory(checkpoint, tmp_path):
+    """Normalized lexically, each shard is indexed once whatever way its name is spelled."""
+    directory, _ = checkpoint("llama", "fp32")
+    copy = copy_checkpoint(directory, tmp_path / "ckpt")
+    idx = json.loads(index_json(directory).read_text())
+    idx["weight_map"] = {k: (f"./sub/../{v}" if i % 2 else v) for i, (k, v) in enumerate(idx["weight_map"].items())}
+    write_index_json(copy, idx)
+    ckpt = index(str(copy))
+    assert ckpt.files == [str(f) for f in shard_files(copy)]
+    assert set(ckpt.keys()) == set(weight_map(directory))
+
+
+def hf_cache_layout(directory, root) -> Path:
+    """The Hugging Face cache: every file of the snapshot is a relative link into blobs/."""
+    repo = Path(root) / "models--tiny--llama"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(Path(directory).iterdir())):
+        blob = blobs / f"{i:064x}"  # named by sha256 in the real cache
+        shutil.copyfile(f, blob)
+        os.symlink(os.path.join("..", "..", "blobs", blob.name), snapshot / f.name)
+    return snapshot
+
+
+def test_hugging_face_cache_symlinks_load(checkpoint, tmp_path):
+    directory, config = checkpoint("llama", "fp32")
+    snapshot = hf_cache_layout(directory, tmp_path)
+    assert all(p.is_symlink() for p in snapshot.iterdir())
+    ref = reference_model("llama", directory, torch.float32)
+    for target in (snapshot, index_json(snapshot)):
+        model = build_model("llama", config, torch.float32)
+        LazyCheckpoint(str(target)).load_into(model, progress=False)
+        assert_same_weights(model, ref)
