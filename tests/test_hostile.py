@@ -7,17 +7,20 @@ import math
 import os
 import shutil
 import struct
+import tempfile
 import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from safetensors import SafetensorError, safe_open
 
 from checkpoints import (assert_same_weights, build_model, copy_checkpoint, index_json, reference_model,
                          shard_files, weight_map, write_raw_safetensors)
 from lazyload import LazyCheckpoint
-from lazyload.errors import CheckpointError
+from lazyload.errors import CheckpointError, LazyLoadError
 from lazyload.index import CheckpointIndex
 
 
@@ -336,3 +339,218 @@ def test_hugging_face_cache_symlinks_load(checkpoint, tmp_path):
         model = build_model("llama", config, torch.float32)
         LazyCheckpoint(str(target)).load_into(model, progress=False)
         assert_same_weights(model, ref)
+
+
+# ------------------------------------------------------------------------ fuzzing
+
+ST_NAMES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"]
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12)
+odd_dims = st.sampled_from([-1, 1.5, True, "2", None, 2**40, 2**64, [1]])
+odd_offsets = st.sampled_from([-1, 2.0, False, "0", None, 2**64, [0]])
+
+
+@st.composite
+def tensor_specs(draw):
+    """(name, dtype name, shape) of a few tensors, mostly valid."""
+    names = draw(st.lists(st.text(min_size=1, max_size=6).filter(lambda s: s != "__metadata__"),
+                          max_size=5, unique=True))
+    return [(n, draw(st.sampled_from(ST_NAMES)), draw(st.lists(st.integers(0, 4), max_size=3))) for n in names]
+
+
+@st.composite
+def structured_files(draw):
+    """File bytes from a valid layout with a few mutations applied, header built by json.dumps."""
+    header: dict = {}
+    if draw(st.booleans()):
+        header["__metadata__"] = draw(st.none() | st.dictionaries(st.text(max_size=5), st.text(max_size=5),
+                                                                  max_size=3))
+    offset = 0
+    for name, dt, shape in draw(tensor_specs()):
+        if draw(st.integers(0, 9)) == 0:  # now and then an overlap or a gap
+            offset = max(0, offset + draw(st.integers(-8, 8)))
+        n = math.prod(shape) * ITEMSIZE[dt]
+        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    data_delta, length_delta = 0, 0
+    for mutation in draw(st.lists(st.sampled_from(sorted(FILE_MUTATIONS) + sorted(ENTRY_MUTATIONS)), max_size=3)):
+        if mutation in FILE_MUTATIONS:
+            header, data_delta, length_delta = FILE_MUTATIONS[mutation](draw, header, data_delta, length_delta)
+            continue
+        keys = [k for k in header if k != "__metadata__"]
+        if keys:
+            key = draw(st.sampled_from(keys))
+            header[key] = ENTRY_MUTATIONS[mutation](draw, header[key])
+    # The data ends where the last range ends (so a gap or an overlap is not also a size error)
+    data_len = max(0, max((_offsets(v)[1] for v in header.values() if _is_range(v)), default=0) + data_delta)
+    raw = json.dumps(header).encode() + b" " * draw(st.integers(0, 7))
+    return struct.pack("<Q", max(0, len(raw) + length_delta)) + raw + b"\x5a" * data_len
+
+
+# (draw, header, data length delta, header length delta) -> the same three, mutated
+FILE_MUTATIONS = {
+    "data-short": lambda draw, h, n, d: (h, -draw(st.integers(1, 16)), d),
+    "data-long": lambda draw, h, n, d: (h, draw(st.integers(1, 16)), d),
+    "length-off": lambda draw, h, n, d: (h, n, draw(st.integers(-16, 16))),
+    "metadata-json": lambda draw, h, n, d: ({**h, "__metadata__": draw(json_values)}, n, d),
+    "reverse-order": lambda draw, h, n, d: (dict(reversed(list(h.items()))), n, d),
+}
+
+
+def _is_range(info) -> bool:
+    offsets = _offsets(info)
+    return all(type(x) is int for x in offsets) and 0 <= offsets[1] < 1 << 20
+
+
+def _with(info, field, value):
+    return {**info, field: value} if isinstance(info, dict) else info
+
+
+def _offsets(info) -> list:
+    offsets = info.get("data_offsets") if isinstance(info, dict) else None
+    return list(offsets) if isinstance(offsets, list) and len(offsets) == 2 else [0, 0]
+
+
+def _plus(x, n):
+    return x + n if type(x) is int else x  # an earlier mutation may have made it odd
+
+
+def _shifted(draw, info):
+    offsets = _offsets(info)
+    i = draw(st.integers(0, 1))
+    offsets[i] = _plus(offsets[i], draw(st.integers(-8, 8)))
+    return _with(info, "data_offsets", offsets)
+
+
+def _odd_offset(draw, info):
+    offsets = _offsets(info)
+    offsets[draw(st.integers(0, 1))] = draw(odd_offsets)
+    return _with(info, "data_offsets", offsets)
+
+
+def _dropped(draw, info):
+    if not (isinstance(info, dict) and info):
+        return info
+    field = draw(st.sampled_from(sorted(info)))
+    return {k: v for k, v in info.items() if k != field}
+
+
+def _shape(info) -> list:
+    shape = info.get("shape") if isinstance(info, dict) else None
+    return list(shape) if isinstance(shape, list) else []
+
+
+# (draw, one tensor's header entry) -> the entry, mutated
+ENTRY_MUTATIONS = {
+    "swap-offsets": lambda draw, info: _with(info, "data_offsets", _offsets(info)[::-1]),
+    "shift-offset": _shifted,
+    "odd-offset": _odd_offset,
+    "drop-field": _dropped,
+    "odd-dim": lambda draw, info: _with(info, "shape", [draw(odd_dims)] + _shape(info)[1:]),
+    "odd-dtype": lambda draw, info: _with(info, "dtype", draw(st.sampled_from(["Q9", "f32", "", 4, None, ["F32"]]))),
+    "entry-json": lambda draw, info: draw(json_values),
+    "shape-grow": lambda draw, info: _with(info, "shape", _shape(info) + [draw(st.integers(2, 2**40))]),
+    "many-dims": lambda draw, info: _with(info, "shape", [1] * draw(st.integers(0, 64))),
+    "rank-65": lambda draw, info: _with(info, "shape", [1] * 65),
+    "extra-field": lambda draw, info: _with(info, draw(st.sampled_from(["comment", "x", ""])), draw(json_values)),
+}
+
+
+@st.composite
+def byte_mutated_files(draw):
+    """A structured file with a few bytes overwritten, inserted or cut."""
+    raw = bytearray(draw(structured_files()))
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(raw)))
+        op = draw(st.sampled_from(["set", "insert", "cut"]))
+        if op == "set" and at < len(raw):
+            raw[at] = draw(st.integers(0, 255))
+        elif op == "insert":
+            raw[at:at] = draw(st.binary(min_size=1, max_size=4))
+        else:
+            del raw[at:at + draw(st.integers(1, 8))]
+    return bytes(raw)
+
+
+random_files = st.one_of(
+    st.binary(max_size=64),  # anything at all
+    st.builds(lambda n, body: struct.pack("<Q", n) + body,  # a random length before random bytes
+              st.integers(0, 2**64 - 1) | st.integers(0, 80), st.binary(max_size=64)),
+    st.builds(lambda v, pad: file_bytes(json.dumps(v).encode() + b" " * pad), json_values, st.integers(0, 3)),
+)
+
+
+def safetensors_opens(path: str) -> bool:
+    try:
+        with safe_open(path, "pt") as f:
+            f.keys()
+        return True
+    except Exception:
+        return False
+
+
+_FUZZ_DIR = tempfile.mkdtemp(prefix="lazyload-fuzz-")
+
+
+def fuzz_one(raw: bytes, compare: bool) -> None:
+    """Index `raw` as a file: a LazyLoadError or an index that tiles the file, nothing else.
+    With `compare`, lazyload accepts exactly what safetensors opens."""
+    path = os.path.join(_FUZZ_DIR, "f.safetensors")
+    with open(path, "wb") as f:
+        f.write(raw)
+    try:
+        idx = CheckpointIndex([path])
+    except LazyLoadError as exc:
+        assert "f.safetensors" in str(exc)
+        ok = False
+    else:
+        assert_tiles_the_file(path, idx)
+        ok = True
+    event("accepted" if ok else "refused")  # shown by --hypothesis-show-statistics
+    if compare:  # JSON-built headers: no "-0" or lone surrogate, which only Python's json reads
+        assert ok == safetensors_opens(path) or (not ok and shape_beyond_torch(raw)), \
+            "lazyload and safetensors disagree"
+
+
+def shape_beyond_torch(raw: bytes) -> bool:
+    """lazyload's one rule stricter than safetensors': a shape torch cannot make (over 64
+    dims, or a product of its non-zero dims past int64, e.g. [0, 2**40, 2**40])."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    shapes = [info["shape"] for k, info in header.items() if k != "__metadata__"]
+    return any(len(s) > 64 or math.prod(max(d, 1) for d in s) >= 2**63 for s in shapes)
+
+
+def fuzz_settings(n: int):
+    return settings(max_examples=n, deadline=1000, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@fuzz_settings(1000)
+@given(structured_files())
+def test_fuzz_structured_headers_agree_with_safetensors(raw):
+    fuzz_one(raw, compare=True)
+
+
+@fuzz_settings(1000)
+@given(byte_mutated_files() | random_files)
+def test_fuzz_random_bytes_only_raise_lazyload_errors(raw):
+    fuzz_one(raw, compare=False)
+
+
+@pytest.mark.slow
+@fuzz_settings(20_000)
+@given(structured_files())
+def test_fuzz_structured_headers_agree_with_safetensors_long(raw):
+    fuzz_one(raw, compare=True)
+
+
+@pytest.mark.slow
+@fuzz_settings(20_000)
+@given(byte_mutated_files() | random_files)
+def test_fuzz_random_bytes_only_raise_lazyload_errors_long(raw):
+    fuzz_one(raw, compare=False)
