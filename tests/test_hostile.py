@@ -530,13 +530,13 @@ def fuzz_settings(n: int):
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-@fuzz_settings(1000)
+@fuzz_settings(700)
 @given(structured_files())
 def test_fuzz_structured_headers_agree_with_safetensors(raw):
     fuzz_one(raw, compare=True)
 
 
-@fuzz_settings(1000)
+@fuzz_settings(700)
 @given(byte_mutated_files() | random_files)
 def test_fuzz_random_bytes_only_raise_lazyload_errors(raw):
     fuzz_one(raw, compare=False)
