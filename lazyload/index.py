@@ -10,10 +10,12 @@ import glob
 import json
 import math
 import os
+import reprlib
+import stat
 import struct
 from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -38,7 +40,14 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
         _DTYPES[_name] = getattr(torch, _attr)
 
 INDEX_JSON = "model.safetensors.index.json"
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+_MAX_HEADER = 100_000_000  # safetensors' own limit, in bytes; also caps an index json
+_MAX_RANK = 64  # far above any real tensor; refuses shapes of 100000 dims
+_MAX_INT64 = 2**63 - 1  # torch sizes and strides are int64
+
+_repr = reprlib.Repr()  # hostile values (a 100000-dim shape, a 1 MB string) stay short in messages
+_repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxlong = 8, 4, 200, 40
+_short = _repr.repr
+_CORRUPT = "the file is corrupt or not safetensors; re-download or re-save it."
 
 
 @dataclass(frozen=True)
@@ -61,56 +70,179 @@ class TensorEntry:
         return self.dtype.itemsize
 
 
-def read_header(path: str) -> tuple[dict, int]:
-    """Return (header dict, data start offset) of one safetensors file."""
+T = TypeVar("T")
+
+
+def _read_regular(path: str, read: Callable[[BinaryIO, int], T]) -> T:
+    """read(f, size) on `path`; OSError and anything but a regular file (a FIFO would
+    block, a directory has no bytes) become CheckpointError."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CheckpointError(f"{path}: too short to be a safetensors file ({len(raw)} bytes); "
-                                      "re-download or re-save it.")
-            (length,) = struct.unpack("<Q", raw)
-            if length > _MAX_HEADER:
-                raise CheckpointError(f"{path}: header length {length} is implausible; the file is not "
-                                      "safetensors or is corrupt.")
-            text = f.read(length)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens without waiting
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointError(f"{path}: not a regular file; point lazyload at .safetensors files "
+                                      "or the directory holding them.")
+            return read(f, info.st_size)
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror}); check the path and permissions.") from exc
-    if len(text) != length:
-        raise CheckpointError(f"{path}: truncated header ({len(text)} of {length} bytes); the file is incomplete.")
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc}); check the path and permissions.") from exc
+
+
+def _unique_keys(path: str, pairs: list[tuple[str, Any]]) -> dict:
+    """object_pairs_hook: json.loads would silently keep the last of two equal keys."""
+    obj: dict = {}
+    for key, value in pairs:
+        if key in obj:
+            raise CheckpointError(f"{path}: key {_short(key)} appears twice in one JSON object (a tensor or field "
+                                  "given twice; which one is meant is unknowable); re-download or re-save it.")
+        obj[key] = value
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN/Infinity; safetensors does not
+
+
+def _load_json(path: str, raw: bytes, what: str) -> Any:
+    """Parse `raw` as strict JSON: UTF-8 (json.loads would also guess UTF-16/32), no
+    NaN/Infinity, no repeated key in an object."""
     try:
-        header = json.loads(text)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: header is not valid JSON ({exc}); the file is not safetensors.") from exc
-    return header, 8 + length
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=lambda pairs: _unique_keys(path, pairs),
+                          parse_constant=_no_constant)
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: {what} is not UTF-8 ({exc.reason} at byte {exc.start}); the file is "
+                              "corrupt, re-download or re-save it.") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting thousands deep
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({_short(str(exc))}); the file is corrupt, "
+                              "re-download or re-save it.") from exc
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _is_utf8(text: str) -> bool:
+    """False for strings holding lone surrogates (JSON escapes like \\ud800), which cannot be printed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def read_header(path: str) -> tuple[dict, int, int]:
+    """Return (header dict, data start offset, file size) of one safetensors file."""
+
+    def read(f: BinaryIO, size: int) -> tuple[bytes, int]:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path}: too short to be a safetensors file ({len(raw)} bytes); "
+                                  "re-download or re-save it.")
+        (length,) = struct.unpack("<Q", raw)
+        if not 2 <= length <= _MAX_HEADER:  # "{}" is the smallest header
+            raise CheckpointError(f"{path}: header length {length} is implausible; {_CORRUPT}")
+        if 8 + length > size:  # checked before reading: a tiny file may claim a 99 MB header
+            raise CheckpointError(f"{path}: header length {length} runs past the end of the file ({size} bytes); "
+                                  "the file is truncated or not safetensors.")
+        text = f.read(length)
+        if len(text) != length:
+            raise CheckpointError(f"{path}: truncated header ({len(text)} of {length} bytes); the file changed "
+                                  "while being read.")
+        return text, size
+
+    text, size = _read_regular(path, read)
+    header = _load_json(path, text, "header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {_json_type(header)}, not an object; {_CORRUPT}")
+    return header, 8 + len(text), size
 
 
 def _entries_of_file(path: str) -> tuple[list[TensorEntry], int]:
-    header, data_start = read_header(path)
-    size = os.path.getsize(path)
-    entries = []
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {key!r} has dtype {info.get('dtype')!r}, which lazyload "
-                                  f"cannot read (known: {', '.join(sorted(_DTYPES))}); convert the checkpoint.")
-        shape = tuple(int(d) for d in info["shape"])
-        begin, stop = (int(x) for x in info["data_offsets"])
-        start, end = data_start + begin, data_start + stop
-        if stop - begin != math.prod(shape) * dtype.itemsize:
-            raise CheckpointError(f"{path}: tensor {key!r} spans {stop - begin} bytes but shape {list(shape)} "
-                                  f"of {info['dtype']} needs {math.prod(shape) * dtype.itemsize}; the file is corrupt.")
-        if end > size:
-            raise CheckpointError(f"{path}: tensor {key!r} ends at byte {end}, past the end of the file "
-                                  f"({size} bytes); the file is truncated.")
-        entries.append(TensorEntry(path, key, dtype, shape, start, end))
+    header, data_start, size = read_header(path)
+    _check_metadata(path, header.get("__metadata__"))
+    entries = [_entry(path, key, info, data_start) for key, info in header.items() if key != "__metadata__"]
+    _check_layout(path, entries, data_start, size)
     return entries, data_start
 
 
+def _check_metadata(path: str, metadata: Any) -> None:
+    """safetensors allows null or an object of strings."""
+    if metadata is None:
+        return
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) and _is_utf8(k) and _is_utf8(v)
+                                               for k, v in metadata.items())):
+        raise CheckpointError(f"{path}: __metadata__ is {_short(metadata)}, not an object of strings; "
+                              f"safetensors refuses it too, {_CORRUPT}")
+
+
+def _is_size(value: Any) -> bool:
+    """A non-negative int (bool is an int in Python, not in JSON)."""
+    return type(value) is int and value >= 0
+
+
+def _is_shape(shape: Any) -> bool:
+    """torch refuses sizes whose product (zeros aside: they still count in strides) passes
+    int64, e.g. [0, 2**40, 2**40]; no real tensor has more than a handful of dims."""
+    return (isinstance(shape, list) and len(shape) <= _MAX_RANK and all(_is_size(d) for d in shape)
+            and math.prod(max(d, 1) for d in shape) <= _MAX_INT64)
+
+
+def _entry(path: str, key: str, info: Any, data_start: int) -> TensorEntry:
+    """One tensor's header entry, every field type-checked: the header is untrusted input."""
+    where = f"{path}: tensor {_short(key)}"
+    if not _is_utf8(key):
+        raise CheckpointError(f"{where}: the name holds an unpaired UTF-16 surrogate; {_CORRUPT}")
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where} is described by a JSON {_json_type(info)}, not an object with dtype, "
+                              f"shape and data_offsets; {_CORRUPT}")
+    missing = [field for field in ("dtype", "shape", "data_offsets") if field not in info]
+    if missing:
+        raise CheckpointError(f"{where} has no {' or '.join(missing)}; {_CORRUPT}")
+    name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise CheckpointError(f"{where} has dtype {_short(name)}, which lazyload cannot read "
+                              f"(known: {', '.join(sorted(_DTYPES))}); convert the checkpoint.")
+    if not _is_shape(shape):
+        raise CheckpointError(f"{where} has shape {_short(shape)}; lazyload takes a list of at most {_MAX_RANK} "
+                              f"non-negative integers whose product, zeros aside, fits torch's int64 sizes; {_CORRUPT}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(x) for x in offsets)):
+        raise CheckpointError(f"{where} has data_offsets {_short(offsets)}; they must be two non-negative "
+                              f"integers [begin, end]; {_CORRUPT}")
+    begin, stop = offsets
+    if begin > stop:
+        raise CheckpointError(f"{where} has data_offsets [{begin}, {stop}], which end before they begin; {_CORRUPT}")
+    needed = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+    if stop - begin != needed:
+        raise CheckpointError(f"{where} spans {stop - begin} bytes but shape {_short(shape)} of {name} needs "
+                              f"{needed}; {_CORRUPT}")
+    return TensorEntry(path, key, dtype, tuple(shape), data_start + begin, data_start + stop)
+
+
+def _check_layout(path: str, entries: list[TensorEntry], data_start: int, size: int) -> None:
+    """safetensors' own rule: in offset order the tensors tile the data exactly, from the
+    header's end to the file's end: no byte past the end, no overlap, no gap."""
+    last = max(entries, key=lambda e: e.end, default=None)
+    if last is not None and last.end > size:
+        raise CheckpointError(f"{path}: tensor {_short(last.key)} ends at byte {last.end}, past the end of the file "
+                              f"({size} bytes); the file is truncated (re-download it).")
+    end, prev = data_start, None
+    for e in sorted(entries, key=lambda e: (e.start, e.end)):
+        if e.start < end:
+            raise CheckpointError(f"{path}: tensor {_short(e.key)} (bytes {e.start}..{e.end}) overlaps tensor "
+                                  f"{_short(prev.key)} (bytes {prev.start}..{prev.end}); {_CORRUPT}")
+        if e.start > end:
+            raise CheckpointError(f"{path}: bytes {end}..{e.start} before tensor {_short(e.key)} belong to no tensor "
+                                  f"(safetensors allows no gap); {_CORRUPT}")
+        end, prev = e.end, e
+    if end != size:
+        raise CheckpointError(f"{path}: bytes {end}..{size} at the end of the file belong to no tensor "
+                              f"(safetensors allows none); {_CORRUPT}")
+
+
 def resolve_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[str], str | None]:
-    """Turn a directory, a file, a glob or a list of files into (files, index json or None)."""
+    """Turn a directory, a file, an index json, a glob or a list of files into (files, index json or None)."""
     if isinstance(paths, (str, os.PathLike)):
         path = os.fspath(paths)
         if os.path.isdir(path):
@@ -121,6 +253,8 @@ def resolve_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tup
             if not files:
                 raise CheckpointError(f"{path}: directory holds no *.safetensors file and no {INDEX_JSON}.")
             return files, None
+        if os.path.isfile(path) and path.endswith(".index.json"):  # the checkpoint it indexes is meant
+            return _files_from_index_json(path), path
         if os.path.isfile(path):
             return [path], None
         files = sorted(glob.glob(path))
@@ -132,26 +266,46 @@ def resolve_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tup
         raise CheckpointError("an empty list of checkpoint files was given; pass at least one .safetensors file.")
     for f in files:
         if not os.path.isfile(f):
-            raise CheckpointError(f"{f}: no such file.")
+            raise CheckpointError(f"{f}: no such file (or not a regular file); pass .safetensors files.")
     return files, None
 
 
 def _files_from_index_json(index_json: str) -> list[str]:
-    weight_map = _weight_map(index_json)
     folder = os.path.dirname(index_json)
-    files = sorted({os.path.join(folder, name) for name in weight_map.values()})
+    files = sorted({os.path.join(folder, name) for name in _weight_map(index_json).values()})
     for f in files:
-        if not os.path.isfile(f):
-            raise CheckpointError(f"{index_json} names {os.path.basename(f)}, which is missing from {folder}.")
+        if not os.path.isfile(f):  # follows symlinks: the Hugging Face cache links shards into blobs/
+            raise CheckpointError(f"{index_json} names {os.path.relpath(f, folder or '.')}, which is missing "
+                                  f"from {folder or '.'} (or not a regular file).")
     return files
 
 
 def _weight_map(index_json: str) -> dict[str, str]:
-    try:
-        with open(index_json) as f:
-            return dict(json.load(f)["weight_map"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{index_json}: unreadable or has no 'weight_map' ({exc}).") from exc
+    """The index json's weight_map, key -> shard name, each name normalized and inside the
+    index json's directory (the name only: the file may be a symlink to anywhere)."""
+
+    def read(f: BinaryIO, size: int) -> bytes:
+        if size > _MAX_HEADER:
+            raise CheckpointError(f"{index_json}: {size} bytes, too big for an index json; it is not one.")
+        return f.read()
+
+    doc = _load_json(index_json, _read_regular(index_json, read), "index json")
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_json}: no 'weight_map' object (found {_short(weight_map)}); this is not a "
+                              "safetensors index json, re-download or re-save the checkpoint.")
+    return {key: _shard_name(index_json, key, name) for key, name in weight_map.items()}
+
+
+def _shard_name(index_json: str, key: str, name: Any) -> str:
+    """`name` normalized, refused unless a relative path that stays inside the directory."""
+    norm = os.path.normpath(name) if isinstance(name, str) and name and "\0" not in name else None
+    if (norm is None or not _is_utf8(key) or not _is_utf8(norm) or os.path.isabs(norm)
+            or norm in (os.curdir, os.pardir) or norm.startswith(os.pardir + os.sep)):
+        raise CheckpointError(f"{index_json}: weight_map entry {_short(key)} names {_short(name)}, which is not a "
+                              "file inside the index json's directory; shard names must be relative and stay "
+                              "inside it (fix or re-download the index json).")
+    return norm
 
 
 class CheckpointIndex(MappingABC):
