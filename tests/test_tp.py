@@ -93,12 +93,15 @@ def test_plan_overrides_in_transformers_format_and_placements(checkpoint):
     directory, config = checkpoint("llama")
     full = full_model("llama", directory, config)
     model = build_model("llama", config, torch.float32)
-    plan = {"layers.*.mlp.down_proj": "rowwise", "model.norm.weight": Placement("shard", 0)}
+    plan = {"layers.*.mlp.down_proj": "rowwise", "model.norm.weight": Placement("shard", 0),
+            "layers.*.mlp.gate_proj": "replicate"}
     LazyCheckpoint(str(directory)).load_into(model, 1, 2, plan=plan, progress=False)
     assert torch.equal(model.model.layers[2].mlp.down_proj.weight, full["model.layers.2.mlp.down_proj.weight"].chunk(2, 1)[1])
     assert torch.equal(model.model.norm.weight, full["model.norm.weight"].chunk(2, 0)[1])
-    # plan= is the whole plan: what it does not name stays replicated
-    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, full["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(model.model.layers[0].mlp.gate_proj.weight, full["model.layers.0.mlp.gate_proj.weight"])
+    # plan= overrides entries of the model's own plan: what it does not name follows the model's plan
+    q = full["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, q.chunk(2, 0)[1])
 
 
 @pytest.mark.parametrize("overrides,world,match", [
