@@ -150,8 +150,9 @@ def test_plan_cli_per_rank_bytes(checkpoint, capsys):
     assert len(ranks) == 4 and any("KV heads replicated" in w for w in warnings)
     assert main(["plan", str(directory), "--world", "4"]) == 0
     assert "KV heads replicated" in capsys.readouterr().out
-    ranks8, warnings8 = plan_ranks(str(directory), 8)
-    assert not ranks8 and "attention heads" in warnings8[0]
+    with pytest.raises(PlanError, match="attention heads"):  # unplannable: an error, exit 2 from the CLI
+        plan_ranks(str(directory), 8)
+    assert main(["plan", str(directory), "--world", "8"]) == 2
 
 
 # ------------------------------------------------------------------ bytes actually read
