@@ -48,6 +48,8 @@ def initial_values(model: nn.Module, names: list[str], slots: dict[str, Slot],
     """name -> this rank's local tensor, set by the model's own init. The module's other
     tensors are meta stand-ins meanwhile (nothing loaded is touched, nothing is copied),
     and the module gets its own tensors back afterwards."""
+    if not names:
+        return {}
     by_module: dict[str, list[str]] = defaultdict(list)
     for name in names:
         by_module[name.rpartition(".")[0]].append(name)

@@ -119,7 +119,8 @@ def _tied_aliases(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
     computing with a replicated tied weight gets no TP hook (transformers' from_pretrained
     ties after sharding, with the same result). Returns alias -> source, to re-tie."""
     _, aliases = model_slots(model)
-    aliases = {a: s for a, s in aliases.items() if isinstance(_get(model, a), nn.Parameter)}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    aliases = {a: s for a, s in aliases.items() if a in params and s in params}
     for alias, source in aliases.items():
         style, source_style = expanded.pop(alias, None), expanded.get(source)
         if source_style is None:
@@ -127,7 +128,7 @@ def _tied_aliases(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
             if module_name in expanded and expanded[module_name] not in ("replicate", "replicated"):
                 del expanded[module_name]
         elif style is not None:
-            ndim = _get(model, source).ndim
+            ndim = params[source].ndim
             if style_placement(style, alias, ndim) != style_placement(source_style, source, ndim):
                 raise PlanError(f"{alias} is tied to {source}, but the plan splits them differently ({style!r} vs "
                                 f"{source_style!r}); give both the same split in plan=, or untie them "
