@@ -166,7 +166,14 @@ def check_plan(model: nn.Module, plan: Any) -> None:
     prefix = getattr(model, "base_model_prefix", "") or ""
     names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters(remove_duplicate=False)]
     names += [n for n, _ in model.named_buffers()]
-    unmatched = [k for k in plan if not StylePlan({k: None}, prefix).matches_any(names)]
+    known = set(names)
+
+    def matches(key: str) -> bool:
+        if "*" not in key:  # an exact name: a set lookup, not a scan (plans may name every tensor)
+            return key in known or f"{prefix}.{key}" in known
+        return StylePlan({key: None}, prefix).matches_any(names)
+
+    unmatched = [k for k in plan if not matches(k)]
     if unmatched:
         example = next((n for n in names if re.search(r"\.\d+\.", n)), names[0] if names else "")
         raise PlanError(f"plan= entries match no module or parameter of {type(model).__name__}: "
