@@ -70,6 +70,8 @@ def remove_checkpoint(ckpt_dir):
     if os.path.exists(os.path.join(ckpt_dir, MARKER)):
         shutil.rmtree(ckpt_dir)
         print(f"removed {ckpt_dir}", file=sys.stderr)
+    with contextlib.suppress(OSError):  # the cache folder too, once nothing is left in it
+        os.rmdir(CACHE_DIR)
 
 
 def llama_config(shape):
