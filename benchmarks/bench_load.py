@@ -256,6 +256,7 @@ def parse_args():
     parser.add_argument("--loaders", default=",".join(LOADERS), help="comma separated subset of " + ",".join(LOADERS))
     parser.add_argument("--cache", default="warm,cold", help="warm, cold or both (cold drops the page cache: root)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per case; the table shows medians")
+    common.add_clean_flag(parser)
     args = parser.parse_args()
     args.ckpt_dir = args.ckpt_dir or common.default_ckpt_dir(args.layers, args.quick)
     return args
@@ -283,6 +284,8 @@ def main():
         for dtype_name in ARGS.cases.split(","):
             run_case(dtype_name.strip(), cache, loaders, shape["num_hidden_layers"])
     print(f"\nat the end: {load_average()}")
+    if ARGS.clean:
+        common.remove_checkpoint(ARGS.ckpt_dir)
 
 
 ARGS = None

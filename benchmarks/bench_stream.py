@@ -1,7 +1,8 @@
 """Streaming engine benchmark: lazyload's readers against the peers and against the machine.
 
 On a >= 4 GB bf16 Llama checkpoint (default 44 layers of the hidden-2048 shape, ~4.1 GB,
-written once into /work/bench_ckpt4), warm and cold page cache, each case in a fresh process
+written once into common.default_ckpt_dir(44), under the system temp directory, or --ckpt-dir),
+warm and cold page cache, each case in a fresh process
 (common.run_isolated):
 
   lazyload mmap / pread   LazyCheckpoint(dir).load_into(meta model, reader=...)
@@ -34,7 +35,6 @@ import bench_load  # noqa: E402  (the peers' cases)
 import common  # noqa: E402
 from common import CaseSkipped, MiB  # noqa: E402
 
-DEFAULT_DIR = "/work/bench_ckpt4"
 DEFAULT_LAYERS = 44
 SMALL_DIR = common.default_ckpt_dir(None, True)  # ~200 MB, for warming the libraries
 
@@ -218,9 +218,10 @@ def main():
     parser.add_argument("--loaders", default=",".join(CASES))
     parser.add_argument("--no-amplification", action="store_true")
     parser.add_argument("--repeat", type=int, default=3, help="rounds over the cases; the tables show medians")
+    common.add_clean_flag(parser)
     args = parser.parse_args()
     layers = None if args.quick else args.layers
-    ckpt_dir = args.ckpt_dir or (common.default_ckpt_dir(None, True) if args.quick else DEFAULT_DIR)
+    ckpt_dir = args.ckpt_dir or common.default_ckpt_dir(layers, args.quick)
     common.write_llama_checkpoint(ckpt_dir, layers, args.quick)
     common.write_llama_checkpoint(SMALL_DIR, None, True)
     files = common.shard_files(ckpt_dir)
@@ -273,6 +274,9 @@ def main():
                       f"(one layer {one_layer / MiB:,.0f} MiB)")
     if not args.no_amplification and "cold" in caches:
         amplification(ckpt_dir, args.dtype)
+    if args.clean:
+        common.remove_checkpoint(ckpt_dir)
+        common.remove_checkpoint(SMALL_DIR)
 
 
 def amplification(ckpt_dir, dtype):

@@ -292,6 +292,7 @@ def parse_args():
     parser.add_argument("--loader", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--checksum-names", default="", help=argparse.SUPPRESS)
+    common.add_clean_flag(parser)
     args = parser.parse_args()
     args.ckpt_dir = args.ckpt_dir or common.default_ckpt_dir(None, args.quick)
     return args
@@ -347,6 +348,8 @@ def main():
         check_checksums(results)
         print_targets(results, total)
     print(f"\nat the end: {load_average()}")
+    if args.clean:
+        common.remove_checkpoint(args.ckpt_dir)
 
 
 if __name__ == "__main__":

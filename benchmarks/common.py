@@ -1,12 +1,15 @@
 """Shared pieces of the lazyload benchmarks.
 
-- a Llama-shaped checkpoint written by transformers' ``save_pretrained`` (cached on disk),
+- a Llama-shaped checkpoint written by transformers' ``save_pretrained``, cached under the
+  system temp directory (``CACHE_DIR``) or a ``--ckpt-dir`` of your choice, so that reruns
+  skip the write; ``--clean`` (on any benchmark) deletes it after the run,
 - a memory sampler reading ``/proc/self/status`` every few milliseconds,
 - ``run_isolated``: one measured case per fresh Python process, result as JSON,
 - table cells (MiB, ratios against a row measured in the same run).
 
 Run ``python benchmarks/common.py --write-checkpoint [--layers N | --quick]`` to only
-write the checkpoint (e.g. in the background before a benchmark).
+write the checkpoint (e.g. in the background before a benchmark), and
+``python benchmarks/common.py --clean`` to delete every cached one.
 """
 
 import argparse
@@ -14,16 +17,19 @@ import contextlib
 import importlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 MiB = 1024 * 1024
 PAGE = 4096
 MARKER = ".bench_complete.json"
-DEFAULT_CKPT_DIR = "/work/bench_ckpt"
+CACHE_DIR = os.path.join(tempfile.gettempdir(), "lazyload-bench")
+DEFAULT_CKPT_DIR = os.path.join(CACHE_DIR, "llama")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -50,6 +56,22 @@ def default_ckpt_dir(layers=None, quick=False):
     if layers is None or layers == FULL_SHAPE["num_hidden_layers"]:
         return DEFAULT_CKPT_DIR
     return f"{DEFAULT_CKPT_DIR}_L{layers}"
+
+
+def add_clean_flag(parser):
+    parser.add_argument("--clean", action="store_true",
+                        help="delete the checkpoints this benchmark wrote once it is done (default: keep them in "
+                             f"{CACHE_DIR} or --ckpt-dir, so that the next run skips the write)")
+
+
+def remove_checkpoint(ckpt_dir):
+    """Delete a checkpoint directory written by ``write_llama_checkpoint`` (it holds the
+    marker file); anything else is left alone."""
+    if os.path.exists(os.path.join(ckpt_dir, MARKER)):
+        shutil.rmtree(ckpt_dir)
+        print(f"removed {ckpt_dir}", file=sys.stderr)
+    with contextlib.suppress(OSError):  # the cache folder too, once nothing is left in it
+        os.rmdir(CACHE_DIR)
 
 
 def llama_config(shape):
@@ -387,6 +409,7 @@ def main():
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write-checkpoint", action="store_true", help="write the checkpoint and exit")
+    parser.add_argument("--clean", action="store_true", help=f"delete every checkpoint cached in {CACHE_DIR}")
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--quick", action="store_true")
@@ -394,6 +417,9 @@ def main():
     if args.write_checkpoint:
         ckpt_dir = args.ckpt_dir or default_ckpt_dir(args.layers, args.quick)
         print(write_llama_checkpoint(ckpt_dir, args.layers, args.quick))
+    elif args.clean:
+        for name in sorted(os.listdir(CACHE_DIR)) if os.path.isdir(CACHE_DIR) else []:
+            remove_checkpoint(os.path.join(CACHE_DIR, name))
     else:
         parser.print_help()
 

@@ -1,7 +1,7 @@
 """GPU check of the streaming engine, in one short run (< 5 minutes on an H200).
 
 1. Writes a ~1.3 GB bf16 Llama-shaped checkpoint (hidden 2048, 12 layers) to local disk
-   (once; --ckpt-dir, default /tmp/lazyload_gpu_ckpt).
+   (once; --ckpt-dir, default under the system temp directory, see common.default_ckpt_dir).
 2. Loads it on the CPU (pread reader): the reference, bf16 and bf16 -> fp16.
 3. Loads it to CUDA with the pread reader (pinned staging, a CUDA stream per worker, raw
    bytes copied over PCIe then cast on the device), bf16 and bf16 -> fp16, and checks every
@@ -97,7 +97,7 @@ def pinned_copy_rate(nbytes, repeat=3):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt-dir", default="/tmp/lazyload_gpu_ckpt")
+    parser.add_argument("--ckpt-dir", default=None, help="default: common.default_ckpt_dir(layers)")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--cpu-smoke", action="store_true", help="without CUDA: run the CPU pieces on a small checkpoint")
     args = parser.parse_args()
@@ -109,7 +109,7 @@ def main():
         print("gpu_check: no CUDA device here; nothing to check (run with --cpu-smoke to exercise the CPU pieces).")
         return 0
     quick = not cuda
-    ckpt_dir = common.default_ckpt_dir(None, True) if quick else args.ckpt_dir
+    ckpt_dir = common.default_ckpt_dir(None, True) if quick else args.ckpt_dir or common.default_ckpt_dir(args.layers)
     common.write_llama_checkpoint(ckpt_dir, None if quick else args.layers, quick)
     files = common.shard_files(ckpt_dir)
     nbytes = sum(os.path.getsize(f) for f in files)

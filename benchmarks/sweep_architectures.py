@@ -287,7 +287,8 @@ def sweep_tp_one(model_type: str, class_name: str, workdir: str) -> dict:
     LazyCheckpoint(directory).load_into(model.eval(), progress=False)
     with torch.no_grad():
         want = model(input_ids=_prompt(config)).logits
-    out_dir = tempfile.mkdtemp(dir=workdir)
+    out_dir = os.path.join(workdir, f"{class_name}-tp")  # inside the chunk's temporary directory
+    os.makedirs(out_dir)
     init_file = os.path.join(out_dir, "init")
     mp.start_processes(_tp_rank, args=(TP_WORLD, init_file, directory, class_name, out_dir), nprocs=TP_WORLD,
                        start_method="spawn")

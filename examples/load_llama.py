@@ -3,8 +3,8 @@
     python examples/load_llama.py [CHECKPOINT_DIR]
 
 Without a directory, a small real Llama checkpoint (random weights, several shards) is
-written by transformers' save_pretrained first. The loaded model is checked against
-transformers' from_pretrained and the report is printed.
+written by transformers' save_pretrained into a temporary directory, removed at the end.
+The loaded model is checked against transformers' from_pretrained and the report is printed.
 """
 from __future__ import annotations
 
@@ -27,7 +27,15 @@ def write_example_checkpoint(directory: str) -> str:
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else write_example_checkpoint(tempfile.mkdtemp(prefix="lazyload-llama-"))
+    if len(sys.argv) > 1:
+        sys.exit(check(sys.argv[1]))
+    with tempfile.TemporaryDirectory(prefix="lazyload-llama-") as directory:
+        status = check(write_example_checkpoint(directory))
+    sys.exit(status)
+
+
+def check(path: str) -> int:
+    """Load `path` lazily and compare with from_pretrained; 0 when the logits are identical."""
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -42,7 +50,7 @@ def main() -> None:
     with torch.no_grad():
         same = torch.equal(model(tokens).logits, reference(tokens).logits)
     print(f"logits identical to from_pretrained: {same}")
-    sys.exit(0 if same else 1)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ that makes the model tensor parallel (DTensor, transformers' TP plan) and fills 
 rank's shard. Each rank then greedy-generates a few tokens from a fixed prompt.
 
 Without a directory, rank 0 first writes a small real Llama checkpoint (random weights,
-bf16, several shards) with transformers' save_pretrained; the other ranks wait at a barrier.
+bf16, several shards) with transformers' save_pretrained into a temporary directory (removed
+at the end); the other ranks wait at a barrier.
 
 Rank 0 also loads the checkpoint with transformers' from_pretrained (world 1) and generates
 from the same prompt. The script exits non-zero unless every rank produced exactly the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 
@@ -82,8 +84,9 @@ def main() -> int:
 
     # The checkpoint: given, or written by rank 0 while the others wait.
     path = [args.checkpoint]
+    written = None
     if path[0] is None and rank == 0:
-        path[0] = write_example_checkpoint(tempfile.mkdtemp(prefix="lazyload-tp-"))
+        written = path[0] = write_example_checkpoint(tempfile.mkdtemp(prefix="lazyload-tp-"))
     dist.broadcast_object_list(path, src=0)  # also the barrier: the others wait for the write
     path = path[0]
 
@@ -120,6 +123,8 @@ def main() -> int:
                 say(f"[rank 0] MISMATCH: rank {r} {t} vs world 1 {reference[0]}")
     dist.barrier()
     dist.destroy_process_group()
+    if written is not None:  # every rank is done with it (the barrier above)
+        shutil.rmtree(written)
     return 0 if ok else 1
 
 

@@ -2,15 +2,15 @@
 reading only its own slices, with host memory bounded by about one layer."""
 from .auto import load_model
 from .checkpoint import LazyCheckpoint
-from .errors import (CheckpointError, DtypeError, LazyLoadError, MappingError, MetaBufferError, MissingKeysError,
-                     PlanError, ReadError, ShapeMismatchError, UnexpectedKeysError)
+from .errors import (ArgumentError, CheckpointError, DtypeError, LazyLoadError, MappingError, MetaBufferError,
+                     MissingKeysError, PlanError, ReadError, ShapeMismatchError, UnexpectedKeysError)
 from .index import TensorEntry
 from .plan import Placement
 from .report import LoadReport
 
 __all__ = [
     "LazyCheckpoint", "load_model", "LoadReport", "Placement", "TensorEntry",
-    "LazyLoadError", "CheckpointError", "MappingError", "MissingKeysError", "UnexpectedKeysError",
+    "LazyLoadError", "ArgumentError", "CheckpointError", "MappingError", "MissingKeysError", "UnexpectedKeysError",
     "ShapeMismatchError", "DtypeError", "PlanError", "ReadError", "MetaBufferError",
 ]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -14,15 +15,17 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .engine import must_release_pages, run_schedule
-from .errors import DtypeError, PlanError
+from .errors import ArgumentError, DtypeError, PlanError
+from .hub import local_path
 from .index import CheckpointIndex, TensorEntry, resolve_files
-from .mapping import KeyMap, check_casts, check_mapping, map_model
-from .parallel import auto_parallelize
+from .mapping import KeyMap, check_casts, check_mapping, map_model, prefix_hint
+from .missing import check_choice, initial_values, unfilled_on_meta
+from .parallel import auto_parallelize, check_process_group
 from .placements import resolve_placements
 from .placer import allocate, assign, fill_meta_buffers, mapped_views, meta_buffers_to_recompute
-from .plan import plan_for_rank
+from .plan import REPLICATE, local_regions, plan_for_rank
 from .readers import MmapReader, choose_reader
-from .report import LoadReport, MemorySampler
+from .report import LoadReport, MemorySampler, size
 from .schedule import default_budget, schedule
 from .targets import model_slots, model_specs
 
@@ -44,15 +47,18 @@ def _show_progress(progress: bool | None, rank: int) -> bool:
 
 
 class LazyCheckpoint:
-    """A sharded safetensors checkpoint, indexed from its headers alone.
+    """A sharded safetensors checkpoint, indexed from its headers alone (no tensor byte is
+    read until `load_into`).
 
     `paths`: a directory (its `model.safetensors.index.json` when present, else every
-    `*.safetensors`), one file, a list of files, or a glob."""
+    `*.safetensors` in it), one `.safetensors` file, a list of files, a glob, or a Hugging
+    Face repo id (`"Qwen/Qwen2-0.5B"`) already in huggingface_hub's local cache (never
+    downloaded). A path that leads to no checkpoint is a CheckpointError here."""
 
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
         self._paths = paths
         self._index: CheckpointIndex | None = None
-        self.files, self._index_json = resolve_files(paths)
+        self.files, self._index_json = resolve_files(local_path(paths))
 
     @property
     def index(self) -> CheckpointIndex:
@@ -88,23 +94,51 @@ class LazyCheckpoint:
 
     def load_into(self, model: nn.Module, rank: int = 0, world: int = 1, *,
                   device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
-                  strict: bool = True, key_map: KeyMap | None = None, progress: bool | None = None,
-                  plan: dict[str, Any] | str | None = None, reader: str = "auto",
-                  max_host_bytes: int | None = None, release_pages: bool = False) -> LoadReport:
-        """Fill `model` (on meta or real) with this rank's share of the checkpoint.
+                  strict: bool = True, missing: str = "init", key_map: KeyMap | None = None,
+                  progress: bool | None = None, plan: dict[str, Any] | str | None = None, reader: str = "auto",
+                  max_host_bytes: int | None = None, release_pages: bool = False,
+                  shards_only: bool = False) -> LoadReport:
+        """Fill `model` with this rank's share of the checkpoint; returns a LoadReport.
 
-        Every input error (keys, shapes, casts, rank/world) is raised before any tensor
-        byte is read, leaving the model untouched.
+        Every input error (arguments, keys, shapes, casts, rank/world, plan) is a
+        LazyLoadError raised before any tensor byte is read, leaving the model untouched.
 
-        Tensor parallel (see lazyload.placements): a DTensor parameter gets its mesh share; a
-        parameter of local shape gets its share; for a model nobody made parallel, world > 1
-        shards by `plan` (glob -> transformers style, or name -> Placement; "tp" / "ep" / None:
-        the model's own plan or the structural rule; {}: nothing sharded). With
-        torch.distributed initialised and (rank, world) this process's, such a model is made
-        runnable first (`lazyload.parallel.parallelize`)."""
+        - `model`: an `nn.Module`, on the meta device (or built under accelerate's
+          `init_empty_weights()`), or real (then overwritten in place).
+        - `rank`, `world`: this rank and the number of tensor-parallel ranks (world=1: the
+          whole model). Under torch.distributed they must be the process group's (a model
+          nobody made parallel is then made runnable, see `lazyload.parallel.parallelize`),
+          unless `shards_only=True`.
+        - `device`: where the tensors go; default the model's device, for a meta model
+          `cuda:$LOCAL_RANK` when CUDA is available, else CPU.
+        - `dtype`: None keeps each model tensor's dtype (casting from the checkpoint); "auto"
+          keeps the checkpoint's; a floating `torch.dtype` for every floating tensor
+          (integer tensors keep theirs).
+        - `strict`: True refuses missing, unexpected and mismatched tensors. False ignores
+          unexpected checkpoint tensors and treats missing and mismatched model tensors as
+          `missing` says.
+        - `missing` (strict=False only): "init" (default) gives model tensors the checkpoint
+          does not fill, and that have no values yet (on meta), the model's own
+          initialisation, as `from_pretrained` does (`report.initialized`; real tensors keep
+          their values); "keep" leaves them as they are (on meta: the forward fails or
+          computes NaN); "error" refuses them as strict=True does.
+        - `key_map`: renames checkpoint keys to model names (checkpoint key -> model key),
+          tried when the exact and base-prefixed names do not match: {regex: replacement}
+          (`re.sub`, the first matching pattern wins) or a callable.
+        - `progress`: a tqdm bar (MiB) on rank 0; default on unless `LAZYLOAD_PROGRESS=0`.
+        - `plan` (world > 1, a model nobody made parallel): None or "tp" uses the model's
+          transformers TP plan (else the structural rule); "ep" whole experts per rank; a
+          dict overrides entries of it, glob -> transformers style or name ->
+          `lazyload.Placement`; {} shards nothing. A glob that matches nothing is a PlanError.
+        - `reader`: "auto" (mmap for CPU, pread for GPU), "mmap" or "pread".
+        - `max_host_bytes`: bytes read but not yet placed (default about one layer).
+        - `release_pages`: drop consumed file pages (on by itself under a tight cgroup).
+        - `shards_only`: fill this rank's shards into plain tensors and leave the model's
+          structure alone, even under torch.distributed with another (rank, world)."""
         start = time.perf_counter()
+        _check_arguments(model, dtype, missing, reader)
         index = self.index
-        device = torch.device(device) if device is not None else _default_device(model)
+        device = _device(device, model)
 
         # Mapping: model tensors as expressions over checkpoint tensors.
         slots, aliases = model_slots(model)
@@ -116,11 +150,26 @@ class LazyCheckpoint:
         if placements.local_shaped:  # the model holds local shards: map with the full shapes
             specs = placements.specs
             mapping = map_model(index, model, specs, aliases, key_map)
-        if strict:
-            check_mapping(mapping, index, specs)
+        check_process_group(rank, world, plan, placements, shards_only)
+        if mapping.unused_key_map:
+            logger.warning("lazyload: key_map patterns that match no checkpoint key (key_map maps checkpoint key "
+                           "-> model key): %s", ", ".join(mapping.unused_key_map))
+        if strict or missing == "error":
+            check_mapping(mapping if strict else replace(mapping, unexpected=[]), index, specs)
+        elif (hint := prefix_hint(mapping)) is not None:
+            logger.warning("lazyload: %s", hint)
         check_casts(mapping, index, {n: s.dtype for n, s in specs.items()})
+        # Tensors the checkpoint does not fill, given the model's own init now: a model
+        # whose init cannot is refused before anything changes.
+        unfilled = [] if strict or missing != "init" else unfilled_on_meta(
+            mapping.missing + [name for name, _, _ in mapping.mismatched], slots)
+        initialized = initial_values(
+            model, unfilled, slots,
+            {n: local_regions(n, specs[n].shape, placements.placements.get(n, REPLICATE), rank, world)[0]
+             for n in unfilled},
+            {n: _target_dtype(specs[n].dtype, specs[n].dtype, dtype) for n in unfilled}, device)
         # Only now, with the input checked, may the model change: made tensor parallel.
-        if auto_parallelize(model, plan, rank, world, device, placements):
+        if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
             slots, _ = model_slots(model)  # parameters became DTensors: placements from them
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
         dtypes = {name: _target_dtype(specs[name].dtype, index[expr.keys()[0]].dtype, dtype)
@@ -129,7 +178,7 @@ class LazyCheckpoint:
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
-        recompute = meta_buffers_to_recompute(model, set(mapping.exprs))
+        recompute = meta_buffers_to_recompute(model, set(mapping.exprs) | set(initialized))
         release_pages = release_pages or must_release_pages(items)
         chosen = choose_reader(reader, device, release_pages, items, index, world)
         views: dict[str, torch.Tensor] = {}
@@ -144,35 +193,76 @@ class LazyCheckpoint:
         if budget < largest:
             raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
                             f"({largest} bytes); raise it to at least that.")
-        total = sum(group.nbytes for group in groups)
+        copied = sum(item.nbytes for item in copies)
         mapped = sum(v.nbytes for v in views.values())
-        logger.info("loading %d tensors (%d bytes to read, %d mapped) with the %s reader, budget %d bytes",
-                    len(targets), total, mapped, chosen.name, budget)
+        logger.info("lazyload: loading %d tensors (%s to copy, %s mapped) with the %s reader, budget %s",
+                    len(targets), size(copied), size(mapped), chosen.name, size(budget))
 
-        # Read and place; from here on the model changes.
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="lazyload", disable=not _show_progress(progress, rank))
+        # Read and place; from here on the model changes. The bar counts every byte a
+        # target gets: copied, and mapped (paged in by the schedule, or already cached).
+        bar = tqdm(total=(copied + mapped) / 2**20, unit="MiB", desc="lazyload", disable=not _show_progress(progress, rank),
+                   bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}]")
         with MemorySampler() as memory, bar:
+            if not chosen.prefetching:
+                bar.update(mapped / 2**20)
             dests = {t.name: views.get(t.name) if t.name in views else allocate(t, slots[t.name], device)
                      for t in targets}
             try:
-                run_schedule(groups, chosen, dests, budget, on_bytes=bar.update, mapped=frozenset(views))
+                run_schedule(groups, chosen, dests, budget, on_bytes=lambda n: bar.update(n / 2**20),
+                             mapped=frozenset(views))
             finally:
                 chosen.close()
             for target in targets:
                 assign(slots[target.name], dests[target.name])
+            for name, value in initialized.items():
+                assign(slots[name], value)
             recomputed = fill_meta_buffers(model, recompute, device)
 
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
-                            recomputed_buffers=recomputed, bytes_read=chosen.bytes_read,
-                            bytes_mapped=mapped,
+                            initialized=list(initialized), recomputed_buffers=recomputed,
+                            bytes_read=chosen.bytes_read, bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
                             reader=chosen.name, prefetched=chosen.prefetching)
-        for name in report.missing:
-            logger.warning("missing from checkpoint, left as it was: %s", name)
         logger.info("%s", report)
+        if not report.ok:
+            logger.warning("lazyload: rank %d: %s (strict=False); see the report", rank, _problems(report, missing))
         return report
+
+
+def _problems(report: LoadReport, missing: str) -> str:
+    unfilled = len(report.missing) + len(report.mismatched)
+    fate = ("given the model's own initialisation" if report.initialized else
+            "left as they were" if missing == "keep" else "kept their values")
+    parts = [f"{unfilled} model tensors not filled from the checkpoint ({fate})"] if unfilled else []
+    parts += [f"{len(report.unexpected)} checkpoint tensors not used"] if report.unexpected else []
+    return ", ".join(parts)
+
+
+def _check_arguments(model: Any, dtype: Any, missing: str, reader: str) -> None:
+    """Arguments of the wrong kind, refused before anything is read."""
+    if not isinstance(model, nn.Module):
+        hint = " (the checkpoint path goes to LazyCheckpoint(path))" if isinstance(model, (str, os.PathLike)) else ""
+        raise ArgumentError(f"load_into takes the model (a torch.nn.Module, e.g. built on the meta device) first; "
+                            f"got {type(model).__name__} {model!r}{hint}.")
+    if not (dtype is None or dtype == "auto" or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)):
+        raise DtypeError(f"dtype={dtype!r}: pass None (keep the model's dtypes), 'auto' (the checkpoint's) or a "
+                         "floating torch.dtype such as torch.bfloat16; integer tensors keep their own dtype, and "
+                         "quantizing on load is not something load_into does.")
+    check_choice(missing)
+    if reader not in ("auto", "mmap", "pread"):
+        raise ArgumentError(f"reader={reader!r}: use 'auto' (mmap for CPU, pread for GPU), 'mmap' or 'pread'.")
+
+
+def _device(device: Any, model: nn.Module) -> torch.device:
+    if device is None:
+        return _default_device(model)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ArgumentError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu', 'cuda:0' or a "
+                            "torch.device.") from exc
 
 
 def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype, requested: Any) -> torch.dtype:

@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     except LazyLoadError as exc:
         print(f"lazyload: error: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # `plan` builds the model with transformers
+        print(f"lazyload: error: {exc.name or exc} is not installed; pip install 'lazyload[hf]'.", file=sys.stderr)
+        return 2
     return 0
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ class LazyLoadError(Exception):
     """Base class of every lazyload error."""
 
 
+class ArgumentError(LazyLoadError):
+    """An argument of `LazyCheckpoint` or `load_into` has the wrong type or value (a path
+    passed as the model, an invalid `key_map` regex, an unknown `missing=` choice)."""
+
+
 class CheckpointError(LazyLoadError):
     """The checkpoint files themselves are unusable: unreadable header, duplicate key,
     index json naming a key its file lacks, unknown dtype, data outside the file."""

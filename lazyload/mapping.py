@@ -12,19 +12,21 @@ from __future__ import annotations
 import difflib
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping as MappingT, Sequence
 
 import torch
 from torch import nn
 
-from .errors import DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
+from .errors import ArgumentError, DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
 from .expr import Cat, Chunk, Expr, Source, Stack, Transpose
 from .index import CheckpointIndex
 from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
 from .targets import TargetSpec
 
 KeyMap = MappingT[str, str] | Callable[[str], str]
+KEY_MAP_HELP = ("key_map maps checkpoint key -> model key: {regex: replacement} (re.sub, first matching "
+                "pattern wins) or a callable")
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,41 @@ class Mapping:
     missing: list[str]
     unexpected: list[str]
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    unused_key_map: tuple[str, ...] = ()  # key_map patterns that match no checkpoint key
 
 
 def natural_key(key: str) -> list:
     """Sort 'layers.10' after 'layers.9' (experts must stack in index order)."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def check_key_map(key_map: KeyMap | None, keys: Sequence[str]) -> tuple[str, ...]:
+    """Refuse a key_map lazyload cannot apply (not a dict or callable, a pattern that is not
+    a regex, a replacement that does not fit its pattern); return the patterns that match
+    no checkpoint key (a key_map written model key -> checkpoint key matches nothing)."""
+    if key_map is None or callable(key_map):
+        return ()
+    if not isinstance(key_map, MappingT):
+        raise ArgumentError(f"key_map={key_map!r} is neither a dict nor a callable; {KEY_MAP_HELP}.")
+    unused = []
+    for pattern, replacement in key_map.items():
+        if not isinstance(pattern, str) or not isinstance(replacement, str):
+            raise ArgumentError(f"key_map entry {pattern!r}: {replacement!r} is not str -> str; {KEY_MAP_HELP}.")
+        try:
+            regex = re.compile(pattern)
+        except re.error as exc:
+            raise ArgumentError(f"key_map pattern {pattern!r} is not a valid regular expression ({exc}); "
+                                f"{KEY_MAP_HELP}.") from exc
+        hit = next((k for k in keys if regex.search(k)), None)
+        if hit is None:
+            unused.append(pattern)
+            continue
+        try:
+            regex.sub(replacement, hit, count=1)
+        except (re.error, IndexError) as exc:
+            raise ArgumentError(f"key_map replacement {replacement!r} does not fit its pattern {pattern!r} "
+                                f"({exc}); {KEY_MAP_HELP}.") from exc
+    return tuple(unused)
 
 
 def _apply_key_map(key: str, key_map: KeyMap | None) -> str:
@@ -191,8 +223,48 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     return Mapping(exprs, missing, unexpected, mismatched)
 
 
+def _prefixes(names: Sequence[str], others: set[str]) -> dict[str, int]:
+    """prefix -> how many of `names` are a name of `others` with that prefix in front."""
+    counts: dict[str, int] = defaultdict(int)
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            if ".".join(parts[i:]) in others:
+                counts[".".join(parts[:i]) + "."] += 1
+                break
+    return counts
+
+
+def prefix_hint(mapping: Mapping) -> str | None:
+    """One line when the names differ by a common leading prefix: checkpoint keys with an
+    extra one (`module.` from DDP) or model names with one the checkpoint lacks (a wrapper)."""
+    missing, unexpected = mapping.missing, mapping.unexpected
+    if not missing or not unexpected:
+        return None
+    for counts, lacks in ((_prefixes(unexpected, set(missing)), False), (_prefixes(missing, set(unexpected)), True)):
+        if counts:
+            prefix, n = max(counts.items(), key=lambda kv: kv[1])
+            if 2 * n >= len(missing):
+                escaped = re.escape(prefix)
+                if lacks:
+                    return (f"the model's names start with {prefix!r} where the checkpoint's keys do not ({n} of "
+                            f"{len(missing)} missing); pass key_map={{r'^': '{prefix}'}} to add it.")
+                return (f"the checkpoint's keys start with an extra {prefix!r} ({n} of {len(missing)} missing, e.g. "
+                        f"saved from a DDP-wrapped model); pass key_map={{r'^{escaped}': ''}} to remove it.")
+    return None
+
+
+def _key_map_note(mapping: Mapping) -> str:
+    if not mapping.unused_key_map:
+        return ""
+    return (f"\nkey_map patterns that match no checkpoint key: {', '.join(map(repr, mapping.unused_key_map))} "
+            f"({KEY_MAP_HELP}).")
+
+
 def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[str, TargetSpec]) -> None:
     """Raise the first problem of a strict load, naming what is wrong and what to do."""
+    hint = prefix_hint(mapping)
+    first = f"{hint[0].upper()}{hint[1:]}\n" if hint else ""
     if mapping.missing:
         keys = index.keys()
         lines = []
@@ -202,15 +274,16 @@ def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[st
             lines.append(f"  {name}{hint}")
         more = f"\n  ... and {len(mapping.missing) - 20} more" if len(mapping.missing) > 20 else ""
         raise MissingKeysError(
-            f"{len(mapping.missing)} model tensor(s) have no checkpoint tensor:\n" + "\n".join(lines) + more +
-            "\nPass key_map= to rename checkpoint keys, or strict=False to leave them as they are.",
-            mapping.missing)
+            first + f"{len(mapping.missing)} model tensor(s) have no checkpoint tensor:\n" + "\n".join(lines) + more +
+            "\nPass key_map= to rename checkpoint keys (checkpoint key -> model key), or strict=False to give "
+            "them the model's own initialisation (missing='init')." + _key_map_note(mapping), mapping.missing)
     if mapping.unexpected:
         shown = "\n".join(f"  {k} (in {index[k].file})" for k in mapping.unexpected[:20])
         more = f"\n  ... and {len(mapping.unexpected) - 20} more" if len(mapping.unexpected) > 20 else ""
         raise UnexpectedKeysError(
-            f"{len(mapping.unexpected)} checkpoint tensor(s) match no model tensor:\n{shown}{more}\n"
-            "Pass key_map= to map them, or strict=False to ignore them.", mapping.unexpected)
+            f"{first}{len(mapping.unexpected)} checkpoint tensor(s) match no model tensor:\n{shown}{more}\n"
+            "Pass key_map= to map them (checkpoint key -> model key), or strict=False to ignore them."
+            + _key_map_note(mapping), mapping.unexpected)
     if mapping.mismatched:
         shown = "\n".join(f"  {name}: checkpoint shape {list(c)}, model shape {list(m)}"
                           for name, c, m in mapping.mismatched[:20])
@@ -248,13 +321,16 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, Tar
     """Match checkpoint keys to the model's tensors. The conversion rules are fetched only
     when plain names do not match everything (building transformers' table costs ~0.2 s);
     names that match plainly are never converted, so the result is the same."""
+    unused = check_key_map(key_map, list(index.keys()))
+
     def with_rules(renames, converts):
-        return build_mapping(
+        return replace(build_mapping(
             index, specs, aliases={a: c for a, c in aliases.items() if c in specs},
             base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
             renames=renames, converts=converts,
             ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
-            ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []))
+            ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])),
+            unused_key_map=unused)
 
     mapping = with_rules([], [])
     if mapping.missing or mapping.unexpected or mapping.mismatched:

@@ -11,20 +11,22 @@ import torch
 from torch import nn
 
 from .errors import PlanError
-from .placements import (KV_NAMES, Heads, Resolved, attention_checks, is_conv1d, model_heads, model_tp_plan,
-                         owner_of, static_placements, style_placement)
+from .placements import (KV_NAMES, Heads, Resolved, StylePlan, attention_checks, check_plan, is_conv1d, model_heads,
+                         model_tp_plan, owner_of, static_placements, style_placement)
 from .plan import Placement, local_regions
-from .targets import TargetSpec
+from .targets import TargetSpec, model_slots
 
 
 def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str = "tp") -> nn.Module:
     """Make `model` (best on meta, before loading) a tensor-parallel model over the 1-D
     DeviceMesh `mesh`, so that after `load_into` its forward gives the world=1 result on every rank.
 
-    transformers models with a TP plan (or `plan=`, a glob -> style dict) get transformers'
-    own DTensor styles (`apply_tensor_parallelism`; experts="ep": `apply_expert_parallelism`),
-    except KV projections when world > KV heads: those stay plain tensors holding the rank's
-    KV head group, and attention modules get their local `num_key_value_groups`. Models
+    transformers models with a TP plan get transformers' own DTensor styles
+    (`apply_tensor_parallelism`; experts="ep": `apply_expert_parallelism`), `plan=` (glob ->
+    style) overriding the model's plan where it matches, except KV projections when world >
+    KV heads: those stay plain tensors holding the rank's KV head group, and attention modules
+    get their local `num_key_value_groups`. Tied weights keep one tensor with the source's
+    split (see `_tied_aliases`). Models
     without a plan (GPT-2, plain modules) get the structural rule: colwise/packed layers keep
     plain local weights (their output stays local), rowwise layers all-reduce their partial
     output through DTensor (`Partial` -> `Replicate`) before adding their bias."""
@@ -32,13 +34,16 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
         raise PlanError(f"parallelize takes a 1-D DeviceMesh (got {mesh.ndim}-D); for 2-D layouts apply "
                         "torch's parallelize_module / fully_shard yourself: load_into follows any DTensor.")
     world, rank = mesh.size(), mesh.get_local_rank()
+    check_plan(model, plan)
+    if isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values()):
+        raise PlanError("parallelize takes transformers style names in plan=; a lazyload.Placement only says which "
+                        "shard a rank reads (load_into(..., shards_only=True)), not how the model runs.")
     heads = model_heads(model)
-    style_plan = model_tp_plan(model, experts) if plan is None else dict(plan)
     recorded: dict[str, Placement] = {}
-    if style_plan and hasattr(model, "_expand_parallel_plan"):
+    if model_tp_plan(model, experts) and hasattr(model, "_expand_parallel_plan"):
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-        expanded = model._expand_parallel_plan(style_plan)
+        expanded = _expanded_plan(model, plan, experts)
         if heads.heads and heads.heads % world:
             raise PlanError(f"{type(model).__name__}: {heads.heads} attention heads do not split evenly over "
                             f"{world} ranks; choose a world that divides the number of heads.")
@@ -53,6 +58,7 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
         elif heads.kv_heads and heads.kv_heads % world:
             raise PlanError(f"{type(model).__name__}: {heads.kv_heads} KV heads do not split evenly over {world} "
                             "ranks; use a world that divides the number of KV heads, or a multiple of it.")
+        aliases = _tied_aliases(model, expanded)
         ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
         tp = {k: v for k, v in expanded.items() if k not in ep}
         apply_tensor_parallelism(model, mesh, tp)
@@ -60,13 +66,16 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
             from transformers.distributed.expert_parallel import apply_expert_parallelism
 
             apply_expert_parallelism(model, mesh, mesh, ep)
+        for alias, source in aliases.items():  # tied weights: the alias holds the source's tensor again
+            module, _, attr = owner_of(model, alias)
+            module._parameters[attr] = model.get_parameter(source)
     else:
-        static = static_placements(model, _plain_specs(model), style_plan or "tp", world)
+        static = {} if plan == {} else static_placements(model, _plain_specs(model), plan or experts, world)
         for name, placement in static.items():
             module, _, attr = owner_of(model, name)
             if not (isinstance(module, nn.Linear) or is_conv1d(module)):
                 raise PlanError(f"{name}: parallelize can run only Linear/Conv1D layers sharded in a model without "
-                                "a transformers TP plan; leave this tensor replicated (drop it from plan=).")
+                                f"a transformers TP plan; leave this tensor replicated: plan={{{name!r}: 'replicate'}}.")
             recorded[name] = _box(name, tuple(_get(model, name).shape), placement, rank, world)
             if attr == "weight":  # the layer's own size bookkeeping (Conv1D reshapes with nf)
                 local = [sum(b - a for a, b in runs) for runs in recorded[name].spans]
@@ -81,6 +90,50 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
     _set_local_heads(model, heads, world)
     model._lazyload_placements = {**getattr(model, "_lazyload_placements", {}), **recorded}
     return model
+
+
+def _expanded_plan(model: nn.Module, plan: Any, experts: str) -> dict[str, str]:
+    """name -> style for each module and parameter: the model's own plan as transformers
+    expands it, `plan=` overriding it where it matches (`plan={}`: nothing)."""
+    if plan == {}:
+        return {}
+    expanded = model._expand_parallel_plan(model_tp_plan(model, experts))
+    if not isinstance(plan, dict):
+        return expanded
+    user = StylePlan(plan, getattr(model, "base_model_prefix", "") or "")
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            style = user.style_of_param(name)
+            if style is not None:
+                expanded[name] = style
+        style = user.lookup(module_name) if module_name else None
+        if style is not None:
+            expanded[module_name] = style
+    return expanded
+
+
+def _tied_aliases(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
+    """Tied parameters (lm_head.weight -> embed_tokens.weight): one tensor, so one split.
+    Their entries leave `expanded`: the tensor keeps the source's split, and a module
+    computing with a replicated tied weight gets no TP hook (transformers' from_pretrained
+    ties after sharding, with the same result). Returns alias -> source, to re-tie."""
+    _, aliases = model_slots(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    aliases = {a: s for a, s in aliases.items() if a in params and s in params}
+    for alias, source in aliases.items():
+        style, source_style = expanded.pop(alias, None), expanded.get(source)
+        if source_style is None:
+            module_name = alias.rpartition(".")[0]
+            if module_name in expanded and expanded[module_name] not in ("replicate", "replicated"):
+                del expanded[module_name]
+        elif style is not None:
+            ndim = params[source].ndim
+            if style_placement(style, alias, ndim) != style_placement(source_style, source, ndim):
+                raise PlanError(f"{alias} is tied to {source}, but the plan splits them differently ({style!r} vs "
+                                f"{source_style!r}); give both the same split in plan=, or untie them "
+                                "(tie_word_embeddings=False).")
+    return aliases
 
 
 def _plain_specs(model: nn.Module) -> dict:
@@ -153,21 +206,48 @@ def default_mesh(world: int, device: torch.device) -> Any:
     return init_device_mesh("cuda" if device.type == "cuda" else "cpu", (world,))
 
 
-def auto_parallelize(model: nn.Module, plan: Any, rank: int, world: int, device: torch.device,
-                     resolved: Resolved) -> bool:
-    """With torch.distributed initialised and (rank, world) this process's, make a model
-    that nobody made parallel runnable (`parallelize` on a 1-D mesh of all ranks). False
-    when nothing was done: no process group, world 1, plan={} or a name -> Placement plan
-    (local shards only), or a model already parallel (DTensors, `parallelize`, local shapes)."""
+def _process_group() -> tuple[int, int] | None:
+    """(rank, world size) of the initialised default process group, else None."""
     import torch.distributed as dist
 
-    if world == 1 or not dist.is_available() or not dist.is_initialized():
-        return False
-    if world != dist.get_world_size() or rank != dist.get_rank():
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _made_parallel(resolved: Resolved) -> bool:
+    """The model holds its own split already (DTensors, `parallelize`, local shapes)."""
+    return bool(resolved.local_shaped) or any(p.kind == "box" for p in resolved.placements.values())
+
+
+def check_process_group(rank: int, world: int, plan: Any, resolved: Resolved, shards_only: bool) -> None:
+    """Under torch.distributed a load of a model nobody made parallel is made runnable, so
+    (rank, world) must be the process group's: anything else would leave shards of another
+    split in plain tensors, and a forward that runs and returns garbage."""
+    group = _process_group()
+    if group is None or shards_only or world == 1 or plan == {} or _made_parallel(resolved):
+        return
+    if (rank, world) != group:
+        raise PlanError(
+            f"load_into(model, rank={rank}, world={world}) under a process group of {group[1]} processes (this is "
+            f"rank {group[0]}): the model would hold shards of another split, in plain tensors that no forward can "
+            "run. Pass rank=dist.get_rank(), world=dist.get_world_size() for a runnable tensor-parallel model, or "
+            "shards_only=True to load only this rank's shards (e.g. a TP group inside a larger world).")
+
+
+def auto_parallelize(model: nn.Module, plan: Any, rank: int, world: int, device: torch.device,
+                     resolved: Resolved, shards_only: bool = False) -> bool:
+    """With torch.distributed initialised and (rank, world) this process's, make a model
+    that nobody made parallel runnable (`parallelize` on a 1-D mesh of all ranks). False
+    when nothing was done: no process group, world 1, `shards_only`, plan={} or a name ->
+    Placement plan (local shards only), or a model already parallel (DTensors,
+    `parallelize`, local shapes)."""
+    group = _process_group()
+    if group is None or world == 1 or shards_only or (rank, world) != group:
         return False
     if plan == {} or (isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values())):
         return False
-    if resolved.local_shaped or any(p.kind == "box" for p in resolved.placements.values()):
+    if _made_parallel(resolved):
         return False
     parallelize(model, default_mesh(world, device), plan if isinstance(plan, dict) else None,
                 experts=plan if isinstance(plan, str) else "tp")

@@ -10,9 +10,12 @@ Placements are found, per parameter, in this order:
 3. The parameter already has a local shape (the user's own parallel layers): the sharded dim
    is the one where the checkpoint is `k` times larger (`k == world`: plain shard; `k` a
    divisor of world: KV-style groups); `plan=` may say "packed" for fused ones.
-4. Only for a model that none of the above made parallel, and only when world > 1: `plan=`
-   (glob -> style in transformers' `base_model_tp_plan` format, or name -> Placement), else
-   the model's own transformers TP plan, else a structural rule by module name.
+4. Only for a model that none of the above made parallel, and only when world > 1: the
+   model's own transformers TP plan (or, without one, a structural rule by module name),
+   with `plan=` entries (glob -> style in transformers' `base_model_tp_plan` format, or
+   name -> Placement) overriding it where they match, as transformers merges a `tp_plan`
+   override. `plan={}` shards nothing. A `plan=` glob that matches no module or parameter
+   is a PlanError.
 
 Uneven splits: a plan of ours refuses them (PlanError before any byte is read); a DTensor's
 layout (torch.chunk: the last ranks hold less or nothing) is followed as it is.
@@ -107,6 +110,9 @@ class StylePlan:
                 return style
         return None
 
+    def matches_any(self, names: list[str]) -> bool:
+        return any(regex.match(n) for n in names for regex, _ in self.entries)
+
     def style_of_param(self, name: str) -> Any | None:
         style = self.lookup(name)
         if style is None and "." in name:
@@ -137,6 +143,42 @@ def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
         raise PlanError(f"experts must be 'tp' (tensor parallel inside every expert) or 'ep' (whole experts "
                         f"per rank), got {experts!r}.")
     return plan
+
+
+PLAN_CHOICES = ("None (the model's own TP plan, else the structural rule), 'tp' (the same), 'ep' (whole "
+                "experts per rank), {} (nothing sharded) or a dict of overrides: glob -> transformers style "
+                "(e.g. {'model.embed_tokens': 'replicate'}) or name -> lazyload.Placement")
+
+
+def check_plan(model: nn.Module, plan: Any) -> None:
+    """A `plan=` argument that lazyload can follow: its type, each style, and each glob
+    matching at least one module or parameter of `model`."""
+    if plan is None or plan in ("tp", "ep"):
+        return
+    if not isinstance(plan, dict):
+        raise PlanError(f"plan={plan!r} is not a plan; pass {PLAN_CHOICES}.")
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise PlanError(f"plan= key {key!r} is not a string; keys are module or parameter names (globs).")
+        if not isinstance(style, Placement) and style not in STYLES:
+            raise PlanError(f"plan[{key!r}] = {style!r} is neither a lazyload.Placement nor a transformers "
+                            f"tensor-parallel style; use one of {sorted(STYLES)}.")
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers()]
+    known = set(names)
+
+    def matches(key: str) -> bool:
+        if "*" not in key:  # an exact name: a set lookup, not a scan (plans may name every tensor)
+            return key in known or f"{prefix}.{key}" in known
+        return StylePlan({key: None}, prefix).matches_any(names)
+
+    unmatched = [k for k in plan if not matches(k)]
+    if unmatched:
+        example = next((n for n in names if re.search(r"\.\d+\.", n)), names[0] if names else "")
+        raise PlanError(f"plan= entries match no module or parameter of {type(model).__name__}: "
+                        f"{', '.join(map(repr, unmatched))}. Keys are names like {example!r} ('*' stands for one "
+                        "name part, e.g. a layer number; the base model prefix may be left out).")
 
 
 def structural_style(module: nn.Module, module_name: str, attr: str) -> tuple[str | None, int]:
@@ -248,28 +290,22 @@ def owner_of(model: nn.Module, name: str) -> tuple[nn.Module, str, str]:
 
 
 def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) -> dict[str, Placement]:
-    """Case 4: a plan of ours for a model nobody made parallel."""
-    if isinstance(plan, str):
-        plan = model_tp_plan(model, plan)
-        explicit = None
-    else:
-        explicit = plan
-        plan = None
+    """Case 4: a plan of ours for a model nobody made parallel: the model's own TP plan (or
+    the structural rule where it has none), `plan=` entries overriding it where they match."""
+    experts = plan if isinstance(plan, str) else "tp"
     prefix = getattr(model, "base_model_prefix", "") or ""
-    user = StylePlan(explicit, prefix) if explicit else None
-    # A plan given by the user is the whole plan (what it does not name stays replicated).
-    auto = StylePlan({} if explicit is not None else plan, prefix)
-    use_structure = explicit is None and not auto.entries
+    user = StylePlan(plan if isinstance(plan, dict) else {}, prefix)
+    auto = StylePlan(model_tp_plan(model, experts), prefix)
     heads = model_heads(model)
     out = {}
     for name, spec in specs.items():
         module, module_name, attr = owner_of(model, name)
         conv1d = is_conv1d(module)
         last = module_name.rpartition(".")[2]
-        style = user.style_of_param(name) if user else None
-        if style is None and explicit is not None and name in explicit:
-            style = explicit[name]
-        if style is None and not auto.entries and use_structure:
+        style = user.style_of_param(name)
+        if style is None and auto.entries:
+            style = auto.style_of_param(name)
+        elif style is None:
             kind, parts = structural_style(module, module_name, attr)
             if kind == "packed":
                 dim = 1 if conv1d and attr == "weight" else 0
@@ -280,8 +316,6 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
                 out[name] = placement
                 continue
             style = kind
-        elif style is None:
-            style = auto.style_of_param(name)
         if style is None:
             continue
         placement = style_placement(style, name, len(spec.shape), conv1d)
@@ -295,9 +329,7 @@ def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan
     before any byte is read. `mismatched` are the mapping's (name, checkpoint shape, model
     shape): those that are this rank's share of the checkpoint tensor get their full shape."""
     check_rank(rank, world)
-    if plan is not None and not isinstance(plan, (dict, str)):
-        raise PlanError(f"plan must be a dict (glob -> transformers style, or name -> Placement), 'tp' or 'ep'; "
-                        f"got {type(plan).__name__}.")
+    check_plan(model, plan)
     specs = dict(specs)
     placements: dict[str, Placement] = {}
     tensors = {name: _tensor_of(model, name) for name in specs}

@@ -19,18 +19,49 @@ from .expr import Box, Expr, box_numel, full_box
 from .index import CheckpointIndex, TensorEntry
 
 
+KINDS = ("replicate", "shard", "packed", "box")
+
+
 @dataclass(frozen=True)
 class Placement:
-    kind: str = "replicate"  # "replicate" | "shard" | "packed" | "box"
+    """How one tensor is split over the `world` ranks of a tensor-parallel load.
+
+    - `kind`: "replicate" (every rank holds the whole tensor), "shard" (rank r holds the
+      r-th of `world` equal slices along `dim`), "packed" (a fused tensor of `parts` equal
+      components along `dim`, e.g. q/k/v; each component is sharded and the rank's slices
+      are laid side by side) or "box" (an explicit share given by `spans`; what a DTensor's
+      placements resolve to, for one rank).
+    - `dim`: the dimension split by "shard" and "packed" (negative counts from the end).
+    - `parts`: "packed" only: the number of equal components along `dim` (>= 1).
+    - `groups`: "shard"/"packed": shard over only `groups` ranks' worth of slices, each
+      group of `world // groups` consecutive ranks holding the same slice (KV heads when
+      world > number of KV heads); 0 (default): `world` slices.
+    - `spans`: "box" only: per dim, the global (start, stop) index runs this rank holds, in
+      local order (one tuple of runs per dim; () for a 0-d tensor). Resolved for one rank
+      already, so rank and world do not apply.
+
+    A field that does not fit the kind, or a kind not listed, is a PlanError here."""
+
+    kind: str = "replicate"
     dim: int = 0
-    parts: int = 1  # packed only: equal components along `dim`
-    # Shard over `groups` ranks only, each group of world // groups ranks holding the same
-    # shard: KV heads when world > number of KV heads.
+    parts: int = 1
     groups: int = 0
-    # "box" only: this rank's explicit share, per dim the global index runs it holds, in
-    # local order (one run per dim is a plain box; a packed DTensor has several on its dim).
-    # Resolved for one rank already (from a DTensor's placements), so rank/world do not apply.
     spans: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise PlanError(f"Placement kind {self.kind!r} is not one of {', '.join(map(repr, KINDS))}; e.g. "
+                            "Placement('shard', dim=0) for rows, Placement('shard', dim=1) for columns.")
+        for field, value, low in (("dim", self.dim, None), ("parts", self.parts, 1), ("groups", self.groups, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
+                raise PlanError(f"Placement {field} must be an integer" + (f" >= {low}" if low is not None else "")
+                                + f", got {value!r}.")
+        if self.parts != 1 and self.kind != "packed":
+            raise PlanError(f"Placement parts={self.parts} applies only to kind 'packed', not {self.kind!r}.")
+        if self.groups and self.kind not in ("shard", "packed"):
+            raise PlanError(f"Placement groups={self.groups} applies only to kinds 'shard' and 'packed'.")
+        if self.spans and self.kind != "box":
+            raise PlanError(f"Placement spans apply only to kind 'box', not {self.kind!r}.")
 
 
 REPLICATE = Placement()
@@ -80,7 +111,7 @@ def check_rank(rank: int, world: int) -> None:
 def shard_span(name: str, size: int, rank: int, world: int, what: str = "dim") -> tuple[int, int]:
     if size % world:
         raise PlanError(f"{name}: {what} of size {size} does not split evenly over {world} ranks; "
-                        "choose a world that divides it, or replicate this tensor (plan= override).")
+                        f"choose a world that divides it, or replicate this tensor: plan={{{name!r}: 'replicate'}}.")
     step = size // world
     return rank * step, (rank + 1) * step
 

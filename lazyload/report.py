@@ -82,20 +82,49 @@ def group_layers(names: list[str]) -> list[tuple[str, int]]:
     return out
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+def size(n: float) -> str:
+    """Bytes in binary units, the one family lazyload prints: B, KiB, MiB, GiB, TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}" if unit != "GiB" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
 
 
 @dataclass
 class LoadReport:
+    """What `load_into` did, for this rank. `print(report)` groups layer-numbered names.
+
+    - `loaded`: model tensors filled from the checkpoint (one name per tied group).
+    - `missing`: model tensors the checkpoint has no tensor for (strict=False).
+    - `unexpected`: checkpoint tensors no model tensor uses (strict=False: not read).
+    - `mismatched`: (name, checkpoint shape, model shape) of tensors left unfilled because
+      the shapes differ (strict=False).
+    - `initialized`: missing or mismatched tensors given the model's own initialisation
+      (strict=False, missing="init"), as `from_pretrained` does.
+    - `recomputed_buffers`: non-persistent buffers left on meta (rotary `inv_freq`, ...)
+      that the model's own init computed.
+    - `bytes_read`: tensor bytes copied out of the files by the reader.
+    - `bytes_mapped`: bytes of tensors left as copy-on-write views of the file mapping
+      (CPU, checkpoint dtype); with cold pages (`prefetched`) they are paged in during the
+      load, with warm ones the pages are cached and mapped on first use.
+    - `seconds`: wall time of the whole `load_into` call.
+    - `peak_rss`, `peak_anon`, `peak_file`: peaks of this process's resident memory, its
+      anonymous part and its file-backed part (mapped checkpoint pages) during the load,
+      sampled from /proc/self/status (0 where unavailable).
+    - `rank`, `world`: the share this report is for.
+    - `reader`: the reader that ran, "mmap" or "pread".
+    - `prefetched`: True when this rank's pages were cold and each layer's page ranges were
+      announced to the kernel a layer ahead.
+    - `ok` (property): True when nothing was missing, unexpected or mismatched."""
+
     loaded: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    initialized: list[str] = field(default_factory=list)
     recomputed_buffers: list[str] = field(default_factory=list)
     bytes_read: int = 0
-    # tensors left as views of the file mapping (CPU, same dtype); with cold pages (`prefetched`)
-    # they are paged in during the load, with warm ones the pages are cached and mapped on first use
     bytes_mapped: int = 0
     seconds: float = 0.0
     peak_rss: int = 0
@@ -104,7 +133,7 @@ class LoadReport:
     rank: int = 0
     world: int = 1
     reader: str = ""
-    prefetched: bool = False  # cold pages: each layer's ranges announced to the kernel a layer ahead
+    prefetched: bool = False
 
     @property
     def ok(self) -> bool:
@@ -112,11 +141,14 @@ class LoadReport:
 
     def __str__(self) -> str:
         lines = [f"lazyload: rank {self.rank}/{self.world}, {len(self.loaded)} tensors loaded, "
-                 f"{_gib(self.bytes_read)} read" + (f", {_gib(self.bytes_mapped)} mapped" if self.bytes_mapped else "")
+                 f"{size(self.bytes_read)} read" + (f", {size(self.bytes_mapped)} mapped" if self.bytes_mapped else "")
                  + f" in {self.seconds:.2f} s ({self.reader} reader{', prefetched' if self.prefetched else ''}); "
-                 f"peak RSS {_gib(self.peak_rss)}, peak anonymous {_gib(self.peak_anon)}"]
-        sections = [("loaded", self.loaded), ("missing", self.missing), ("unexpected", self.unexpected),
-                    ("recomputed buffers", self.recomputed_buffers)]
+                 f"peak RSS {size(self.peak_rss)}, peak anonymous {size(self.peak_anon)}"]
+        initialized = set(self.initialized)
+        sections = [("loaded", self.loaded),
+                    ("missing, given the model's own initialisation", [n for n in self.missing if n in initialized]),
+                    ("missing, left as they were", [n for n in self.missing if n not in initialized]),
+                    ("unexpected (not read)", self.unexpected), ("recomputed buffers", self.recomputed_buffers)]
         for title, names in sections:
             if names:
                 lines.append(f"  {title}:")
@@ -124,5 +156,7 @@ class LoadReport:
                           for pattern, count in group_layers(names)]
         if self.mismatched:
             lines.append("  mismatched (checkpoint shape vs model shape):")
-            lines += [f"    {name}: {list(c)} vs {list(m)}" for name, c, m in self.mismatched]
+            lines += [f"    {name}: {list(c)} vs {list(m)}" + ("  (given the model's own initialisation)"
+                                                             if name in initialized else "")
+                      for name, c, m in self.mismatched]
         return "\n".join(lines)

@@ -10,31 +10,24 @@ from typing import Any
 
 import torch
 
-from .errors import PlanError
+from .errors import ArgumentError, MappingError
+from .hub import local_path
 from .index import CheckpointIndex, resolve_files
-from .mapping import map_model
+from .mapping import map_model, prefix_hint
 from .placements import model_heads, resolve_placements
 from .plan import REPLICATE, check_rank, plan_for_rank
-from .report import group_layers
+from .report import group_layers, size
 from .schedule import layer_of
 from .targets import model_slots, model_specs
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return ""
-
-
 def _index(path: str) -> CheckpointIndex:
-    return CheckpointIndex(*resolve_files(path))
+    return CheckpointIndex(*resolve_files(local_path(path)))
 
 
 def inspect_checkpoint(path: str) -> str:
     index = _index(path)
-    lines = [f"{path}: {len(index)} tensors in {len(index.files)} file(s), {_size(index.total_bytes)} "
+    lines = [f"{path}: {len(index)} tensors in {len(index.files)} file(s), {size(index.total_bytes)} "
              f"(headers read: {index.header_bytes_read} bytes)", "", "tensors:"]
     names = sorted(index.keys(), key=lambda k: (layer_of(k) != "", k))
     for pattern, count in group_layers(names):
@@ -42,18 +35,18 @@ def inspect_checkpoint(path: str) -> str:
         entry = index[example]
         tail = f"  x{count}" if count > 1 else ""
         lines.append(f"  {pattern:<60} {str(entry.dtype).removeprefix('torch.'):<9} {str(list(entry.shape)):<18} "
-                     f"{_size(entry.nbytes)}{tail}")
+                     f"{size(entry.nbytes)}{tail}")
     lines += ["", "bytes per file:"]
     per_file = defaultdict(int)
     for entry in index.entries():
         per_file[entry.file] += entry.nbytes
-    lines += [f"  {os.path.basename(f):<40} {_size(per_file[f])}" for f in index.files]
+    lines += [f"  {os.path.basename(f):<40} {size(per_file[f])}" for f in index.files]
     lines += ["", "bytes per layer:"]
     per_layer = defaultdict(int)
     for entry in index.entries():
         per_layer[layer_of(entry.key) or "(outside layers)"] += entry.nbytes
-    lines += [f"  {layer:<40} {_size(n)}" for layer, n in per_layer.items()]
-    lines += ["", f"total: {_size(index.total_bytes)} ({index.total_bytes} bytes)"]
+    lines += [f"  {layer:<40} {size(n)}" for layer, n in per_layer.items()]
+    lines += ["", f"total: {size(index.total_bytes)} ({index.total_bytes} bytes)"]
     return "\n".join(lines)
 
 
@@ -73,17 +66,37 @@ class RankPlan:
     sharded: int
 
 
+def _config(path: str, config: Any) -> Any:
+    """A transformers config: given, or read from a local config.json (never the network)."""
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        return config
+    from transformers import AutoConfig
+
+    path = local_path(path)
+    source = os.fspath(local_path(config)) if config is not None else (
+        path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+    file = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    if not os.path.isfile(file):
+        where = f"--config {config}" if config is not None else f"the checkpoint's directory {source}"
+        raise ArgumentError(f"{file}: no such file ({where} has no config.json); pass --config with the model's "
+                            "config.json or the directory holding it.")
+    try:
+        return AutoConfig.from_pretrained(file)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ArgumentError(f"{file}: not a config transformers can read ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}).") from exc
+
+
 def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> tuple[list[RankPlan], list[str]]:
     """Per rank: bytes to read and tensors, from the checkpoint headers and a meta model of
     `config` (a transformers config, or a directory/file holding config.json; default: the
-    checkpoint's directory). Returns (ranks, warnings); a plan that cannot be made is a warning."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    checkpoint's directory). Returns (ranks, warnings). A world that cannot be planned is
+    a PlanError, a checkpoint none of whose keys fit the model a MappingError."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     check_rank(0, world)
     index = _index(path)
-    if config is None or isinstance(config, (str, os.PathLike)):
-        source = config or (path if os.path.isdir(path) else os.path.dirname(path))
-        config = AutoConfig.from_pretrained(source)
+    config = _config(path, config)
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config)
@@ -92,18 +105,19 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> t
     slots, aliases = model_slots(model)
     specs = model_specs(model, slots)
     mapping = map_model(index, model, specs, aliases)
-    warnings = [f"{len(mapping.missing)} model tensors missing from the checkpoint"] if mapping.missing else []
+    hint = prefix_hint(mapping)
+    if not mapping.exprs:
+        raise MappingError(f"none of the {len(index)} checkpoint tensors fits a model tensor of "
+                           f"{type(model).__name__}" + (f": {hint}" if hint else "; check --config."))
+    warnings = [hint] if hint else []
+    warnings += [f"{len(mapping.missing)} model tensors missing from the checkpoint"] if mapping.missing else []
     warnings += [f"{len(mapping.unexpected)} checkpoint tensors unused"] if mapping.unexpected else []
     dtypes = {n: index[e.keys()[0]].dtype for n, e in mapping.exprs.items()}
     ranks = []
     for rank in range(world):
-        try:
-            resolved = resolve_placements(model, specs, [], plan, rank, world)
-            _, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
-                                     resolved.placements, rank, world)
-        except PlanError as exc:
-            warnings.append(f"world {world} cannot be planned: {exc}")
-            return [], warnings
+        resolved = resolve_placements(model, specs, [], plan, rank, world)
+        _, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
+                                 resolved.placements, rank, world)
         sharded = sum(1 for n in mapping.exprs if resolved.placements.get(n, REPLICATE).kind != "replicate")
         ranks.append(RankPlan(rank, sum(i.nbytes for i in items), len(mapping.exprs), sharded))
     heads = model_heads(model)
@@ -112,7 +126,8 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> t
         warnings.append(f"{heads.kv_heads} KV heads replicated over {world} ranks: each KV head is read by "
                         f"{world // heads.kv_heads} ranks")
     if world > 1 and not any(r.sharded for r in ranks):
-        warnings.append("nothing is sharded: every rank reads the whole checkpoint (no TP plan matched)")
+        warnings.append(f"nothing is sharded: every rank reads all {size(ranks[0].bytes_to_read)} the model "
+                        "loads (no TP plan matched)")
     return ranks, warnings
 
 

@@ -93,12 +93,15 @@ def test_plan_overrides_in_transformers_format_and_placements(checkpoint):
     directory, config = checkpoint("llama")
     full = full_model("llama", directory, config)
     model = build_model("llama", config, torch.float32)
-    plan = {"layers.*.mlp.down_proj": "rowwise", "model.norm.weight": Placement("shard", 0)}
+    plan = {"layers.*.mlp.down_proj": "rowwise", "model.norm.weight": Placement("shard", 0),
+            "layers.*.mlp.gate_proj": "replicate"}
     LazyCheckpoint(str(directory)).load_into(model, 1, 2, plan=plan, progress=False)
     assert torch.equal(model.model.layers[2].mlp.down_proj.weight, full["model.layers.2.mlp.down_proj.weight"].chunk(2, 1)[1])
     assert torch.equal(model.model.norm.weight, full["model.norm.weight"].chunk(2, 0)[1])
-    # plan= is the whole plan: what it does not name stays replicated
-    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, full["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(model.model.layers[0].mlp.gate_proj.weight, full["model.layers.0.mlp.gate_proj.weight"])
+    # plan= overrides entries of the model's own plan: what it does not name follows the model's plan
+    q = full["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, q.chunk(2, 0)[1])
 
 
 @pytest.mark.parametrize("overrides,world,match", [
@@ -147,8 +150,9 @@ def test_plan_cli_per_rank_bytes(checkpoint, capsys):
     assert len(ranks) == 4 and any("KV heads replicated" in w for w in warnings)
     assert main(["plan", str(directory), "--world", "4"]) == 0
     assert "KV heads replicated" in capsys.readouterr().out
-    ranks8, warnings8 = plan_ranks(str(directory), 8)
-    assert not ranks8 and "attention heads" in warnings8[0]
+    with pytest.raises(PlanError, match="attention heads"):  # unplannable: an error, exit 2 from the CLI
+        plan_ranks(str(directory), 8)
+    assert main(["plan", str(directory), "--world", "8"]) == 2
 
 
 # ------------------------------------------------------------------ bytes actually read
