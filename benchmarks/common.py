@@ -328,6 +328,7 @@ class Meter:
             "baseline_rss": self.baseline["VmRSS"],
             "baseline_anon": self.baseline["RssAnon"],
             "baseline_file": self.baseline["RssFile"],
+            "end_anon": read_status()["RssAnon"],  # what the loaded model holds (views of files excluded)
             "dest_bytes": model_bytes(model),
             "read_bytes": io["read_bytes"] - self.io_start["read_bytes"],
             "rchar": io["rchar"] - self.io_start["rchar"],

@@ -24,6 +24,7 @@ from .parallel import auto_parallelize, check_process_group
 from .placements import resolve_placements
 from .placer import allocate, assign, fill_meta_buffers, mapped_views, meta_buffers_to_recompute
 from .plan import REPLICATE, local_regions, plan_for_rank
+from .quant.formats import Quantization, detect, read_quantization_config
 from .readers import MmapReader, choose_reader
 from .report import LoadReport, MemorySampler, size
 from .schedule import default_budget, schedule
@@ -58,6 +59,7 @@ class LazyCheckpoint:
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
         self._paths = paths
         self._index: CheckpointIndex | None = None
+        self._quantization: Quantization | None = None
         self.files, self._index_json = resolve_files(local_path(paths))
 
     @property
@@ -65,6 +67,14 @@ class LazyCheckpoint:
         if self._index is None:
             self._index = CheckpointIndex(self.files, self._index_json)
         return self._index
+
+    @property
+    def quantization(self) -> Quantization:
+        """The checkpoint's pre-quantized weights and their scales (from the tensors and the
+        `quantization_config` of the config.json beside its files); loads dequantize them."""
+        if self._quantization is None:
+            self._quantization = detect(self.index, read_quantization_config(self.files))
+        return self._quantization
 
     def keys(self) -> list[str]:
         return list(self.index)
@@ -88,6 +98,10 @@ class LazyCheckpoint:
     @property
     def header_bytes_read(self) -> int:
         return self.index.header_bytes_read
+
+    def _values_dtype(self, key: str) -> torch.dtype | None:
+        """The dtype of the values a key holds: None for a quantized weight (8-bit storage)."""
+        return None if key in self.quantization.leaves else self.index[key].dtype
 
     def __repr__(self) -> str:
         return f"LazyCheckpoint({len(self.files)} files, {len(self.index)} tensors, {self.total_bytes} bytes)"
@@ -143,13 +157,13 @@ class LazyCheckpoint:
         # Mapping: model tensors as expressions over checkpoint tensors.
         slots, aliases = model_slots(model)
         specs = model_specs(model, slots)
-        mapping = map_model(index, model, specs, aliases, key_map)
+        mapping = map_model(index, model, specs, aliases, key_map, self.quantization)
 
         # Placements: from DTensors, local shapes, plan= or the model's TP plan.
         placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
         if placements.local_shaped:  # the model holds local shards: map with the full shapes
             specs = placements.specs
-            mapping = map_model(index, model, specs, aliases, key_map)
+            mapping = map_model(index, model, specs, aliases, key_map, self.quantization)
         check_process_group(rank, world, plan, placements, shards_only)
         if mapping.unused_key_map:
             logger.warning("lazyload: key_map patterns that match no checkpoint key (key_map maps checkpoint key "
@@ -172,7 +186,7 @@ class LazyCheckpoint:
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
             slots, _ = model_slots(model)  # parameters became DTensors: placements from them
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
-        dtypes = {name: _target_dtype(specs[name].dtype, index[expr.keys()[0]].dtype, dtype)
+        dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0]), dtype)
                   for name, expr in mapping.exprs.items()}
 
         # Plan: this rank's boxes, pushed down to read items.
@@ -265,13 +279,14 @@ def _device(device: Any, model: nn.Module) -> torch.device:
                             "torch.device.") from exc
 
 
-def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype, requested: Any) -> torch.dtype:
-    """None: the model's dtype; "auto": the checkpoint's; a dtype: that one, for floating
-    tensors only (integer buffers keep theirs)."""
+def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype | None, requested: Any) -> torch.dtype:
+    """None: the model's dtype; "auto": the checkpoint's (the model's for a dequantized
+    weight, `ckpt_dtype` None); a dtype: that one, for floating tensors only (integer
+    buffers keep theirs)."""
     if requested is None or not model_dtype.is_floating_point:
         return model_dtype
     if requested == "auto":
-        return ckpt_dtype if ckpt_dtype.is_floating_point else model_dtype
+        return ckpt_dtype if ckpt_dtype is not None and ckpt_dtype.is_floating_point else model_dtype
     if isinstance(requested, torch.dtype):
         return requested
     raise DtypeError(f"dtype must be None, 'auto' or a torch.dtype, got {requested!r}.")

@@ -55,7 +55,7 @@ class ByteBudget:
 def direct_target(dest: torch.Tensor, item: ReadItem) -> torch.Tensor | None:
     """A uint8 view of the item's box in `dest` when the file bytes can land there as they
     are: CPU destination, same dtype, no transpose, one contiguous run each side."""
-    if dest.device.type != "cpu" or dest.dtype != item.entry.dtype:
+    if dest.device.type != "cpu" or dest.dtype != item.entry.dtype or item.scales is not None:
         return None
     if any(op[0] == "transpose" for op in item.ops):
         return None

@@ -1,14 +1,16 @@
 """Expressions: each model tensor as a small expression over checkpoint tensors.
 
 A box (start, stop per dim) of the target pushed down through an expression gives the
-minimal pieces to read: (checkpoint key, source box) -> (ops, destination box). Only
-shape-level operations live here (stack, concatenate, chunk, transpose), so pushing a
-box down is exact and no byte outside a rank's share is ever needed.
+minimal pieces to read: (checkpoint key, source box) -> (ops, destination box). Shape-level
+operations (stack, concatenate, chunk, transpose) and one elementwise one (dequantize a
+pre-quantized weight with the scales of its blocks) live here, so pushing a box down is
+exact and no byte outside a rank's share is ever needed: a dequantized piece names the
+scale blocks that cover its box, and nothing more.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 Box = tuple[tuple[int, int], ...]
@@ -43,14 +45,27 @@ def _swap(seq: tuple, a: int, b: int) -> tuple:
 
 
 @dataclass(frozen=True)
+class ScaleRef:
+    """The scales of a dequantized piece: `box` of the scale tensor `key` (and the same box
+    of the zero points `zero`, if any) covers the piece's source box; each scale entry
+    stands for `block[d]` elements of the weight along dim d."""
+
+    key: str
+    box: Box
+    zero: str | None
+    block: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Piece:
-    """Read `src_box` of checkpoint tensor `key`, apply `ops` in order
-    (("unsqueeze", d) or ("transpose", a, b)), and write the result to `dst_box`."""
+    """Read `src_box` of checkpoint tensor `key`, dequantize it with `scales` if any, apply
+    `ops` in order (("unsqueeze", d) or ("transpose", a, b)), and write the result to `dst_box`."""
 
     key: str
     src_box: Box
     ops: tuple[tuple, ...]
     dst_box: Box
+    scales: ScaleRef | None = None
 
 
 class Expr:
@@ -105,7 +120,7 @@ class Stack(Expr):
         for i in range(start, stop):
             for p in self.parts[i].pieces(child_box, shape_of):
                 dst = p.dst_box[:self.dim] + ((i, i + 1),) + p.dst_box[self.dim:]
-                out.append(Piece(p.key, p.src_box, p.ops + (("unsqueeze", self.dim),), dst))
+                out.append(replace(p, ops=p.ops + (("unsqueeze", self.dim),), dst_box=dst))
         return out
 
     def __str__(self):
@@ -139,7 +154,7 @@ class Cat(Expr):
             if lo < hi:
                 child_box = _replace(box, self.dim, (lo - offset, hi - offset))
                 for p in part.pieces(child_box, shape_of):
-                    out.append(Piece(p.key, p.src_box, p.ops, _shift(p.dst_box, self.dim, offset)))
+                    out.append(replace(p, dst_box=_shift(p.dst_box, self.dim, offset)))
             offset += size
         return out
 
@@ -168,7 +183,7 @@ class Chunk(Expr):
 
     def pieces(self, box, shape_of):
         offset = self.index * (self.part.shape(shape_of)[self.dim] // self.count)
-        return [Piece(p.key, p.src_box, p.ops, _shift(p.dst_box, self.dim, -offset))
+        return [replace(p, dst_box=_shift(p.dst_box, self.dim, -offset))
                 for p in self.part.pieces(_shift(box, self.dim, offset), shape_of)]
 
     def __str__(self):
@@ -189,12 +204,54 @@ class Transpose(Expr):
 
     def pieces(self, box, shape_of):
         child_box = _swap(box, self.dim0, self.dim1)
-        return [Piece(p.key, p.src_box, p.ops + (("transpose", self.dim0, self.dim1),),
-                      _swap(p.dst_box, self.dim0, self.dim1))
+        return [replace(p, ops=p.ops + (("transpose", self.dim0, self.dim1),),
+                        dst_box=_swap(p.dst_box, self.dim0, self.dim1))
                 for p in self.part.pieces(child_box, shape_of)]
 
     def __str__(self):
         return f"transpose[{self.dim0},{self.dim1}]({self.part})"
+
+
+@dataclass(frozen=True)
+class Dequant(Expr):
+    """A pre-quantized weight in full precision: `(weight.float() - zero) * scale`, each
+    element with the scale (and zero point) of its block, where `block[d]` weight elements
+    along dim d share one scale entry (tail blocks may be partial). The scale tensor has one
+    entry per block (the grid `ceil(shape / block)`), or a single entry for the whole weight."""
+
+    weight: str
+    scale: str
+    block: tuple[int, ...]
+    zero: str | None = None
+
+    def shape(self, shape_of):
+        shape = tuple(shape_of(self.weight))
+        if len(self.block) != len(shape) or min(self.block, default=1) < 1:
+            raise ValueError(f"block {list(self.block)} does not fit a weight of shape {list(shape)}")
+        grid = tuple(-(-n // b) for n, b in zip(shape, self.block))
+        scale = tuple(shape_of(self.scale))
+        if scale != grid and math.prod(scale) != 1:
+            raise ValueError(f"scale {self.scale} has shape {list(scale)}, but blocks of {list(self.block)} "
+                             f"over {list(shape)} need {list(grid)}")
+        if self.zero is not None and tuple(shape_of(self.zero)) != scale:
+            raise ValueError(f"zero point {self.zero} has shape {list(shape_of(self.zero))}, its scale {list(scale)}")
+        return shape
+
+    def keys(self):
+        return [self.weight, self.scale] + ([self.zero] if self.zero is not None else [])
+
+    def pieces(self, box, shape_of):
+        if not box_numel(box):
+            return []
+        scale_shape = tuple(shape_of(self.scale))
+        if math.prod(scale_shape) == 1:  # one scale for the whole weight
+            scale_box = full_box(scale_shape)
+        else:  # the blocks the box starts and ends in, and all between
+            scale_box = tuple((a // b, (z - 1) // b + 1) for (a, z), b in zip(box, self.block))
+        return [Piece(self.weight, box, (), box, ScaleRef(self.scale, scale_box, self.zero, self.block))]
+
+    def __str__(self):
+        return f"dequant({self.weight}, {self.scale}" + (f", {self.zero})" if self.zero else ")")
 
 
 def _replace_dim(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
@@ -206,6 +263,17 @@ def apply_ops(tensor, ops: tuple[tuple, ...]):
     for op in ops:
         if op[0] == "unsqueeze":
             tensor = tensor.unsqueeze(op[1])
+        else:
+            tensor = tensor.transpose(op[1], op[2])
+    return tensor
+
+
+def undo_ops(tensor, ops: tuple[tuple, ...]):
+    """The inverse of `apply_ops`: a piece's destination box seen in the layout of its
+    source box (a view, so that writing to it writes the destination)."""
+    for op in reversed(ops):
+        if op[0] == "unsqueeze":
+            tensor = tensor.squeeze(op[1])
         else:
             tensor = tensor.transpose(op[1], op[2])
     return tensor

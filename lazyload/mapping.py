@@ -4,8 +4,9 @@ Each checkpoint key is tried, in order, as: the exact model name; the name with 
 model's base prefix added or removed; the user's `key_map`; the conversion rules (renames,
 then at most one gathering rule): transformers' own published mapping for its models
 (`hf_rules`), lazyload's built-in table (`rules`) otherwise. Checkpoint keys that reach no model tensor are
-unexpected; model tensors that no key reaches are missing. Only names and shapes are
-used: nothing here reads a tensor byte.
+unexpected; model tensors that no key reaches are missing. A pre-quantized weight stands
+for its dequantization (`quant.formats`): its scale siblings are part of it, never keys of
+their own. Only names and shapes are used: nothing here reads a tensor byte.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch import nn
 from .errors import ArgumentError, DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
 from .expr import Cat, Chunk, Expr, Source, Stack, Transpose
 from .index import CheckpointIndex
+from .quant.formats import Quantization, detect
 from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
 from .targets import TargetSpec
 
@@ -137,9 +139,10 @@ class _Resolver:
         return None
 
 
-def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: str) -> dict[str, Expr]:
+def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: str,
+                     leaf: Callable[[str], Expr] = Source) -> dict[str, Expr]:
     """Apply a gathering rule's ops to its checkpoint keys; returns model name -> expr."""
-    values: dict[int, list[Expr]] = {i: [Source(k) for k in sorted(keys, key=natural_key)]
+    values: dict[int, list[Expr]] = {i: [leaf(k) for k in sorted(keys, key=natural_key)]
                                      for i, keys in sorted(by_source.items())}
     outputs: list[Expr] | None = None
     for op in convert.ops:
@@ -172,15 +175,17 @@ def _matches_any(name: str, patterns: Sequence[str]) -> bool:
 def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *, aliases: MappingT[str, str] = {},
                   base_prefix: str = "", key_map: KeyMap | None = None, renames: Sequence = (),
                   converts: Sequence = (), ignore_unexpected: Sequence[str] = (),
-                  ignore_missing: Sequence[str] = ()) -> Mapping:
+                  ignore_missing: Sequence[str] = (), quant: Quantization = Quantization()) -> Mapping:
     """Match checkpoint keys to model tensors. `aliases` maps a tied name to the target it
-    shares storage with: a key for it fills that target unless the target has its own."""
+    shares storage with: a key for it fills that target unless the target has its own.
+    `quant`: the checkpoint's quantized weights, each matched as its dequantization."""
     resolver = _Resolver(targets, aliases, base_prefix, key_map, renames, converts)
+    leaf = lambda key: quant.leaves.get(key) or Source(key)  # noqa: E731
     exprs: dict[str, Expr] = {}
     from_alias: dict[str, Expr] = {}
     groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
     unexpected = []
-    for key in sorted(index.keys(), key=natural_key):
+    for key in sorted(set(index.keys()) - quant.siblings, key=natural_key):
         hit = resolver.resolve(key)
         if hit is None:
             unexpected.append(key)
@@ -189,14 +194,14 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
         if convert is not None:
             groups.setdefault(name, (convert, defaultdict(list)))[1][source_index].append(key)
         elif name in aliases:
-            from_alias.setdefault(aliases[name], Source(key))
+            from_alias.setdefault(aliases[name], leaf(key))
         elif name in exprs:
             raise MappingError(f"model tensor {name!r} is provided twice by the checkpoint: by "
                                f"{exprs[name]} and by {key!r}; drop one (key_map can rename it).")
         else:
-            exprs[name] = Source(key)
+            exprs[name] = leaf(key)
     for first_name, (convert, by_source) in groups.items():
-        for name, expr in _build_converted(convert, by_source, first_name).items():
+        for name, expr in _build_converted(convert, by_source, first_name, leaf).items():
             if name in aliases:
                 from_alias.setdefault(aliases[name], expr)
             else:
@@ -204,7 +209,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     for name, expr in from_alias.items():
         exprs.setdefault(name, expr)
 
-    unexpected = [k for k in unexpected if not _matches_any(k, ignore_unexpected)]
+    unexpected = [k for k in unexpected if not _matches_any(k, (*ignore_unexpected, *quant.ignored))]
     missing = [n for n in targets if n not in exprs and not _matches_any(n, ignore_missing)]
     mismatched = []
     shape_of = lambda key: index[key].shape  # noqa: E731
@@ -317,11 +322,14 @@ def _conversion_rules(model: nn.Module) -> tuple[list, list]:
 
 
 def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, TargetSpec],
-              aliases: MappingT[str, str], key_map: KeyMap | None = None) -> Mapping:
+              aliases: MappingT[str, str], key_map: KeyMap | None = None,
+              quant: Quantization | None = None) -> Mapping:
     """Match checkpoint keys to the model's tensors. The conversion rules are fetched only
     when plain names do not match everything (building transformers' table costs ~0.2 s);
-    names that match plainly are never converted, so the result is the same."""
+    names that match plainly are never converted, so the result is the same. `quant`: the
+    checkpoint's quantized weights (default: detected from its tensors alone)."""
     unused = check_key_map(key_map, list(index.keys()))
+    quant = detect(index) if quant is None else quant
 
     def with_rules(renames, converts):
         return replace(build_mapping(
@@ -329,7 +337,7 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, Tar
             base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
             renames=renames, converts=converts,
             ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
-            ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])),
+            ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []), quant=quant),
             unused_key_map=unused)
 
     mapping = with_rules([], [])

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from .errors import MetaBufferError
-from .expr import apply_ops, box_shape
+from .expr import apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
+from .quant.dequant import QuantizedBox, dequantize_into
 from .readers import MmapReader, byte_runs
 from .targets import Slot, current_tensor, is_dtensor, local_tensor
 
@@ -40,16 +41,27 @@ def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: MmapR
             continue
         item = own[0]
         if (item.entry.dtype != target.dtype or any(op[0] == "transpose" for op in item.ops)
+                or item.scales is not None  # a dequantized weight is computed, never a view
                 or box_shape(item.dst_box) != target.local_shape or len(byte_runs(item)[0]) != 1):
             continue
         views[target.name] = reader.view(item).reshape(target.local_shape)
     return views, [item for item in items if item.target not in views]
 
 
-def copy_into(dest: torch.Tensor, item: ReadItem, source: torch.Tensor) -> None:
+def copy_into(dest: torch.Tensor, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
     """Write the item's source tensor (after its ops) into its box of `dest`, casting."""
+    if item.scales is not None:
+        return dequant_into(dest, item, source)
     view = dest[tuple(slice(a, b) for a, b in item.dst_box)]
     view.copy_(apply_ops(source, item.ops), non_blocking=source.is_pinned())
+
+
+def dequant_into(dest: torch.Tensor, item: ReadItem, source: QuantizedBox) -> None:
+    """Dequantize the item's weight box with its scale blocks straight into its box of
+    `dest` (seen through the inverse of its ops), exactly and without a full-size temporary."""
+    view = undo_ops(dest[tuple(slice(a, b) for a, b in item.dst_box)], item.ops)
+    start = tuple(a for a, _ in item.src_box)
+    dequantize_into(view, source, start, item.scales.block)
 
 
 def assign(slot: Slot, tensor: torch.Tensor) -> None:

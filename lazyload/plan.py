@@ -9,13 +9,13 @@ Every check that can fail (rank range, divisibility) fails here, before any byte
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping as MappingT
 
 import torch
 
 from .errors import PlanError
-from .expr import Box, Expr, box_numel, full_box
+from .expr import Box, Expr, ScaleRef, box_numel, full_box
 from .index import CheckpointIndex, TensorEntry
 
 
@@ -85,20 +85,64 @@ class TargetPlan:
     regions: tuple[Region, ...]
 
 
+# Parts of a dequantized item (weight, scales, zero points) are staged from offsets that
+# are multiples of this, so that each can be viewed as its own dtype.
+STAGE_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return -(-n // STAGE_ALIGN) * STAGE_ALIGN
+
+
+@dataclass(frozen=True)
+class ScaleRead:
+    """The scale blocks (and zero points) that cover a dequantized item's source box: `box`
+    of `scale` (and of `zero`); `block[d]` weight elements per scale entry along dim d."""
+
+    scale: TensorEntry
+    box: Box
+    zero: TensorEntry | None
+    block: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class ReadItem:
-    """Read `src_box` of the checkpoint tensor `entry`, apply `ops`, write to `dst_box` of
-    the local tensor of `target`."""
+    """Read `src_box` of the checkpoint tensor `entry`, dequantize it with `scales` if any,
+    apply `ops`, write to `dst_box` of the local tensor of `target`."""
 
     entry: TensorEntry
     src_box: Box
     ops: tuple[tuple, ...]
     target: str
     dst_box: Box
+    scales: ScaleRead | None = None
 
     @property
     def nbytes(self) -> int:
-        return box_numel(self.src_box) * self.entry.itemsize
+        """Bytes read and held for this item until it is placed: its source box, and for a
+        dequantized item also its scale blocks (each part from an aligned offset)."""
+        if self.scales is None:
+            return box_numel(self.src_box) * self.entry.itemsize
+        return sum(_aligned(part.nbytes) for part in self.reads())
+
+    def reads(self) -> tuple[ReadItem, ...]:
+        """The single-tensor reads this item needs: itself, or for a dequantized item its
+        weight box, scale blocks and zero points (in that order)."""
+        if self.scales is None:
+            return (self,)
+        s = self.scales
+        return ((replace(self, scales=None), ReadItem(s.scale, s.box, (), self.target, s.box))
+                + ((ReadItem(s.zero, s.box, (), self.target, s.box),) if s.zero is not None else ()))
+
+    def staging(self, buffer: torch.Tensor) -> list[tuple[ReadItem, torch.Tensor]]:
+        """Each of `reads()` with its range of a staging buffer of `nbytes` bytes."""
+        if self.scales is None:
+            return [(self, buffer)]
+        out, offset = [], 0
+        for part in self.reads():
+            out.append((part, buffer[offset:offset + part.nbytes]))
+            offset += _aligned(part.nbytes)
+        return out
 
 
 def check_rank(rank: int, world: int) -> None:
@@ -170,6 +214,13 @@ def box_regions(name: str, shape: tuple[int, ...],
     return local_shape, tuple(r for r in regions if box_numel(r.global_box))
 
 
+def _scale_read(ref: ScaleRef | None, index: CheckpointIndex) -> ScaleRead | None:
+    if ref is None:
+        return None
+    zero = index[ref.zero] if ref.zero is not None else None
+    return ScaleRead(index[ref.key], ref.box, zero, ref.block)
+
+
 def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],
                   dtypes: MappingT[str, torch.dtype], placements: MappingT[str, Placement], rank: int = 0,
                   world: int = 1) -> tuple[list[TargetPlan], list[ReadItem]]:
@@ -185,5 +236,6 @@ def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: Ma
             origin = tuple(start for start, _ in region.global_box)
             for piece in expr.pieces(region.global_box, shape_of):
                 dst = tuple((a - o + l, b - o + l) for (a, b), o, l in zip(piece.dst_box, origin, region.local_start))
-                items.append(ReadItem(index[piece.key], piece.src_box, piece.ops, name, dst))
+                items.append(ReadItem(index[piece.key], piece.src_box, piece.ops, name, dst,
+                                      _scale_read(piece.scales, index)))
     return targets, items

@@ -50,7 +50,7 @@ def partially_read_files(items: list[ReadItem], index: CheckpointIndex) -> set[s
     """Files of which this rank reads less than all the tensor bytes: readahead there would
     fetch other ranks' slices, other experts, or tensors the model does not use."""
     read: dict[str, int] = {}
-    for item in items:
+    for item in (part for item in items for part in item.reads()):
         read[item.entry.file] = read.get(item.entry.file, 0) + item.nbytes
     stored: dict[str, int] = {}
     for entry in index.entries():

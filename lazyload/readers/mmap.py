@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ReadError
 from ..plan import ReadItem
+from ..quant.dequant import QuantizedBox
 from ..system import (FAULT_AROUND, MADV_DONTNEED, MADV_POPULATE_READ, MADV_RANDOM, fadvise, file_mappings,
                       madvise, readahead_window)
 from .runs import byte_runs, is_one_range, span_is_cheaper
@@ -82,7 +83,9 @@ class MmapReader:
         if len(raw) == 8:  # a shorter file is safe_open's error to report
             os.pread(fd, int.from_bytes(raw, "little"), 8)
 
-    def read(self, item: ReadItem) -> torch.Tensor:
+    def read(self, item: ReadItem) -> torch.Tensor | QuantizedBox:
+        if item.scales is not None:  # a dequantized weight: its box, its scale blocks
+            return QuantizedBox(*(self.read(part) for part in item.reads()))
         tensor = self.view(item) if item.src_box else self._open(item.entry.file).get_tensor(item.entry.key)
         with self._lock:
             self.bytes_read += item.nbytes
@@ -99,7 +102,7 @@ class MmapReader:
         when that costs few extra pages (see `span_is_cheaper`), else run by run."""
         if not hasattr(os, "posix_fadvise"):
             return
-        for item in items:
+        for item in (part for item in items for part in item.reads()):
             with self._lock:
                 fd = self._fd(item.entry.file)
                 chunk = self._windows[item.entry.file]
@@ -120,11 +123,15 @@ class MmapReader:
         On a kernel without it (< 5.14) the pages were at least announced by `prefetch`."""
         madvise(view.data_ptr(), view.nbytes, MADV_POPULATE_READ)
 
-    def release(self, item: ReadItem, tensor: torch.Tensor) -> None:
+    def release(self, item: ReadItem, tensor: torch.Tensor | QuantizedBox) -> None:
         """Drop the item's pages: from this process's mapping (RSS), then from the page
         cache. `tensor` is the view `read` returned; the mapping is never written, so a
         page dropped here is read again from the file if another item needs it."""
         if not self.release_pages:
+            return
+        if item.scales is not None:
+            for part, view in zip(item.reads(), tensor):
+                self.release(part, view)
             return
         offsets, run = byte_runs(item)
         span = int(offsets[-1]) + run - int(offsets[0])

@@ -18,7 +18,8 @@ import torch
 
 from ..errors import ReadError
 from ..expr import box_shape
-from ..plan import ReadItem
+from ..plan import STAGE_ALIGN, ReadItem
+from ..quant.dequant import QuantizedBox
 from ..system import fadvise
 from .runs import byte_runs, is_one_range, span_is_cheaper
 
@@ -41,7 +42,7 @@ class Arena:
         for start, stop in self._used:
             if start - cursor >= n:
                 return cursor
-            cursor = stop
+            cursor = -(-stop // STAGE_ALIGN) * STAGE_ALIGN  # every range can be viewed as any dtype
         return cursor if self.size - cursor >= n else None
 
     def alloc(self, n: int) -> torch.Tensor:
@@ -85,9 +86,11 @@ class PreadReader:
                 self._fds[path] = fd
             return fd
 
-    def read_into(self, item: ReadItem, out: torch.Tensor) -> torch.Tensor:
+    def read_into(self, item: ReadItem, out: torch.Tensor) -> torch.Tensor | QuantizedBox:
         """Read the item's bytes into `out` (a contiguous uint8 CPU tensor of item.nbytes);
-        returns `out` viewed as the source box."""
+        returns `out` viewed as the source box (a dequantized item: its parts' views)."""
+        if item.scales is not None:
+            return QuantizedBox(*(self.read_into(part, view) for part, view in item.staging(out)))
         fd = self._fd(item.entry.file)
         offsets, run = byte_runs(item)
         memory = memoryview(out.numpy()).cast("B")

@@ -1,0 +1,200 @@
+"""Dequantizing load benchmark: the benchmark Llama written as an FP8 checkpoint with 128x128
+block scales (DeepSeek-V3's layout), loaded into a bf16 model, against the bf16 -> fp16
+cast load of the bf16 checkpoint and transformers' own CPU dequantization
+(`from_pretrained` of the FP8 checkpoint, which dequantizes without a GPU), in one run.
+
+Rows (each in a fresh process, page cache warm, see common.run_isolated):
+  lazyload fp8 -> bf16          LazyCheckpoint(fp8_dir).load_into(meta_model, dtype=bf16)
+  lazyload fp8 -> bf16, pread   the same with reader="pread"
+  lazyload bf16 -> fp16 (cast)  LazyCheckpoint(bf16_dir).load_into(meta_model, dtype=fp16)
+  transformers fp8 -> bf16      LlamaForCausalLM.from_pretrained(fp8_dir, dtype=bf16)
+
+Every dim of the benchmark Llama is a multiple of 128, where transformers' dequantization is
+exact too: the loaded values are compared. A last check loads a small FP8 Llama with an MLP
+of 1000 (not a multiple of 128) with both, against the exact formula.
+
+Usage: python benchmarks/bench_quant.py [--quick] [--ckpt-dir DIR] [--fp8-dir DIR] [--repeat 3]
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+sys.path.insert(0, os.path.join(os.path.dirname(BENCH_DIR), "tests"))  # the FP8 checkpoint writer
+import bench_load  # noqa: E402
+import common  # noqa: E402
+from common import CaseSkipped, MiB  # noqa: E402
+
+GB = 1e9
+
+
+def case_lazyload_pread(args, meter):
+    from lazyload import LazyCheckpoint
+    from transformers import LlamaForCausalLM  # noqa: F401  imported before the clock
+    dtype, config = bench_load._torch_dtype(args), bench_load._config(args)
+    meter.start()
+    model = bench_load._meta_model(config, dtype)
+    LazyCheckpoint(args["ckpt_dir"]).load_into(model, dtype=dtype, reader="pread", progress=False)
+    meter.loaded(model)
+    return model
+
+
+def write_fp8(bf16_dir, fp8_dir, shape):
+    """The bf16 benchmark checkpoint as FP8 blocks (kept: the marker says it is complete)."""
+    from quant_checkpoints import write_fp8_checkpoint
+
+    if common.checkpoint_is_complete(fp8_dir, shape):
+        return
+    write_fp8_checkpoint(bf16_dir, fp8_dir)
+    files = {os.path.basename(f): os.path.getsize(f) for f in common.shard_files(fp8_dir)}
+    with open(os.path.join(fp8_dir, common.MARKER), "w") as f:
+        json.dump({"shape": shape, "files": files}, f, indent=1)
+
+
+def run(fn_name, ckpt_dir, dtype, warm_dirs, num_layers):
+    args = {"ckpt_dir": ckpt_dir, "dtype": dtype, "checksum_names": bench_load.checksum_names(num_layers)}
+    results = []
+    for _ in range(ARGS.repeat):
+        for d in warm_dirs:
+            common.warm_page_cache(d)
+        results.append(common.run_isolated(fn_name, args))
+    return common.median_records(results)["load"], results[0]["checksum"]
+
+
+def table(rows, ckpt_bytes, reference):
+    header = ("| case | checkpoint (MiB) | seconds | GB/s read | GB/s written | peak anon above baseline (MiB) "
+              "| peak anon minus destination (MiB) | peak anon above the loaded model (MiB) | time vs transformers |")
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for name, rec in rows:
+        anon = rec["peak_anon"] - rec["baseline_anon"]
+        size = ckpt_bytes[name]
+        lines.append(f"| {name} | {common.mib(size)} | {rec['seconds']:.2f} | {size / rec['seconds'] / GB:.2f} "
+                     f"| {rec['dest_bytes'] / rec['seconds'] / GB:.2f} | {common.mib(anon)} "
+                     f"| {common.mib(anon - rec['dest_bytes'])} | {common.mib(rec['peak_anon'] - rec['end_anon'])} "
+                     f"| {common.ratio(rec['seconds'], reference)} |")
+    return "\n".join(lines)
+
+
+def targets(recs, one_layer):
+    fp8, cast, tf = recs.get("lazyload fp8 -> bf16"), recs.get("lazyload bf16 -> fp16 (cast)"), \
+        recs.get("transformers fp8 -> bf16")
+    if fp8 is None:
+        return
+    # Above what the loaded model holds in anonymous memory: its bf16 embeddings stay views
+    # of the file mapping (not anonymous), so the destination's bytes would undercount it.
+    over = fp8["peak_anon"] - fp8["end_anon"]
+    print(f"- peak anon above the loaded model <= one layer: {over / MiB:,.0f} MiB vs one bf16 layer "
+          f"{one_layer / MiB:,.0f} MiB -> **{'PASS' if over <= one_layer else 'FAIL'}**")
+    if tf is not None:
+        ok = fp8["seconds"] <= tf["seconds"]
+        print(f"- time <= transformers': {fp8['seconds']:.2f} s vs {tf['seconds']:.2f} s "
+              f"-> **{'PASS' if ok else 'FAIL'}**")
+    if cast is not None:
+        # Same model written: seconds per destination byte; the FP8 load reads half the bytes.
+        slower = fp8["seconds"] / cast["seconds"]
+        print(f"- FP8 -> bf16 within 1.5x of the bf16 -> fp16 cast load (same destination bytes): "
+              f"{slower:.2f}x -> **{'PASS' if slower <= 1.5 else 'FAIL'}**")
+
+
+def check_values(checksums):
+    ref_name = "lazyload fp8 -> bf16"
+    ref = checksums.get(ref_name)
+    for name, sums in checksums.items():
+        if ref is None or name == ref_name or "fp8" not in name:
+            continue
+        bad = [k for k in ref if sums.get(k) != ref[k]]
+        print(f"- {name} loaded {'different values for ' + str(bad) if bad else 'the same values'} as {ref_name}")
+
+
+def tail_blocks_check():
+    """A small FP8 Llama with an MLP of 1000: each loader's largest error against the exact
+    formula, relative to the quantization error (dequantized vs the original weights)."""
+    import torch
+    import transformers
+    from checkpoints import build_model, reference_model, write_checkpoint
+    from quant_checkpoints import dequantize, write_fp8_checkpoint
+    from safetensors.torch import load_file
+    from lazyload import LazyCheckpoint
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as tmp:
+        src, config = write_checkpoint("llama", "bf16", os.path.join(tmp, "bf16"), hidden_size=256,
+                                       intermediate_size=1000, num_hidden_layers=1, min_shards=1)
+        fp8 = write_fp8_checkpoint(src, os.path.join(tmp, "fp8"))
+        raw, orig = {}, {}
+        for f in sorted(os.listdir(fp8)):
+            if f.endswith(".safetensors"):
+                raw.update(load_file(os.path.join(fp8, f)))
+                orig.update(load_file(os.path.join(src, f)))
+        key = "model.layers.0.mlp.down_proj.weight"
+        exact = dequantize(raw[key], raw[key + "_scale_inv"], (128, 128), torch.bfloat16).float()
+        quant_err = (exact - orig[key].float()).abs().max().item()
+        model = build_model("llama", config, torch.bfloat16)
+        LazyCheckpoint(str(fp8)).load_into(model, progress=False)
+        lazy_err = (model.get_parameter(key).float() - exact).abs().max().item()
+        try:
+            tf_err = (reference_model("llama", fp8, torch.bfloat16).get_parameter(key).float() - exact).abs().max()
+            tf_cell = f"{tf_err.item():.3g} ({tf_err.item() / quant_err:.1f}x the quantization error)"
+        except Exception as exc:  # transformers refusing it is an answer too
+            tf_cell = f"refused: {type(exc).__name__}: {str(exc)[:120]}"
+    print(f"\n### MLP of 1000 (tail blocks of 1000 - 896 = 104 columns)\n\n"
+          f"largest error of `{key}` against the exact formula; quantization error {quant_err:.3g}\n\n"
+          f"| loader | largest error |\n|---|---|\n| lazyload | {lazy_err:.3g} |\n| transformers | {tf_cell} |")
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt-dir", default=None, help="the bf16 checkpoint (written if missing); "
+                        f"default {common.DEFAULT_CKPT_DIR}[_L<layers>|_quick]")
+    parser.add_argument("--fp8-dir", default=None, help="its FP8 version (written if missing); default <ckpt-dir>_fp8")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="the ~200 MB checkpoint, for smoke tests")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per row; the table shows medians")
+    parser.add_argument("--rows", default="lazyload fp8 -> bf16,lazyload fp8 -> bf16 pread,"
+                        "lazyload bf16 -> fp16 (cast),transformers fp8 -> bf16")
+    ARGS = parser.parse_args()
+    ckpt_dir = ARGS.ckpt_dir or common.default_ckpt_dir(ARGS.layers, ARGS.quick)
+    fp8_dir = ARGS.fp8_dir or ckpt_dir.rstrip("/") + "_fp8"
+    shape = common.checkpoint_shape(ARGS.layers, ARGS.quick)
+    common.write_llama_checkpoint(ckpt_dir, ARGS.layers, ARGS.quick)
+    write_fp8(ckpt_dir, fp8_dir, shape)
+    sizes = {d: sum(os.path.getsize(f) for f in common.shard_files(d)) for d in (ckpt_dir, fp8_dir)}
+    print(f"## lazyload dequantizing load benchmark\n\nbf16 checkpoint {ckpt_dir}: {sizes[ckpt_dir] / GB:.2f} GB; "
+          f"FP8 checkpoint {fp8_dir}: {sizes[fp8_dir] / GB:.2f} GB; {shape['num_hidden_layers']} layers, "
+          f"hidden {shape['hidden_size']}; page cache warm, median of {ARGS.repeat}; {bench_load.load_average()}\n")
+    cases = {
+        "lazyload fp8 -> bf16": ("bench_load:case_lazyload", fp8_dir, "bf16"),
+        "lazyload fp8 -> bf16 pread": ("bench_quant:case_lazyload_pread", fp8_dir, "bf16"),
+        "lazyload bf16 -> fp16 (cast)": ("bench_load:case_lazyload", ckpt_dir, "fp16"),
+        "transformers fp8 -> bf16": ("bench_load:case_transformers", fp8_dir, "bf16"),
+    }
+    recs, checksums, ckpt_bytes = {}, {}, {}
+    for name in ARGS.rows.split(","):
+        fn_name, directory, dtype = cases[name.strip()]
+        try:
+            recs[name], checksums[name] = run(fn_name, directory, dtype, [directory], shape["num_hidden_layers"])
+            ckpt_bytes[name] = sizes[directory]
+        except CaseSkipped as exc:
+            print(f"- {name}: skipped: {exc}")
+    tf = recs.get("transformers fp8 -> bf16")
+    print(table(list(recs.items()), ckpt_bytes, tf["seconds"] if tf else None))
+    first = next(iter(recs.values()))
+    print(f"\ndestination {first['dest_bytes'] / MiB:,.0f} MiB; GB/s read: checkpoint bytes per second; "
+          "GB/s written: destination bytes per second; the loaded model: its anonymous memory at the end "
+          "(tensors left as views of the files are not anonymous)\n")
+    check_values(checksums)
+    targets(recs, common.largest_layer_bytes(ckpt_dir, 2))
+    tail_blocks_check()
+    print(f"\nat the end: {bench_load.load_average()}")
+
+
+ARGS = None
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Which checkpoint tensors are pre-quantized weights, and with which scales.
+
+Detected from the tensors, with the checkpoint's `config.json` `quantization_config`
+when there is one (the block size, the method):
+
+- FP8 block-scaled (`quant_method: "fp8"`, DeepSeek-V3/R1, Qwen3 FP8): `X.weight` float8
+  with `X.weight_scale_inv` float32, one entry per `weight_block_size` block (tail blocks
+  partial), the multiplier that dequantizes it. Without a config the blocks are 128 wide,
+  the published layout.
+- compressed-tensors `int-quantized` / `float-quantized` / `naive-quantized` with 8-bit
+  weights: `X.weight` int8 or float8 with `X.weight_scale` per tensor, channel, group or
+  block, and `X.weight_zero_point` when present.
+
+Every quantized weight becomes a `Dequant` expression over its weight, scale and zero-point
+tensors, so that the siblings are never unexpected keys and a weight is never cast without
+its scales. Scales of activations and of the KV cache (`input_scale`, `k_scale`, ...) mean
+nothing to a full-precision model: they are ignored unless the model has such tensors.
+Only names, shapes, dtypes and config.json are read here; no tensor byte.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..errors import CheckpointError
+from ..expr import Dequant
+from ..index import CheckpointIndex
+
+WEIGHT_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
+SCALE_SUFFIXES = ("_scale_inv", "_scale")  # FP8 block layout; compressed-tensors
+ZERO_SUFFIX = "_zero_point"
+# Siblings of a quantized weight that change what its bytes mean and are not read here:
+# activation reordering, packed 4-bit values, a second-level scale, block padding.
+UNSUPPORTED_SUFFIXES = ("_g_idx", "_packed", "_shape", "_global_scale", "_shape_original")
+# Scales of activations and of the KV cache: for quantized kernels, not for weights.
+IGNORED = (r"\.(input|output)_(scale|zero_point)$", r"\.[qkv]_scale$", r"\.input_global_scale$")
+METHODS = ("fp8", "compressed-tensors")
+COMPRESSED_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
+DEFAULT_BLOCK = 128  # DeepSeek-V3's and Qwen3 FP8's weight_block_size
+
+logger = logging.getLogger("lazyload")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """The quantized weights of a checkpoint: weight key -> its `Dequant`; the scale and
+    zero-point keys those use; patterns of keys left unused unless the model has them."""
+
+    leaves: dict[str, Dequant] = field(default_factory=dict)
+    siblings: frozenset[str] = frozenset()
+    ignored: tuple[str, ...] = ()
+
+
+def read_quantization_config(files: Sequence[str]) -> dict | None:
+    """`quantization_config` of the config.json beside the checkpoint's files, if any."""
+    if not files:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(files[0])), "config.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:  # the tensors alone still tell quantized weights
+        logger.warning("%s: not read (%s); quantized weights are found from the tensors alone", path, exc)
+        return None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return quant if isinstance(quant, dict) else None
+
+
+def detect(index: CheckpointIndex, config: dict | None = None) -> Quantization:
+    """Pair every 8-bit weight with its scale (and zero point) siblings."""
+    declared = config is not None
+    blocks = _config_blocks(config) if declared else []
+    leaves: dict[str, Dequant] = {}
+    siblings: set[str] = set()
+    for key in index.keys():
+        entry = index[key]
+        scale = next((key + s for s in SCALE_SUFFIXES if key + s in index), None)
+        if entry.dtype not in WEIGHT_DTYPES or scale is None:
+            continue
+        for suffix in UNSUPPORTED_SUFFIXES:
+            if key + suffix in index:
+                raise CheckpointError(f"{index[key + suffix].file}: {key + suffix!r} says that {key!r} is stored in "
+                                      "a quantized layout lazyload cannot read yet (activation order, packed "
+                                      "4-bit, global scale or padded blocks); dequantize the checkpoint first.")
+        zero = key + ZERO_SUFFIX if key + ZERO_SUFFIX in index else None
+        if not index[scale].dtype.is_floating_point:
+            raise CheckpointError(f"{index[scale].file}: scale {scale!r} is {index[scale].dtype}, not a floating "
+                                  "point tensor; the checkpoint is not in a layout lazyload knows.")
+        block = _block(key, entry.shape, index[scale].shape, blocks)
+        leaves[key] = Dequant(key, scale, block, zero)
+        siblings |= {scale} | ({zero} if zero else set())
+    if declared or leaves:
+        _check_unscaled(index, leaves, siblings, config)
+    return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else ())
+
+
+def _check_unscaled(index: CheckpointIndex, leaves: dict, siblings: set[str], config: dict | None) -> None:
+    """In a quantized checkpoint, an 8-bit weight without scales cannot be loaded: its
+    bytes cast as they are would be a silently wrong model."""
+    for key in index.keys():
+        if index[key].dtype not in WEIGHT_DTYPES or key in leaves or key in siblings:
+            continue
+        if not any(re.search(p, key) for p in IGNORED):
+            method = (config or {}).get("quant_method", "scaled 8-bit weights")
+            raise CheckpointError(f"{index[key].file}: {key!r} is {index[key].dtype} in a checkpoint quantized "
+                                  f"with {method}, but has no scale ({key}_scale_inv or {key}_scale); a quantized "
+                                  "weight is never loaded without its scales. The checkpoint is incomplete.")
+
+
+def _config_blocks(config: dict) -> list[tuple[int | None, int | None]]:
+    """The block shapes (rows, columns; None: the whole dim) the config declares for the
+    last two dims of its weights. Refuses methods and formats lazyload cannot dequantize."""
+    method = config.get("quant_method")
+    if method == "fp8":
+        size = config.get("weight_block_size")
+        return [tuple(int(b) for b in size)] if size else [(None, None)]
+    if method == "compressed-tensors":
+        return _compressed_tensors_blocks(config)
+    raise CheckpointError(f"config.json: the checkpoint is quantized with {method!r}, which lazyload cannot "
+                          f"dequantize (it reads {', '.join(METHODS)}); dequantize it with its own tools first.")
+
+
+def _compressed_tensors_blocks(config: dict) -> list[tuple[int | None, int | None]]:
+    top = config.get("format")
+    blocks = []
+    for name, group in (config.get("config_groups") or {}).items():
+        weights = (group or {}).get("weights")
+        if not weights:
+            continue
+        fmt = group.get("format") or top
+        if fmt == "dense":
+            continue
+        if fmt not in COMPRESSED_FORMATS or weights.get("num_bits") != 8:
+            raise CheckpointError(f"config.json: compressed-tensors group {name!r} stores weights as {fmt!r} with "
+                                  f"{weights.get('num_bits')} bits; lazyload reads 8-bit weights in "
+                                  f"{', '.join(COMPRESSED_FORMATS)}. Dequantize the checkpoint first.")
+        strategy = weights.get("strategy")
+        if strategy == "block":
+            blocks.append(tuple(int(b) for b in weights["block_structure"]))
+        elif strategy == "group":
+            blocks.append((1, int(weights["group_size"])))
+        elif strategy == "channel":
+            blocks.append((1, None))
+        elif strategy == "tensor":
+            blocks.append((None, None))
+        else:
+            raise CheckpointError(f"config.json: compressed-tensors group {name!r} quantizes weights per "
+                                  f"{strategy!r}, which lazyload cannot dequantize.")
+    return blocks
+
+
+def _block(key: str, shape: tuple[int, ...], scale: tuple[int, ...],
+           declared: list[tuple[int | None, int | None]]) -> tuple[int, ...]:
+    """Weight elements per scale entry, per dim: a declared block whose grid is the scale's
+    shape, else per dim the only reading of the scale's size (every row, one for the dim,
+    or 128-wide blocks)."""
+    if math.prod(scale) == 1:
+        return tuple(max(1, n) for n in shape)
+    if len(scale) != len(shape):
+        raise CheckpointError(f"scale of {key!r} has shape {list(scale)}, which does not match the weight's "
+                              f"{list(shape)} dim for dim; lazyload cannot tell which block each scale covers.")
+    for rows, cols in declared:
+        last = shape[-2:]
+        block = (1,) * (len(shape) - len(last)) + tuple(
+            n if b is None else b for b, n in zip((rows, cols)[2 - len(last):], last))
+        if _grid(shape, block) == tuple(scale):
+            return block
+    block = []
+    for n, s in zip(shape, scale):
+        if s == n:
+            block.append(1)
+        elif s == 1:
+            block.append(n)
+        elif s == -(-n // DEFAULT_BLOCK):
+            block.append(DEFAULT_BLOCK)
+        else:
+            raise CheckpointError(f"scale of {key!r} has shape {list(scale)} for a weight of shape {list(shape)}; "
+                                  "lazyload cannot tell the block size. Put the checkpoint's config.json (with "
+                                  "its quantization_config) beside its files.")
+    return tuple(block)
+
+
+def _grid(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(-(-n // b) for n, b in zip(shape, block))
+

@@ -1,0 +1,165 @@
+"""Pre-quantized checkpoints for the tests (and benchmarks/bench_quant.py), written in the
+published layouts from a full-precision checkpoint that transformers' save_pretrained wrote:
+
+- FP8 block-scaled, as DeepSeek-V3 and transformers' FineGrainedFP8 store it: `X.weight`
+  float8_e4m3fn, `X.weight_scale_inv` float32 [ceil(out/b0), ceil(in/b1)] holding the
+  multiplier that dequantizes each block (amax / 448; tail blocks zero-padded first), and
+  `quantization_config = {"quant_method": "fp8", "weight_block_size": [b0, b1], ...}`.
+- compressed-tensors `int-quantized` / `float-quantized`: `X.weight` int8 or float8 with
+  `X.weight_scale` per tensor [1], channel [out, 1], group [out, ceil(in/g)] or block, and
+  `X.weight_zero_point` when asked for; `config_groups` as compressed-tensors writes them.
+
+`dequantize` is the reference every load is compared with: the scale grid expanded with
+repeat_interleave and cropped, then `((q.float() - zero) * scale).to(dtype)`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# The projections a quantized Llama/DeepSeek checkpoint stores quantized; embeddings,
+# norms and the head stay full precision (DeepSeek-V3's layout).
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+             "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj", "proj")
+
+
+def is_quantized(key: str, tensor: torch.Tensor, names=QUANTIZED) -> bool:
+    parts = key.split(".")
+    return tensor.ndim == 2 and parts[-1] == "weight" and len(parts) >= 2 and parts[-2] in names
+
+
+def block_amax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max |w| per block, tail blocks zero-padded: shape [ceil(out/b0), ceil(in/b1)]."""
+    rows, cols = w.shape
+    b0, b1 = block
+    padded = torch.zeros(math.ceil(rows / b0) * b0, math.ceil(cols / b1) * b1)
+    padded[:rows, :cols] = w.float().abs()
+    return padded.unflatten(0, (-1, b0)).unflatten(2, (-1, b1)).amax(dim=(1, 3))
+
+
+def expand(scale: torch.Tensor, block: tuple[int | None, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """The scale of every element: the grid repeated `block` times per dim (None: the whole
+    dim), cropped."""
+    out = scale.reshape(scale.shape if scale.numel() > 1 else (1,) * len(shape))
+    for d, b in enumerate(block):
+        b = shape[d] if b is None else b
+        out = out.repeat_interleave(b, d).narrow(d, 0, shape[d])
+    return out
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int | None, ...], dtype: torch.dtype,
+               zero: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: ((q.float() - zero) * scale).to(dtype), each element by its block."""
+    shape = tuple(q.shape)
+    values = q.float()
+    if zero is not None:
+        values = values - expand(zero.float(), block, shape)
+    return (values * expand(scale.float(), block, shape)).to(dtype)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 weight_scale_inv) of DeepSeek's layout."""
+    amax = block_amax(w, block)
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).float()
+    q = (w.float() / expand(scale_inv, block, tuple(w.shape))).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale_inv
+
+
+def quantize_compressed(w: torch.Tensor, num_type: str, strategy: str, group_size: int | None = None,
+                        symmetric: bool = True, scale_dtype=torch.bfloat16):
+    """compressed-tensors' weight, weight_scale and weight_zero_point (None when symmetric)."""
+    rows, cols = w.shape
+    block = {"tensor": (rows, cols), "channel": (1, cols), "group": (1, group_size)}[strategy]
+    values = w.float()
+    if symmetric:
+        amax = block_amax(values, block)
+        top = FP8_MAX if num_type == "float" else 127.0
+        scale = torch.where(amax > 0, amax / top, torch.ones_like(amax)).to(scale_dtype)
+        zero = None
+    else:  # int only: [lo, hi] onto [-128, 127]
+        lo = -block_amax(-values.clamp(max=0), block)
+        hi = block_amax(values.clamp(min=0), block)
+        scale = ((hi - lo) / 255).clamp(min=1e-8).to(scale_dtype)
+        zero = (-128 - torch.round(lo / scale.float())).clamp(-128, 127).to(torch.int8)
+    full_scale = expand(scale.float(), block, (rows, cols))
+    scaled = values / full_scale
+    if zero is not None:
+        scaled = scaled + expand(zero.float(), block, (rows, cols))
+    if num_type == "float":
+        q = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    else:
+        q = torch.round(scaled).clamp(-128, 127).to(torch.int8)
+    if strategy == "tensor":
+        scale = scale.reshape(1)
+    return q, scale, zero
+
+
+def _rewrite(src: Path, dst: Path, quantize_one, quantization_config: dict, names=QUANTIZED) -> Path:
+    """Every shard of `src` with the weights of the modules `names` replaced by
+    `quantize_one(key, w)` (a dict of tensors), the index json and config.json to match."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        out = {}
+        for key, tensor in load_file(str(shard)).items():
+            out.update(quantize_one(key, tensor) if is_quantized(key, tensor, names) else {key: tensor})
+        save_file(out, str(dst / shard.name), metadata={"format": "pt"})
+        weight_map.update({k: shard.name for k in out})
+        del out
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        meta = json.loads(index.read_text())
+        meta["weight_map"] = dict(sorted(weight_map.items()))
+        (dst / index.name).write_text(json.dumps(meta, indent=2))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in ("generation_config.json",):
+        if (src / extra).exists():
+            shutil.copy2(src / extra, dst / extra)
+    return dst
+
+
+def write_fp8_checkpoint(src, dst, block=(128, 128), names=QUANTIZED) -> Path:
+    """The checkpoint at `src` as an FP8 block-scaled checkpoint in `dst` (the weights of
+    the modules `names` quantized)."""
+    def one(key, w):
+        q, scale_inv = quantize_fp8_blocks(w, block)
+        return {key: q, key + "_scale_inv": scale_inv}
+
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+              "weight_block_size": list(block)}
+    return _rewrite(src, dst, one, config, names)
+
+
+def write_compressed_checkpoint(src, dst, num_type="int", strategy="channel", group_size=None,
+                                symmetric=True, static_input=False) -> Path:
+    """The checkpoint at `src` as a compressed-tensors checkpoint in `dst` (int8 or fp8
+    weights; `static_input` adds the `input_scale` of static activation quantization)."""
+    def one(key, w):
+        q, scale, zero = quantize_compressed(w, num_type, strategy, group_size, symmetric)
+        out = {key: q, key + "_scale": scale}
+        if zero is not None:
+            out[key + "_zero_point"] = zero
+        if static_input:
+            out[key.rsplit(".", 1)[0] + ".input_scale"] = torch.ones(1, dtype=scale.dtype)
+        return out
+
+    weights = {"num_bits": 8, "type": num_type, "strategy": strategy, "group_size": group_size,
+               "symmetric": symmetric, "dynamic": False, "block_structure": None, "actorder": None,
+               "observer": "minmax", "observer_kwargs": {}}
+    inputs = dict(weights, strategy="tensor", group_size=None, observer=None) if static_input else None
+    config = {"quant_method": "compressed-tensors", "format": f"{num_type}-quantized",
+              "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                            "input_activations": inputs, "output_activations": None}}}
+    return _rewrite(src, dst, one, config)
