@@ -155,7 +155,7 @@ class LazyCheckpoint:
             dests = {t.name: views.get(t.name) if t.name in views else allocate(t, slots[t.name], device)
                      for t in targets}
             try:
-                run_schedule(groups, chosen, dests, budget, on_bytes=bar.update, mapped=frozenset(views))
+                engine = run_schedule(groups, chosen, dests, budget, on_bytes=bar.update, mapped=frozenset(views))
             finally:
                 chosen.close()
             for target in targets:
@@ -168,7 +168,8 @@ class LazyCheckpoint:
                             bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
-                            reader=chosen.name, prefetched=chosen.prefetching)
+                            reader=chosen.name, prefetched=chosen.prefetching, pinned_bytes=engine.pinned_bytes,
+                            h2d_bytes=engine.h2d_bytes, h2d_seconds=engine.h2d_seconds)
         for name in report.missing:
             logger.warning("missing from checkpoint, left as it was: %s", name)
         logger.info("%s", report)

@@ -105,6 +105,11 @@ class LoadReport:
     world: int = 1
     reader: str = ""
     prefetched: bool = False  # cold pages: each layer's ranges announced to the kernel a layer ahead
+    # GPU destination: page-locked staging (held during the load only, then unlocked), and the
+    # host-to-device copies (bytes, and their GPU time from CUDA events: bytes / seconds is their rate)
+    pinned_bytes: int = 0
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -114,7 +119,8 @@ class LoadReport:
         lines = [f"lazyload: rank {self.rank}/{self.world}, {len(self.loaded)} tensors loaded, "
                  f"{_gib(self.bytes_read)} read" + (f", {_gib(self.bytes_mapped)} mapped" if self.bytes_mapped else "")
                  + f" in {self.seconds:.2f} s ({self.reader} reader{', prefetched' if self.prefetched else ''}); "
-                 f"peak RSS {_gib(self.peak_rss)}, peak anonymous {_gib(self.peak_anon)}"]
+                 f"peak RSS {_gib(self.peak_rss)}, peak anonymous {_gib(self.peak_anon)}"
+                 + (f", pinned {_gib(self.pinned_bytes)}" if self.pinned_bytes else "")]
         sections = [("loaded", self.loaded), ("missing", self.missing), ("unexpected", self.unexpected),
                     ("recomputed buffers", self.recomputed_buffers)]
         for title, names in sections:
