@@ -1,8 +1,8 @@
 """lazyload: load huge sharded safetensors checkpoints into PyTorch models, each rank
 reading only its own slices, with host memory bounded by about one layer."""
 from .checkpoint import LazyCheckpoint
-from .errors import (CheckpointError, DtypeError, LazyLoadError, MappingError, MetaBufferError, MissingKeysError,
-                     PlanError, ReadError, ShapeMismatchError, UnexpectedKeysError)
+from .errors import (CheckpointError, DeviceError, DtypeError, LazyLoadError, MappingError, MetaBufferError,
+                     MissingKeysError, PlanError, ReadError, ShapeMismatchError, UnexpectedKeysError)
 from .index import TensorEntry
 from .plan import Placement
 from .report import LoadReport
@@ -10,6 +10,6 @@ from .report import LoadReport
 __all__ = [
     "LazyCheckpoint", "LoadReport", "Placement", "TensorEntry",
     "LazyLoadError", "CheckpointError", "MappingError", "MissingKeysError", "UnexpectedKeysError",
-    "ShapeMismatchError", "DtypeError", "PlanError", "ReadError", "MetaBufferError",
+    "ShapeMismatchError", "DtypeError", "PlanError", "ReadError", "MetaBufferError", "DeviceError",
 ]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .devices import target_device, use_device
 from .engine import must_release_pages, run_schedule
 from .errors import DtypeError, PlanError
 from .index import CheckpointIndex, TensorEntry, resolve_files
@@ -27,15 +28,6 @@ from .schedule import default_budget, schedule
 from .targets import model_slots, model_specs
 
 logger = logging.getLogger("lazyload")
-
-def _default_device(model: nn.Module) -> torch.device:
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if not tensor.is_meta:
-            return tensor.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
 
 def _show_progress(progress: bool | None, rank: int) -> bool:
     if progress is not None:
@@ -104,7 +96,7 @@ class LazyCheckpoint:
         runnable first (`lazyload.parallel.parallelize`)."""
         start = time.perf_counter()
         index = self.index
-        device = torch.device(device) if device is not None else _default_device(model)
+        device = target_device(device, model)  # concrete (cuda:N), checked to exist
 
         # Mapping: model tensors as expressions over checkpoint tensors.
         slots, aliases = model_slots(model)
@@ -120,6 +112,7 @@ class LazyCheckpoint:
             check_mapping(mapping, index, specs)
         check_casts(mapping, index, {n: s.dtype for n, s in specs.items()})
         # Only now, with the input checked, may the model change: made tensor parallel.
+        use_device(device)  # before any mesh is made: DeviceMesh then agrees
         if auto_parallelize(model, plan, rank, world, device, placements):
             slots, _ = model_slots(model)  # parameters became DTensors: placements from them
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)

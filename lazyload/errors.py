@@ -55,3 +55,8 @@ class ReadError(LazyLoadError):
 
 class MetaBufferError(LazyLoadError):
     """A buffer left on the meta device that neither the checkpoint nor its module can fill."""
+
+
+class DeviceError(LazyLoadError):
+    """The device to load onto does not exist here: CUDA asked for where there is none, a
+    device index beyond the visible devices, or a LOCAL_RANK with no device of its own."""

@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 
 from checkpoints import build_model, meta_tensors, mixed_meta_model, shard_files, write_mixed_checkpoint
-from lazyload import LazyCheckpoint
+from lazyload import DeviceError, LazyCheckpoint, LazyLoadError
 from lazyload import engine
+from lazyload.devices import target_device, use_device
 from lazyload.readers import Arena
 from lazyload.readers.pread import ALIGN
 
@@ -153,6 +154,116 @@ def test_staging_that_cannot_be_pinned_stays_pageable(monkeypatch, caplog):
     assert arena.pinned_bytes == 0
     assert "could not pin" in caplog.text
     arena.close()
+
+
+# --------------------------------------------------------------------------- devices
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Patch torch.cuda into a machine with `count` GPUs; returns a setter and the
+    devices `set_device` was called with."""
+    state = {"count": 0, "current": 0, "initialized": False}
+    set_calls: list[torch.device] = []
+
+    def set_device(device):
+        set_calls.append(torch.device(device))
+        state["initialized"] = True
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: state["count"] > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: state["count"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    for name in ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+
+    def machine(count, current=0, initialized=False, **env):
+        state.update(count=count, current=current, initialized=initialized)
+        for key, value in env.items():
+            monkeypatch.setenv(key, str(value))
+    return machine, set_calls
+
+
+def meta_linear():
+    with torch.device("meta"):
+        return torch.nn.Linear(4, 4)
+
+
+def test_cuda_without_index_is_the_current_device(fake_cuda):
+    machine, _ = fake_cuda
+    machine(2, current=1, initialized=True)
+    assert torch.device("cuda") != torch.device("cuda", 1)  # why it must be made concrete
+    assert target_device("cuda", meta_linear()) == torch.device("cuda", 1)
+    assert target_device("cuda:0", meta_linear()) == torch.device("cuda", 0)
+    assert target_device(None, meta_linear()) == torch.device("cuda", 1)
+    assert target_device("cpu", meta_linear()) == torch.device("cpu")
+    real = torch.nn.Linear(4, 4)
+    assert target_device(None, real) == torch.device("cpu")  # a real model's own device
+
+
+def test_a_device_that_does_not_exist_is_a_device_error(fake_cuda):
+    machine, _ = fake_cuda
+    machine(2)
+    with pytest.raises(DeviceError, match=r"cuda:2 does not exist: 2 CUDA devices visible.*'cuda:1'"):
+        target_device("cuda:2", meta_linear())
+    with pytest.raises(DeviceError, match="not a device"):
+        target_device("gpu", meta_linear())
+
+
+@pytest.mark.parametrize("count,env,expected", [
+    (2, {"LOCAL_RANK": 1}, 1),                                # torchrun, a GPU per local rank
+    (1, {"LOCAL_RANK": 3, "CUDA_VISIBLE_DEVICES": "3"}, 0),   # one GPU visible per process
+    (4, {}, 0),                                               # a single process
+])
+def test_a_meta_model_goes_to_the_gpu_of_this_process(fake_cuda, count, env, expected):
+    machine, set_calls = fake_cuda
+    machine(count, **env)
+    device = target_device(None, meta_linear())
+    assert device == torch.device("cuda", expected)
+    assert set_calls == []  # choosing changes nothing
+    use_device(device)  # load_into, before any mesh is made: DeviceMesh then agrees
+    assert set_calls == [device]
+    use_device(torch.device("cuda", 0))  # chosen once: never overridden
+    assert set_calls == [device]
+
+
+def test_a_chosen_current_device_wins_over_local_rank(fake_cuda):
+    machine, set_calls = fake_cuda
+    machine(4, current=2, initialized=True, LOCAL_RANK=0)
+    assert target_device(None, meta_linear()) == torch.device("cuda", 2)
+    use_device(torch.device("cuda", 2))
+    assert set_calls == []
+
+
+def test_without_local_rank_ranks_share_gpus_as_device_mesh_does(fake_cuda, monkeypatch):
+    import torch.distributed as dist
+
+    machine, _ = fake_cuda
+    machine(4)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 6)  # srun / mpirun: rank 6, 4 GPUs a host
+    assert target_device(None, meta_linear()) == torch.device("cuda", 2)
+
+
+def test_a_local_rank_beyond_the_gpus_is_a_device_error(fake_cuda):
+    machine, _ = fake_cuda
+    machine(2, LOCAL_RANK=3, CUDA_VISIBLE_DEVICES="0,1")
+    with pytest.raises(DeviceError, match=r"LOCAL_RANK=3 .*2 CUDA devices visible \(CUDA_VISIBLE_DEVICES='0,1'\)"):
+        target_device(None, meta_linear())
+
+
+def test_cuda_asked_for_without_cuda_fails_before_reading(checkpoint):
+    """This machine has no CUDA: device="cuda" is a LazyLoadError saying what to pass,
+    raised before anything is read, the model untouched (no patching here)."""
+    assert not torch.cuda.is_available()
+    directory, config = checkpoint("llama")
+    model = build_model("llama", config, torch.float32)
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        with pytest.raises(LazyLoadError, match="CUDA is not available.*Pass device='cpu'") as info:
+            LazyCheckpoint(str(directory)).load_into(model, device=device, progress=False)
+        assert isinstance(info.value, DeviceError)
+    assert len(meta_tensors(model)) == len(list(model.parameters())) + len(list(model.buffers()))
 
 
 # --------------------------------------------------------------------------- threads
