@@ -7,6 +7,8 @@ gpu_check.py's, on a GPU."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -288,3 +290,18 @@ def test_every_read_thread_sets_the_destination_device_first(monkeypatch):
     with engine.worker_pool(2, torch.device("cpu")) as pool:
         pool.submit(lambda: None).result()
     assert calls == {}  # a CPU load leaves CUDA alone
+
+
+# --------------------------------------------------------------------------- gpu_check
+
+
+def test_gpu_check_cpu_smoke_runs_its_cpu_halves(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LAZYLOAD_PROGRESS="0")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke",
+                           "--work-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    cases = {line.split("|")[1].strip() for line in table[2:]}
+    assert {"reference", "race", "mixed dtypes", "mmap", "conversions", "in place", "dtensor", "device index",
+            "one visible GPU", "pinned", "h2d"} <= cases, cases
+    assert all("| FAIL |" not in line for line in table)
