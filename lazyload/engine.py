@@ -176,11 +176,13 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
         try:
             _run(groups, reader, dests, budget, on_bytes, mapped, device, arena, copies)
         finally:
-            if copies is not None:
-                h2d = copies.finish()  # no copy from the staging is in flight past here
-            pinned = arena.pinned_bytes if arena is not None else 0
-            if arena is not None:
-                arena.close()
+            try:
+                if copies is not None:
+                    h2d = copies.finish()  # no copy from the staging is in flight past here
+            finally:
+                pinned = arena.pinned_bytes if arena is not None else 0
+                if arena is not None:
+                    arena.close()
     return EngineStats(pinned, *h2d)
 
 

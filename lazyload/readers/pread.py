@@ -78,7 +78,9 @@ class Arena:
     def close(self) -> None:
         """Unlock the pages (call once no copy from the buffer is in flight)."""
         if self.pinned_bytes:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            code = int(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()))
+            if code != 0:
+                logger.warning("could not unpin %d bytes of staging memory (CUDA error %d)", self.pinned_bytes, code)
             self.pinned_bytes = 0
 
 
