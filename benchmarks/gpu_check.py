@@ -1,156 +1,545 @@
-"""GPU check of the streaming engine, in one short run (< 5 minutes on an H200).
+"""GPU check of the load path: one run, under 5 minutes on one GPU.
 
-1. Writes a ~1.3 GB bf16 Llama-shaped checkpoint (hidden 2048, 12 layers) to local disk
-   (once; --ckpt-dir, default under the system temp directory, see common.default_ckpt_dir).
-2. Loads it on the CPU (pread reader): the reference, bf16 and bf16 -> fp16.
-3. Loads it to CUDA with the pread reader (pinned staging, a CUDA stream per worker, raw
-   bytes copied over PCIe then cast on the device), bf16 and bf16 -> fp16, and checks every
-   parameter and buffer equals the CPU result exactly.
-4. Prints the H2D rate of those loads against a plain pinned copy of the same number of
-   bytes (`tensor.to("cuda", non_blocking=True)`), measured in the same run.
+Every row is a check that can fail; the run prints one table and exits non-zero on any
+failure. References do not come from lazyload: safetensors' own `get_tensor` on the CPU
+(cast there), or transformers' `from_pretrained` on the CPU for converted models; tensors
+are compared bit for bit.
 
-Without CUDA it says so and exits 0; `--cpu-smoke` then runs the CPU pieces (checkpoint,
-reference loads, comparison code) on a small checkpoint, to keep this script working.
+| case | what it checks |
+|---|---|
+| reference | a ~1.3 GB bf16 Llama (hidden 2048, `--layers 12`) to `cuda` (pread reader: pinned staging, one side stream), bf16 and bf16 -> fp16 |
+| pinned | the staging lazyload pins during that load (cudaHostRegister, counted here) is `report.pinned_bytes`, exactly `max_host_bytes`, and nothing is pinned after it; torch's pinned allocator (`torch.cuda.host_memory_stats()`) holds no more after the load than before |
+| race | copies delayed on the side stream (`torch.cuda._sleep` before each), staging as small as it can be: still exact. Control: the same with the engine's wait removed must corrupt data, else this check could not see a missing synchronisation |
+| mixed dtypes | bf16, fp32 and fp16 tensors of odd byte sizes, staged back to back: with and without a cast |
+| mmap | `reader="mmap"` to CUDA (copies from pageable memory) |
+| conversions | Mixtral (experts stacked, gate/up fused), GPT-2 (Conv1D, packed c_attn) and GPT-2 stored transposed (a registered `Transpose` conversion), at world 1 against `from_pretrained`, and rank 1 of world 2 (strided destinations) against lazyload's CPU load of that rank |
+| dtensor | a Llama made tensor parallel on a 1-GPU DeviceMesh (NCCL), loaded without `device=`: DTensors on the mesh's GPU, full tensors exact |
+| device index | (two GPUs) a fresh process with LOCAL_RANK=1 loads to cuda:1 by default and with `device="cuda:1"`, and leaves no CUDA context on GPU 0 |
+| one visible GPU | a fresh process with CUDA_VISIBLE_DEVICES=<one GPU> and LOCAL_RANK=1 loads to cuda:0 |
+| in place | a real bf16 Llama on the GPU loaded with `device="cuda"`: every tensor keeps its `data_ptr`, `max_memory_allocated` grows by less than 10% of the model |
+| h2d | lazyload's own host-to-device copies (`report.h2d_bytes` / `h2d_seconds`, timed with CUDA events) against a pinned `copy_` of the same bytes, warm and cold page cache, and their share of the load |
 
-Usage: python benchmarks/gpu_check.py [--layers 12] [--ckpt-dir DIR] [--cpu-smoke]
+`--cpu-smoke` (no CUDA needed; CI runs it): the same cases' CPU halves on tiny checkpoints,
+loaded to the CPU through the staging path (pread reader, direct reads off) against the same
+references; GPU-only checks are rows marked `skip`.
+
+Usage: python benchmarks/gpu_check.py [--layers 12] [--work-dir DIR] [--cpu-smoke]
 """
 
 import argparse
+import contextlib
+import json
 import os
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+from unittest.mock import patch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH_DIR)
+sys.path.insert(0, BENCH_DIR)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the test suite's checkpoint writers
+
+import torch  # noqa: E402
+
 import common  # noqa: E402
+from checkpoints import (build_model, evict, mixed_meta_model, reference_model, shard_files,  # noqa: E402
+                         write_checkpoint, write_mixed_checkpoint)
+from lazyload import LazyCheckpoint  # noqa: E402
+from lazyload import engine  # noqa: E402
+from lazyload.engine import CudaCopies  # noqa: E402
+from lazyload.targets import is_dtensor  # noqa: E402
 
 GB = 1e9
+ROWS = "GPU_CHECK_ROWS "
 
 
-def meta_model(ckpt_dir, dtype):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+# --------------------------------------------------------------------------- comparing
 
-    config = LlamaConfig.from_pretrained(ckpt_dir)
-    with common.default_dtype(dtype), torch.device("meta"):
-        return LlamaForCausalLM(config)
+def file_tensors(directory):
+    """Every tensor of the checkpoint, as safetensors itself reads it (CPU)."""
+    from safetensors import safe_open
 
-
-def load(ckpt_dir, dtype, device):
-    """(state_dict, non-persistent buffers, seconds, report)."""
-    import torch
-    from lazyload import LazyCheckpoint
-
-    model = meta_model(ckpt_dir, dtype)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    report = LazyCheckpoint(ckpt_dir).load_into(model, device=device, dtype=dtype, reader="pread", progress=False)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    state = dict(model.state_dict())
-    computed = {n: b for n, b in model.named_buffers() if n not in state}  # rotary inv_freq: recomputed
-    return state, computed, seconds, report
+    out = {}
+    for path in shard_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({key: f.get_tensor(key) for key in f.keys()})
+    return out
 
 
-def compare(got, want, where):
-    """Every tensor equal (same dtype, shape, values); returns the list of problems."""
-    import torch
+def bits(tensor):
+    if hasattr(tensor, "full_tensor"):  # a DTensor
+        tensor = tensor.full_tensor()
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
-    problems = []
-    if sorted(got) != sorted(want):
-        problems.append(f"{where}: names differ: {sorted(set(got) ^ set(want))[:5]}")
+
+def differences(got, want):
+    """Names whose tensors differ in name, dtype, shape or any bit."""
+    problems = [f"names differ: {sorted(set(got) ^ set(want))[:4]}"] if sorted(got) != sorted(want) else []
     for name in sorted(set(got) & set(want)):
         a, b = got[name], want[name]
-        if a.dtype != b.dtype or a.shape != b.shape:
-            problems.append(f"{where}: {name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
-        elif not torch.equal(a.cpu(), b.cpu()):
-            problems.append(f"{where}: {name}: values differ")
+        if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+            problems.append(f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
+        elif not torch.equal(bits(a), bits(b)):
+            problems.append(f"{name}: values differ")
     return problems
 
 
-def compare_computed(got, want, where):
-    """Buffers the model computes (not read from the checkpoint): equal up to rounding,
-    since the GPU may compute them a last bit differently."""
-    import torch
-
-    return [f"{where}: buffer {n} differs beyond rounding" for n in want
-            if n not in got or not torch.allclose(got[n].cpu().float(), want[n].cpu().float(), rtol=1e-6, atol=0)]
+def against_files(model, files):
+    """The model's state against the files' tensors cast on the CPU to the model's dtypes."""
+    state = model.state_dict()
+    return differences(state, {k: files[k].to(state[k].dtype) for k in files})
 
 
-def pinned_copy_rate(nbytes, repeat=3):
-    """GB/s of one pinned host buffer of `nbytes` copied to the GPU (best of `repeat`)."""
-    import torch
+def row(case, check, problems, detail=""):
+    """A table row; `problems`: a list (empty: pass), True/False, or None (skipped)."""
+    if isinstance(problems, list):
+        ok = not problems
+        detail = detail if ok else "; ".join(problems[:3]) + (f" (+{len(problems) - 3})" if len(problems) > 3 else "")
+    else:
+        ok = problems
+    return [case, check, ok, detail]
 
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host.fill_(1)
+
+def skip(case, check, why):
+    return row(case, check, None, why)
+
+
+# --------------------------------------------------------------------------- the run
+
+class Run:
+    """What the cases share: where to load (cuda or cpu), checkpoints written once."""
+
+    def __init__(self, args):
+        self.cuda = torch.cuda.is_available() and not args.cpu_smoke
+        self.device = "cuda" if self.cuda else "cpu"
+        self.work = args.work_dir
+        self.layers = args.layers
+        self.sleep_cycles = args.sleep_cycles
+        os.makedirs(self.work, exist_ok=True)
+
+    def written(self, name, write):
+        """(directory, config) of a checkpoint `write(directory)` writes, once, into the work dir."""
+        from transformers import AutoConfig
+
+        directory = os.path.join(self.work, name)
+        if not os.path.exists(os.path.join(directory, "config.json")):
+            partial = tempfile.mkdtemp(dir=self.work)  # renamed into place once complete
+            try:
+                write(partial)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+            os.replace(partial, directory)
+        return directory, AutoConfig.from_pretrained(directory)
+
+    def tiny(self, arch, dtype):
+        """The test suite's tiny `arch` checkpoint."""
+        return self.written(f"{arch}-{dtype}", lambda directory: write_checkpoint(arch, dtype, directory))
+
+    def mixed(self):
+        return self.written("mixed", write_mixed_checkpoint)
+
+    def big(self):
+        """The ~1.3 GB Llama on a GPU; the tiny one for the CPU halves."""
+        if not self.cuda:
+            return self.tiny("llama", "bf16")
+        from transformers import AutoConfig
+
+        directory = os.path.join(self.work, f"llama-L{self.layers}")
+        common.write_llama_checkpoint(directory, self.layers)
+        return directory, AutoConfig.from_pretrained(directory)
+
+    def staged(self):
+        """On the CPU, make every item go through the staging arena, as for a GPU."""
+        if self.cuda:
+            return contextlib.nullcontext()
+        return patch.object(engine, "direct_target", lambda dest, item: None)
+
+    def load(self, model, directory, rank=0, world=1, **kw):
+        kw.setdefault("device", self.device)
+        kw.setdefault("reader", "pread")
+        with self.staged():
+            return LazyCheckpoint(directory).load_into(model, rank, world, progress=False, **kw)
+
+
+class PinCounter:
+    """torch.cuda.cudart() that counts the bytes registered (pinned) and not yet released."""
+
+    def __init__(self, real):
+        self.real, self.live, self.peak = real, {}, 0
+
+    def cudaHostRegister(self, ptr, size, flags):
+        code = self.real.cudaHostRegister(ptr, size, flags)
+        if int(code) == 0:
+            self.live[ptr] = size
+            self.peak = max(self.peak, sum(self.live.values()))
+        return code
+
+    def cudaHostUnregister(self, ptr):
+        code = self.real.cudaHostUnregister(ptr)
+        if int(code) == 0:
+            self.live.pop(ptr, None)
+        return code
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def host_allocator_bytes():
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+
+# --------------------------------------------------------------------------- cases
+
+def case_reference(run):
+    directory, config = run.big()
+    files = file_tensors(directory)
+    rows = []
+    budget = 200 << 20 if run.cuda else 1 << 20  # not a power of two: torch's allocator would round it up
+    for label, dtype in (("bf16", torch.bfloat16), ("bf16->fp16", torch.float16)):
+        model = build_model("llama", config, dtype)
+        if run.cuda and dtype == torch.bfloat16:
+            counter = PinCounter(torch.cuda.cudart())
+            before = host_allocator_bytes()
+            with patch.object(torch.cuda, "cudart", lambda: counter):
+                report = run.load(model, directory, max_host_bytes=budget)
+            after = host_allocator_bytes()
+            ok = counter.peak == report.pinned_bytes == budget and not counter.live and after <= before
+            rows.append(row("pinned", "staging pinned during the load only, exactly the budget", ok,
+                            f"pinned {counter.peak / 2**20:.1f} MiB (report {report.pinned_bytes / 2**20:.1f}, budget "
+                            f"{budget / 2**20:.1f}), {sum(counter.live.values())} B left; torch's pinned allocator "
+                            f"{before / 2**20:.1f} -> {after / 2**20:.1f} MiB"))
+        else:
+            report = run.load(model, directory, max_host_bytes=budget)
+        placed = {t.device.type for t in model.state_dict().values()}
+        problems = against_files(model, files) + ([f"tensors on {placed}"] if placed != {run.device} else [])
+        rows.append(row("reference", f"{label} to {run.device}: every tensor = safetensors get_tensor", problems,
+                        f"{len(files)} tensors, {report.bytes_read / GB:.2f} GB, {report.seconds:.2f} s"))
+        del model
+    if not run.cuda:
+        rows.append(skip("pinned", "staging pinned during the load only, exactly the budget", "needs CUDA"))
+    return rows
+
+
+def case_race(run):
+    directory, config = run.mixed()
+    files = file_tensors(directory)
+    budget = max(t.nbytes for t in files.values())  # the staging holds the largest read and little more
+    cycles = run.sleep_cycles
+    original = CudaCopies.h2d
+
+    def delayed(self, dst, src):  # runs on the side stream: the copy starts `cycles` later
+        torch.cuda._sleep(cycles)
+        original(self, dst, src)
+
+    def load(dtype):
+        model = build_model("llama", config, dtype) if dtype else mixed_meta_model(config)
+        run.load(model, directory, dtype=dtype, max_host_bytes=budget)
+        return against_files(model, files)
+
+    rows = []
+    for label, dtype in (("no cast", None), ("cast to fp16", torch.float16)):
+        check = f"{label}: exact with every copy delayed"
+        if not run.cuda:
+            rows.append(row("race", check + " (CPU: not delayed)", load(dtype)))
+            continue
+        with patch.object(CudaCopies, "h2d", delayed):
+            rows.append(row("race", check, load(dtype), f"{cycles:,} cycles of sleep before each copy"))
+    if run.cuda:
+        with patch.object(CudaCopies, "h2d", delayed), patch.object(CudaCopies, "wait", staticmethod(lambda event: None)):
+            corrupted = load(None)
+        rows.append(row("race", "control: without the wait, delayed copies corrupt data", bool(corrupted),
+                        f"{len(corrupted)} tensors corrupted" if corrupted else "nothing corrupted: the check is blind"))
+    else:
+        rows.append(skip("race", "control: without the wait, delayed copies corrupt data", "needs CUDA"))
+    return rows
+
+
+def case_mixed(run):
+    directory, config = run.mixed()
+    files = file_tensors(directory)
+    rows = []
+    for label, dtype in (("no cast", None), ("cast to fp16", torch.float16)):
+        model = build_model("llama", config, dtype) if dtype else mixed_meta_model(config)
+        run.load(model, directory, dtype=dtype)
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in files.values()})
+        rows.append(row("mixed dtypes", f"{'/'.join(dtypes)}, odd sizes, {label}", against_files(model, files)))
+    return rows
+
+
+def case_mmap(run):
+    directory, config = run.tiny("llama", "bf16")
+    files = file_tensors(directory)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        model = build_model("llama", config, dtype)
+        LazyCheckpoint(directory).load_into(model, device=run.device, reader="mmap", progress=False)
+        rows.append(row("mmap", f"reader='mmap' to {run.device}, {str(dtype).removeprefix('torch.')}",
+                        against_files(model, files)))
+    return rows
+
+
+def write_transposed(source, target):
+    """GPT-2's Conv1D weights stored transposed (as Linear weights) under `.weight_t`."""
+    from safetensors.torch import load_file, save_file
+
+    weight_map = {}
+    for path in shard_files(source):
+        tensors = {}
+        for key, tensor in load_file(str(path)).items():
+            if key.endswith(("attn.c_attn.weight", "mlp.c_fc.weight")):
+                key, tensor = key[:-len("weight")] + "weight_t", tensor.t().contiguous()
+            tensors[key] = tensor
+        save_file(tensors, os.path.join(target, path.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, path.name))
+    with open(os.path.join(target, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    shutil.copy(os.path.join(source, "config.json"), target)
+
+
+def case_conversions(run):
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    rows = []
+    for arch, label in (("mixtral", "mixtral experts stacked + gate/up fused"), ("gpt2", "gpt2 Conv1D, packed c_attn"),
+                        ("gpt2", "gpt2 stored transposed")):
+        directory, config = run.tiny(arch, "fp32")
+        reference = reference_model(arch, directory, torch.float32).state_dict()
+        if label.endswith("transposed"):
+            directory, _ = run.written("gpt2-transposed", lambda target: write_transposed(directory, target))
+            register_checkpoint_conversion_mapping("gpt2", [WeightConverter(
+                source_patterns=r"\.weight_t$", target_patterns=".weight", operations=[Transpose(0, 1)])],
+                overwrite=True)
+        model = build_model(arch, config, torch.float32)
+        run.load(model, directory)
+        rows.append(row("conversions", f"{label}, world 1: = from_pretrained", differences(model.state_dict(), reference)))
+        model = build_model(arch, config, torch.float32)
+        run.load(model, directory, 1, 2)
+        cpu = build_model(arch, config, torch.float32)
+        LazyCheckpoint(directory).load_into(cpu, 1, 2, device="cpu", reader="mmap", progress=False)
+        rows.append(row("conversions", f"{label}, rank 1 of 2: = the CPU load of that rank",
+                        differences(model.state_dict(), cpu.state_dict())))
+    return rows
+
+
+def case_in_place(run):
+    directory, config = run.big()
+    check = "real model, device='cuda': data_ptr kept, peak < 1.1x model"
+    if run.cuda:
+        with torch.device("cuda"):
+            model = build_model("llama", config, torch.bfloat16, empty=None)
+    else:
+        model = build_model("llama", config, torch.bfloat16, empty=None)
+        check = "real model, device='cpu': data_ptr kept"
+    pointers = {n: t.data_ptr() for n, t in model.state_dict().items()}
+    size = sum(t.nbytes for t in model.state_dict().values())
+    if run.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    run.load(model, directory, device=run.device)
+    problems = [f"{n}: reallocated" for n, t in model.state_dict().items() if t.data_ptr() != pointers[n]]
+    problems += against_files(model, file_tensors(directory))
+    detail = f"model {size / GB:.2f} GB"
+    if run.cuda:
+        grew = torch.cuda.max_memory_allocated() - base
+        detail += f", GPU memory grew by {grew / GB:.3f} GB at peak"
+        if grew > 0.1 * size:
+            problems.append(f"peak GPU memory grew by {grew / size:.2f}x the model")
+    del model
+    return [row("in place", check, problems, detail)]
+
+
+def case_h2d(run):
+    check = "lazyload's H2D copies vs a pinned copy_, {}"
+    if not run.cuda:
+        return [skip("h2d", check.format(cache), "needs CUDA") for cache in ("warm", "cold")]
+    directory, config = run.big()
+    total = sum(os.path.getsize(p) for p in shard_files(directory))
+    host = torch.empty(min(total, 1 << 30), dtype=torch.uint8, pin_memory=True).fill_(1)
+    device_buffer = torch.empty_like(host, device="cuda")
     best = float("inf")
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dev = host.to("cuda", non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-        del dev
-    return nbytes / best / GB
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        device_buffer.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    pinned_rate = host.nbytes / best / GB
+    del host, device_buffer
+    rows = []
+    for cache in ("warm", "cold"):
+        if cache == "warm":
+            common.warm_page_cache(directory)
+            note = "page cache warm"
+        else:
+            note = "page cache dropped" if evict(shard_files(directory)) else "page cache NOT dropped (fadvise refused)"
+        model = build_model("llama", config, torch.bfloat16)
+        report = run.load(model, directory)
+        rate = report.h2d_bytes / report.h2d_seconds / GB if report.h2d_seconds else 0.0
+        share = report.h2d_seconds / report.seconds
+        expected = sum(t.nbytes for t in model.state_dict().values())
+        ok = report.h2d_bytes == expected and rate > 0
+        rows.append(row("h2d", check.format(cache), ok,
+                        f"{rate:.1f} GB/s vs {pinned_rate:.1f} GB/s ({rate / pinned_rate:.2f}x); H2D "
+                        f"{report.h2d_seconds:.2f} s of a {report.seconds:.2f} s load ({share:.0%}); "
+                        f"{report.h2d_bytes / GB:.2f} of {expected / GB:.2f} GB timed; {note}"))
+        del model
+    return rows
+
+
+# --------------------------------------------------------------------------- fresh processes
+
+def child_dtensor(run):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lazyload.parallel import parallelize
+
+    directory, config = run.tiny("llama", "bf16")
+    dist.init_process_group("nccl" if run.cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(run.device, (1,))
+        model = parallelize(build_model("llama", config, torch.bfloat16), mesh)
+        run.load(model, directory, device=None)  # follows the mesh
+        params = list(model.parameters())
+        dtensors = [p for p in params if is_dtensor(p)]
+        where = {p.to_local().device if is_dtensor(p) else p.device for p in params}
+        want = torch.device("cuda", torch.cuda.current_device()) if run.cuda else torch.device("cpu")
+        problems = against_files(model, file_tensors(directory))
+        problems += [f"parameters on {where}, mesh on {want}"] if where != {want} else []
+        problems += ["no DTensor parameter"] if not dtensors else []
+        return [row("dtensor", f"1-rank {run.device} mesh, no device=: DTensors on the mesh's device", problems,
+                    f"{len(dtensors)} of {len(params)} parameters DTensors, on {want}")]
+    finally:
+        dist.destroy_process_group()
+
+
+def child_device_index(run):
+    directory, config = run.tiny("llama", "bf16")
+    files = file_tensors(directory)
+    check = "LOCAL_RANK=1: default and device='cuda:1' land on cuda:1, no context on GPU 0"
+    had_context = run.cuda and torch._C._cuda_hasPrimaryContext(0)
+    initialized = run.cuda and torch.cuda.is_initialized()
+    problems = []
+    want = torch.device("cuda", 1) if run.cuda else torch.device("cpu")
+    for device in (None, "cuda:1" if run.cuda else "cpu"):
+        model = build_model("llama", config, torch.bfloat16)
+        run.load(model, directory, device=device)
+        where = {t.device for t in model.state_dict().values()}
+        problems += against_files(model, files) + ([f"device={device!r}: on {where}"] if where != {want} else [])
+    if not run.cuda:
+        return [row("device index", "LOCAL_RANK=1: default and device='cpu' land on the CPU (CPU half)", problems)]
+    if had_context:
+        return [skip("device index", check, "GPU 0 had a context before the load (not lazyload's)")]
+    if torch._C._cuda_hasPrimaryContext(0):
+        problems.append("a CUDA context was created on GPU 0")
+    return [row("device index", check, problems, f"CUDA initialised before the load: {initialized}")]
+
+
+def child_one_visible(run):
+    directory, config = run.tiny("llama", "bf16")
+    model = build_model("llama", config, torch.bfloat16)
+    run.load(model, directory, device=None)
+    where = {t.device for t in model.state_dict().values()}
+    want = torch.device("cuda", 0) if run.cuda else torch.device("cpu")
+    problems = against_files(model, file_tensors(directory)) + ([f"on {where}"] if where != {want} else [])
+    return [row("one visible GPU", f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}, "
+                f"LOCAL_RANK=1: lands on {want}", problems)]
+
+
+CHILDREN = {"dtensor": child_dtensor, "device-index": child_device_index, "one-visible": child_one_visible}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_fresh_processes(run, children):
+    """Run each child (name, env, case, check) in a new process of its own (its own CUDA
+    state), all at once; their rows, in order."""
+    procs = []
+    for name, env, _, _ in children:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--work-dir", run.work]
+        if not run.cuda:
+            cmd.append("--cpu-smoke")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, LAZYLOAD_PROGRESS="0", **env)))
+    rows = []
+    for proc, (_, _, case, check) in zip(procs, children):
+        out, err = proc.communicate(timeout=600)
+        found = [line for line in out.splitlines() if line.startswith(ROWS)]
+        rows += json.loads(found[-1][len(ROWS):]) if found else [row(
+            case, check, False, f"the process failed (exit {proc.returncode}): " + " | ".join(err.strip().splitlines()[-3:]))]
+    return rows
+
+
+def case_fresh_processes(run):
+    run.tiny("llama", "bf16")  # written here, not by the children at once
+    gpus = torch.cuda.device_count() if run.cuda else 0
+    children = [("dtensor", {"LOCAL_RANK": "0"}, "dtensor", "1-rank mesh")]
+    if run.cuda and gpus < 2:
+        skipped = [skip("device index", "LOCAL_RANK=1 lands on cuda:1, no context on GPU 0", "needs two GPUs")]
+    else:
+        skipped = []
+        children.append(("device-index", {"LOCAL_RANK": "1"}, "device index", "LOCAL_RANK=1"))
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")  # this process's GPUs: the child sees the last one
+    visible = {"CUDA_VISIBLE_DEVICES": shown.split(",")[-1] if shown else str(gpus - 1)} if run.cuda else {}
+    children.append(("one-visible", dict(visible, LOCAL_RANK="1"), "one visible GPU", "LOCAL_RANK=1"))
+    if not run.cuda:  # CPU halves: the environments make no difference there, one process runs them all
+        children = [(",".join(c[0] for c in children), {"LOCAL_RANK": "1"}, "fresh processes", "CPU halves")]
+    return in_fresh_processes(run, children) + skipped
+
+
+CASES = (case_reference, case_race, case_mixed, case_mmap, case_conversions, case_in_place, case_fresh_processes,
+         case_h2d)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt-dir", default=None, help="default: common.default_ckpt_dir(layers)")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--cpu-smoke", action="store_true", help="without CUDA: run the CPU pieces on a small checkpoint")
+    parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "lazyload_gpu_check"),
+                        help="checkpoints are written here once and kept")
+    parser.add_argument("--layers", type=int, default=12, help="layers of the ~110 MB-per-layer bf16 Llama")
+    parser.add_argument("--sleep-cycles", type=int, default=20_000_000,
+                        help="GPU cycles slept before each copy in the race check (~10 ms)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="the CPU halves only, on tiny checkpoints")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # names of CHILDREN, comma-separated
     args = parser.parse_args()
-
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.cpu_smoke:
-        print("gpu_check: no CUDA device here; nothing to check (run with --cpu-smoke to exercise the CPU pieces).")
+    run = Run(args)
+    if args.child:
+        print(ROWS + json.dumps([r for name in args.child.split(",") for r in CHILDREN[name](run)]))
         return 0
-    quick = not cuda
-    ckpt_dir = common.default_ckpt_dir(None, True) if quick else args.ckpt_dir or common.default_ckpt_dir(args.layers)
-    common.write_llama_checkpoint(ckpt_dir, None if quick else args.layers, quick)
-    files = common.shard_files(ckpt_dir)
-    nbytes = sum(os.path.getsize(f) for f in files)
-    common.warm_page_cache(ckpt_dir)
-    print(f"checkpoint {ckpt_dir}: {len(files)} shards, {nbytes / GB:.2f} GB bf16, page cache warm")
-    if cuda:
-        print(f"device: {torch.cuda.get_device_name()}")
-
-    problems, rows = [], []
-    for name, dtype in (("bf16", torch.bfloat16), ("bf16->fp16", torch.float16)):
-        reference, ref_computed, cpu_s, _ = load(ckpt_dir, dtype, "cpu")
-        rows.append((f"lazyload pread -> cpu, {name}", cpu_s, nbytes))
-        if not cuda:
-            again, computed, _, _ = load(ckpt_dir, dtype, "cpu")
-            problems += compare(again, reference, f"cpu {name} (smoke)")
-            problems += compare_computed(computed, ref_computed, f"cpu {name} (smoke)")
-            continue
-        load(ckpt_dir, dtype, "cuda")  # warm-up: CUDA context, kernels, pinned allocator
-        state, computed, gpu_s, report = load(ckpt_dir, dtype, "cuda")
-        devices = {t.device.type for t in list(state.values()) + list(computed.values())}
-        if devices != {"cuda"}:
-            problems.append(f"cuda {name}: tensors left on {devices - {'cuda'}}")
-        problems += compare(state, reference, f"cuda {name}")
-        problems += compare_computed(computed, ref_computed, f"cuda {name}")
-        rows.append((f"lazyload pread -> cuda, {name}", gpu_s, report.bytes_read))
-        del state, reference, computed
-        torch.cuda.empty_cache()
-
-    if cuda:
-        rate = pinned_copy_rate(nbytes)
-        rows.append(("plain pinned .to('cuda', non_blocking=True)", nbytes / rate / GB, nbytes))
-    print("\n| load | seconds | GB/s | vs pinned copy |\n|---|---|---|---|")
-    for label, seconds, n in rows:
-        gbs = n / seconds / GB
-        vs = f"{gbs / rate:.2f}x" if cuda else "-"
-        print(f"| {label} | {seconds:.2f} | {gbs:.2f} | {vs} |")
-    if problems:
-        print("\nFAILED:\n  " + "\n  ".join(problems[:20]))
-        return 1
-    print("\nOK: every tensor equals the CPU load" + ("" if cuda else " (CPU smoke only: no CUDA here)"))
-    return 0
+    if not run.cuda and not args.cpu_smoke:
+        print("gpu_check: no CUDA device here; nothing to check (--cpu-smoke runs the CPU halves).")
+        return 0
+    print(f"device: {torch.cuda.get_device_name() if run.cuda else 'CPU (smoke: the CPU halves only)'}; "
+          f"torch {torch.__version__}; work dir {run.work}")
+    t0 = time.perf_counter()
+    rows = []
+    for case in CASES:
+        try:
+            rows += case(run)
+        except Exception as exc:  # a crash is a failed row, the other cases still run
+            rows.append(row(case.__name__.removeprefix("case_").replace("_", " "), "ran", False,
+                            f"{type(exc).__name__}: {exc}"))
+        if run.cuda:
+            torch.cuda.empty_cache()
+    print("\n| case | check | result | detail |\n|---|---|---|---|")
+    for case, check, ok, detail in rows:
+        print(f"| {case} | {check} | {'skip' if ok is None else 'PASS' if ok else 'FAIL'} | {detail} |")
+    failed = [r for r in rows if r[2] is False]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} rows passed or skipped, {len(failed)} failed, "
+          f"in {time.perf_counter() - t0:.0f} s")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 reading only its own slices, with host memory bounded by about one layer."""
 from .auto import load_model
 from .checkpoint import LazyCheckpoint
-from .errors import (ArgumentError, CheckpointError, DtypeError, LazyLoadError, MappingError, MetaBufferError,
+from .errors import (ArgumentError, CheckpointError, DeviceError, DtypeError, LazyLoadError, MappingError, MetaBufferError,
                      MissingKeysError, PlanError, ReadError, ShapeMismatchError, UnexpectedKeysError)
 from .index import TensorEntry
 from .plan import Placement
@@ -11,6 +11,6 @@ from .report import LoadReport
 __all__ = [
     "LazyCheckpoint", "load_model", "LoadReport", "Placement", "TensorEntry",
     "LazyLoadError", "ArgumentError", "CheckpointError", "MappingError", "MissingKeysError", "UnexpectedKeysError",
-    "ShapeMismatchError", "DtypeError", "PlanError", "ReadError", "MetaBufferError",
+    "ShapeMismatchError", "DtypeError", "PlanError", "ReadError", "MetaBufferError", "DeviceError",
 ]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .devices import target_device, use_device
 from .engine import must_release_pages, run_schedule
 from .errors import ArgumentError, DtypeError, PlanError
 from .hub import local_path
@@ -31,15 +32,6 @@ from .schedule import default_budget, schedule
 from .targets import model_slots, model_specs
 
 logger = logging.getLogger("lazyload")
-
-def _default_device(model: nn.Module) -> torch.device:
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if not tensor.is_meta:
-            return tensor.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
 
 def _show_progress(progress: bool | None, rank: int) -> bool:
     if progress is not None:
@@ -152,7 +144,7 @@ class LazyCheckpoint:
         start = time.perf_counter()
         _check_arguments(model, dtype, missing, reader)
         index = self.index
-        device = _device(device, model)
+        device = target_device(device, model)  # concrete (cuda:N), checked to exist
 
         # Mapping: model tensors as expressions over checkpoint tensors.
         slots, aliases = model_slots(model)
@@ -183,6 +175,7 @@ class LazyCheckpoint:
              for n in unfilled},
             {n: _target_dtype(specs[n].dtype, specs[n].dtype, dtype) for n in unfilled}, device)
         # Only now, with the input checked, may the model change: made tensor parallel.
+        use_device(device)  # before any mesh is made: DeviceMesh then agrees
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
             slots, _ = model_slots(model)  # parameters became DTensors: placements from them
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
@@ -222,8 +215,8 @@ class LazyCheckpoint:
             dests = {t.name: views.get(t.name) if t.name in views else allocate(t, slots[t.name], device)
                      for t in targets}
             try:
-                run_schedule(groups, chosen, dests, budget, on_bytes=lambda n: bar.update(n / 2**20),
-                             mapped=frozenset(views))
+                engine = run_schedule(groups, chosen, dests, budget, on_bytes=lambda n: bar.update(n / 2**20),
+                                      mapped=frozenset(views))
             finally:
                 chosen.close()
             for target in targets:
@@ -238,7 +231,8 @@ class LazyCheckpoint:
                             bytes_read=chosen.bytes_read, bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
-                            reader=chosen.name, prefetched=chosen.prefetching)
+                            reader=chosen.name, prefetched=chosen.prefetching, pinned_bytes=engine.pinned_bytes,
+                            h2d_bytes=engine.h2d_bytes, h2d_seconds=engine.h2d_seconds)
         logger.info("%s", report)
         if not report.ok:
             logger.warning("lazyload: rank %d: %s (strict=False); see the report", rank, _problems(report, missing))
@@ -267,16 +261,6 @@ def _check_arguments(model: Any, dtype: Any, missing: str, reader: str) -> None:
     check_choice(missing)
     if reader not in ("auto", "mmap", "pread"):
         raise ArgumentError(f"reader={reader!r}: use 'auto' (mmap for CPU, pread for GPU), 'mmap' or 'pread'.")
-
-
-def _device(device: Any, model: nn.Module) -> torch.device:
-    if device is None:
-        return _default_device(model)
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ArgumentError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu', 'cuda:0' or a "
-                            "torch.device.") from exc
 
 
 def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype | None, requested: Any) -> torch.dtype:

@@ -3,9 +3,11 @@
 Reads run in a small thread pool (file reads and tensor copies release the GIL). What is
 read but not yet placed is bounded by the byte budget: the pread reader stages into an
 arena of exactly that size; the mmap reader counts the bytes of its slices in flight.
-With a GPU destination, each worker copies its staged (pinned) bytes to the device on its
-own CUDA stream, casts there, and frees the staging range only once that copy is done, so
-the copy of one item overlaps the read of the next.
+With a GPU destination (`CudaCopies`), the workers copy their staged (pinned) bytes to the
+device on one side stream, cast there, and free a staging range only once its copy is done,
+so that the copy of one item overlaps the read of the next. Every worker thread first makes
+the destination its current device (`use_device`): CUDA's current device is per thread, and
+a thread left on device 0 would create a context there (about 500 MB) on leaving a stream.
 
 Cold pages (mmap reader with `prefetching`): a single prefetch thread announces the next
 layer's exact page ranges while this one is placed, so that the storage reads ahead of the
@@ -17,15 +19,18 @@ that RSS (not only anonymous memory) stays bounded.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .placer import copy_into
+from .expr import apply_ops
+from .placer import box_of, copy_into
 from .plan import ReadItem
 from .readers import Arena, MmapReader, PreadReader, byte_runs
 from .system import memory_limit
@@ -50,6 +55,77 @@ class ByteBudget:
         with self._cond:
             self.used -= n
             self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a run cost beyond its reads: page-locked staging (bytes, held during the run
+    only), and its host-to-device copies (bytes; GPU seconds, timed with CUDA events)."""
+
+    pinned_bytes: int = 0
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+
+
+class CudaCopies:
+    """Host-to-device copies into CUDA destinations, all on one side stream of the device:
+    one stream, so that the temporaries of casts come from one pool of torch's caching
+    allocator (it keeps a pool per stream). Worker threads share it; each waits for an
+    event recorded after its own copy, so a staging range is reused only once its bytes
+    have landed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._lock = threading.Lock()
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        # Destinations were allocated (or last used) on the current stream: let it finish.
+        torch.cuda.current_stream(device).synchronize()
+
+    def place(self, dest: torch.Tensor, item: ReadItem, source: torch.Tensor) -> None:
+        """Copy the item's host bytes into its box of `dest`; returns once they are there."""
+        with torch.cuda.stream(self.stream):
+            box, shaped = box_of(dest, item), apply_ops(source, item.ops)
+            if shaped.dtype == box.dtype and shaped.is_contiguous() and box.is_contiguous():
+                self.h2d(box, shaped)  # the bytes land in place: one copy
+            else:  # raw bytes over PCIe, then cast / transpose / strided write on the GPU
+                raw = torch.empty(source.shape, dtype=source.dtype, device=self.device)
+                self.h2d(raw, source)
+                copy_into(dest, item, raw)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.wait(done)
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # Events and copy enqueued together: on the shared stream, nothing runs between them.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with self._lock:
+            start.record(self.stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(self.stream)
+            self._timed.append((start, end, src.nbytes))
+
+    @staticmethod
+    def wait(event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def finish(self) -> tuple[int, float]:
+        """Wait for every copy; (bytes, seconds) of the host-to-device copies."""
+        self.stream.synchronize()
+        seconds = sum(start.elapsed_time(end) for start, end, _ in self._timed) / 1e3
+        return sum(n for _, _, n in self._timed), seconds
+
+
+def use_device(device: torch.device) -> None:
+    """Worker thread initializer: CUDA's current device is per thread (device 0 in a new
+    one); work there on another device would create a context on GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def worker_pool(workers: int, device: torch.device) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="lazyload-read", initializer=use_device,
+                              initargs=(device,))
 
 
 def direct_target(dest: torch.Tensor, item: ReadItem) -> torch.Tensor | None:
@@ -87,35 +163,40 @@ def _workers(reader: object) -> int:
 
 def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: dict[str, torch.Tensor],
                  budget: int, on_bytes: Callable[[int], None] = lambda n: None,
-                 mapped: frozenset[str] = frozenset()) -> None:
+                 mapped: frozenset[str] = frozenset()) -> EngineStats:
     """Read and place every item. `mapped`: targets whose destination is already a view of
     the file mapping; their items are only paged in (mmap reader), costing no host budget."""
     device = next(iter(dests.values())).device if dests else torch.device("cpu")
     cuda = device.type == "cuda"
-    arena = Arena(budget, pin=cuda) if isinstance(reader, PreadReader) else None
-    in_flight = ByteBudget(budget)
-    streams: dict[int, torch.cuda.Stream] = {}
-    if cuda:  # destinations were allocated on the current stream: let it finish first
-        torch.cuda.current_stream(device).synchronize()
+    # This thread's CUDA calls (stream, pinning) go to the destination's context, not GPU 0's.
+    with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+        arena = Arena(budget, pin=cuda) if isinstance(reader, PreadReader) else None
+        copies = CudaCopies(device) if cuda else None
+        h2d = (0, 0.0)
+        try:
+            _run(groups, reader, dests, budget, on_bytes, mapped, device, arena, copies)
+        finally:
+            try:
+                if copies is not None:
+                    h2d = copies.finish()  # no copy from the staging is in flight past here
+            finally:
+                pinned = arena.pinned_bytes if arena is not None else 0
+                if arena is not None:
+                    arena.close()
+    return EngineStats(pinned, *h2d)
 
-    def place(item: ReadItem, source: torch.Tensor) -> None:
-        dest = dests[item.target]
-        if cuda:
-            stream = streams.get(threading.get_ident())
-            if stream is None:  # one stream per worker thread, made once
-                stream = streams[threading.get_ident()] = torch.cuda.Stream(device)
-            with torch.cuda.stream(stream):
-                on_device = source.to(device, non_blocking=True)  # raw bytes over PCIe, cast on the GPU
-                copy_into(dest, item, on_device)
-            stream.synchronize()
-        else:
-            copy_into(dest, item, source)
+
+def _run(groups: list[Group], reader: MmapReader | PreadReader, dests: dict[str, torch.Tensor], budget: int,
+         on_bytes: Callable[[int], None], mapped: frozenset[str], device: torch.device, arena: Arena | None,
+         copies: CudaCopies | None) -> None:
+    in_flight = ByteBudget(budget)
+    place = copies.place if copies is not None else copy_into
 
     def pread_task(item: ReadItem, buf: torch.Tensor, staged: bool) -> None:
         try:
             source = reader.read_into(item, buf)
             if staged:
-                place(item, source)
+                place(dests[item.target], item, source)
         finally:
             if staged:
                 arena.free(buf)
@@ -124,7 +205,7 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
     def mmap_task(item: ReadItem) -> None:
         try:
             source = reader.read(item)
-            place(item, source)
+            place(dests[item.target], item, source)
             reader.release(item, source)
         finally:
             in_flight.release(item.nbytes)
@@ -137,7 +218,7 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
     workers = _workers(reader)
     pending: deque[Future] = deque()
     announced: dict[int, Future] = {}
-    with ThreadPoolExecutor(workers, thread_name_prefix="lazyload-read") as pool, \
+    with worker_pool(workers, device) as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="lazyload-prefetch") as prefetcher:
         try:
             for k, group in enumerate(groups):

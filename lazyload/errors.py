@@ -60,3 +60,8 @@ class ReadError(LazyLoadError):
 
 class MetaBufferError(LazyLoadError):
     """A buffer left on the meta device that neither the checkpoint nor its module can fill."""
+
+
+class DeviceError(ArgumentError):
+    """The device to load onto does not exist here: CUDA asked for where there is none, a
+    device index beyond the visible devices, or a LOCAL_RANK with no device of its own."""

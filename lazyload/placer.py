@@ -48,12 +48,18 @@ def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: MmapR
     return views, [item for item in items if item.target not in views]
 
 
+def box_of(dest: torch.Tensor, item: ReadItem) -> torch.Tensor:
+    """The item's box of `dest` (a view)."""
+    return dest[tuple(slice(a, b) for a, b in item.dst_box)]
+
+
 def copy_into(dest: torch.Tensor, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
-    """Write the item's source tensor (after its ops) into its box of `dest`, casting."""
+    """Write the item's source tensor (after its ops) into its box of `dest`, casting, or
+    dequantize it there when the item has scales; `source` is on dest's device
+    (host-to-device copies are the engine's)."""
     if item.scales is not None:
         return dequant_into(dest, item, source)
-    view = dest[tuple(slice(a, b) for a, b in item.dst_box)]
-    view.copy_(apply_ops(source, item.ops), non_blocking=source.is_pinned())
+    box_of(dest, item).copy_(apply_ops(source, item.ops))
 
 
 def dequant_into(dest: torch.Tensor, item: ReadItem, source: QuantizedBox) -> None:

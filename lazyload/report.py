@@ -116,6 +116,10 @@ class LoadReport:
     - `reader`: the reader that ran, "mmap" or "pread".
     - `prefetched`: True when this rank's pages were cold and each layer's page ranges were
       announced to the kernel a layer ahead.
+    - `pinned_bytes`: page-locked staging of a GPU load (exactly the host budget, held
+      during the load only, then unlocked); 0 on CPU.
+    - `h2d_bytes`, `h2d_seconds`: the host-to-device copies of a GPU load and their GPU time
+      (CUDA events): bytes / seconds is their rate.
     - `ok` (property): True when nothing was missing, unexpected or mismatched."""
 
     loaded: list[str] = field(default_factory=list)
@@ -134,6 +138,9 @@ class LoadReport:
     world: int = 1
     reader: str = ""
     prefetched: bool = False
+    pinned_bytes: int = 0
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -143,7 +150,8 @@ class LoadReport:
         lines = [f"lazyload: rank {self.rank}/{self.world}, {len(self.loaded)} tensors loaded, "
                  f"{size(self.bytes_read)} read" + (f", {size(self.bytes_mapped)} mapped" if self.bytes_mapped else "")
                  + f" in {self.seconds:.2f} s ({self.reader} reader{', prefetched' if self.prefetched else ''}); "
-                 f"peak RSS {size(self.peak_rss)}, peak anonymous {size(self.peak_anon)}"]
+                 f"peak RSS {size(self.peak_rss)}, peak anonymous {size(self.peak_anon)}"
+                 + (f", pinned {size(self.pinned_bytes)}" if self.pinned_bytes else "")]
         initialized = set(self.initialized)
         sections = [("loaded", self.loaded),
                     ("missing, given the model's own initialisation", [n for n in self.missing if n in initialized]),

@@ -356,3 +356,39 @@ def data_starts(paths) -> dict[str, int]:
 def resident_data_bytes(starts: dict[str, int]) -> int:
     """Page-cache bytes of the tensor data regions (``data_starts``) of the files."""
     return sum(resident_bytes(p, start=s) for p, s in starts.items())
+
+
+# ------------------------------------------------------------ mixed dtypes, odd sizes
+
+MIXED_DTYPES = {"norm": torch.float32, "lm_head": torch.float16}  # the rest bf16
+
+
+def write_mixed_checkpoint(directory):
+    """A tiny Llama whose tensors have odd byte sizes (hidden 35, vocab 61: 2,450-byte bf16
+    matrices) in three dtypes (bf16, fp32 norms, fp16 lm_head), written by save_pretrained
+    in several shards: staged one after another, a tensor's bytes start at any offset.
+    Returns (directory, config)."""
+    directory = Path(directory)
+    config = make_config("llama", hidden_size=35, intermediate_size=35, num_attention_heads=5,
+                         num_key_value_heads=1, head_dim=14, vocab_size=61)
+    config._attn_implementation = ATTN
+    torch.manual_seed(0)
+    model = model_class("llama", config)(config)
+    randomize_(model)
+    model = model.to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        param.data = param.data.to(_mixed_dtype(name))
+    model.save_pretrained(directory, max_shard_size=20000)
+    return directory, type(config).from_pretrained(directory)
+
+
+def mixed_meta_model(config):
+    """The model of `write_mixed_checkpoint` on meta, each parameter in its checkpoint dtype."""
+    model = build_model("llama", config, torch.bfloat16)
+    for name, param in model.named_parameters():
+        param.data = param.data.to(_mixed_dtype(name))
+    return model
+
+
+def _mixed_dtype(name: str) -> torch.dtype:
+    return next((dt for part, dt in MIXED_DTYPES.items() if part in name), torch.bfloat16)

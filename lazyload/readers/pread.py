@@ -10,6 +10,7 @@ gathered in memory, when that costs at most SPAN_WASTE times the pages of the ex
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -20,20 +21,34 @@ from ..errors import ReadError
 from ..expr import box_shape
 from ..plan import STAGE_ALIGN, ReadItem
 from ..quant.dequant import QuantizedBox
-from ..system import fadvise
+from ..system import PAGE, fadvise
 from .runs import byte_runs, is_one_range, span_is_cheaper
 
 IOV_MAX = 1024
 SPAN_CHUNK = 4 << 20  # bounce buffer per read thread for strided boxes read as whole spans
+ALIGN = 64  # staging ranges start on a cache line: a multiple of every dtype's element size
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+logger = logging.getLogger("lazyload")
 
 
 class Arena:
-    """One staging buffer, allocated once; first-fit ranges handed out and given back.
-    `alloc` blocks until a range is free: that is the back-pressure on reading."""
+    """One staging buffer, allocated once; first-fit ranges handed out and given back, each
+    starting on an ALIGN-byte boundary (a range is then viewed as its tensor's dtype, which
+    needs an offset divisible by the element size). `alloc` blocks until a range is free:
+    that is the back-pressure on reading.
+
+    `pin`: the buffer is page-locked for asynchronous copies to a GPU (registered with
+    CUDA, as torch.distributed.checkpoint's stager does, rather than taken from torch's
+    pinned allocator, which rounds a request up to a power of two and keeps the block for
+    the life of the process); `close` unlocks it. `pinned_bytes` says how much is locked."""
 
     def __init__(self, nbytes: int, pin: bool = False):
-        self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
         self.size = max(nbytes, 1)
+        raw = torch.empty(self.size + PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % PAGE  # page-aligned: the pages locked are exactly ours
+        self.buffer = raw[skip:skip + self.size]
+        self.pinned_bytes = _pin(self.buffer) if pin else 0
         self._used: list[tuple[int, int]] = []  # sorted (start, stop)
         self._cond = threading.Condition()
 
@@ -60,6 +75,26 @@ class Arena:
         with self._cond:
             self._used = [r for r in self._used if r[0] != start]
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """Unlock the pages (call once no copy from the buffer is in flight)."""
+        if self.pinned_bytes:
+            code = int(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()))
+            if code != 0:
+                logger.warning("could not unpin %d bytes of staging memory (CUDA error %d)", self.pinned_bytes, code)
+            self.pinned_bytes = 0
+
+
+def _pin(buffer: torch.Tensor) -> int:
+    """Page-lock `buffer` for the current CUDA device's context (and, portable, for the
+    others); returns the bytes locked: 0 when CUDA refuses, the copies then being
+    synchronous (staged by the driver) but still correct."""
+    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, HOST_REGISTER_PORTABLE))
+    if code != 0:
+        logger.warning("could not pin %d bytes of staging memory (CUDA error %d); copying to the GPU from "
+                       "pageable memory instead (slower)", buffer.nbytes, code)
+        return 0
+    return buffer.nbytes
 
 
 class PreadReader:

@@ -1,0 +1,307 @@
+"""The GPU path, on a machine without one: what can be shown on the CPU. Staging ranges are
+aligned for any dtype (every item of a CUDA load is staged); the device a load targets is
+concrete and follows this process's GPU (LOCAL_RANK, CUDA_VISIBLE_DEVICES, the current
+device; `torch.cuda` patched); worker threads set it; staging is pinned with CUDA and
+unpinned after; benchmarks/gpu_check.py runs its CPU halves. The GPU halves are
+gpu_check.py's, on a GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from checkpoints import build_model, meta_tensors, mixed_meta_model, shard_files, write_mixed_checkpoint
+from lazyload import DeviceError, LazyCheckpoint, LazyLoadError
+from lazyload import engine
+from lazyload.devices import target_device, use_device
+from lazyload.readers import Arena
+from lazyload.readers.pread import ALIGN
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    return write_mixed_checkpoint(tmp_path_factory.mktemp("mixed"))
+
+
+def file_tensors(directory) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in shard_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({key: f.get_tensor(key) for key in f.keys()})
+    return out
+
+
+def assert_equals_files(model, directory):
+    """Each tensor bitwise the checkpoint's (safetensors' own read), cast to the model's dtype."""
+    assert not meta_tensors(model)
+    files = file_tensors(directory)
+    state = model.state_dict()
+    assert sorted(state) == sorted(files)
+    for name, tensor in state.items():
+        want = files[name].to(tensor.dtype)
+        assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def test_staging_ranges_start_aligned_whatever_came_before():
+    arena = Arena(4096)
+    odd = arena.alloc(174)  # a bf16 tensor of 87 elements
+    after = arena.alloc(8)
+    assert after.data_ptr() % ALIGN == 0 and odd.data_ptr() % ALIGN == 0
+    after.view(torch.float64)  # "storage_offset() must be divisible by 8" before alignment
+    arena.free(odd)
+    again = arena.alloc(3)
+    assert again.data_ptr() == odd.data_ptr()  # first fit: the freed front range is reused
+    assert arena.pinned_bytes == 0
+
+
+def test_staging_never_overlaps_and_fits_any_read_when_empty():
+    import random
+
+    rng = random.Random(0)
+    arena = Arena(1000)
+    held: list[torch.Tensor] = []
+    for _ in range(500):
+        if held and (rng.random() < 0.5 or arena._find(1) is None):
+            arena.free(held.pop(rng.randrange(len(held))))
+            continue
+        n = rng.randint(1, 300)
+        if arena._find(n) is None:
+            continue
+        view = arena.alloc(n)
+        start = view.data_ptr() - arena.buffer.data_ptr()
+        assert start % ALIGN == 0 and start + n <= arena.size
+        for other in held:
+            lo = other.data_ptr() - arena.buffer.data_ptr()
+            assert start + n <= lo or lo + other.numel() <= start, "ranges overlap"
+        held.append(view)
+    for view in held:
+        arena.free(view)
+    assert arena.alloc(1000).numel() == 1000
+
+
+def test_mixed_dtypes_with_odd_sizes_load_when_every_item_is_staged(mixed):
+    directory, config = mixed
+    model = build_model("llama", config, torch.float16)  # a cast: no item lands directly
+    LazyCheckpoint(str(directory)).load_into(model, dtype=torch.float16, reader="pread", max_host_bytes=1 << 20,
+                                             progress=False)
+    assert_equals_files(model, directory)
+
+
+def test_a_staged_load_without_cast_is_bitwise_the_files(mixed, monkeypatch):
+    """What a CUDA destination does (it stages every item), on the CPU."""
+    directory, config = mixed
+    threads = {}
+    monkeypatch.setattr(engine, "direct_target", lambda dest, item: None)
+    monkeypatch.setattr(engine, "use_device", lambda device: threads.setdefault(threading.get_ident(), device))
+    model = mixed_meta_model(config)
+    report = LazyCheckpoint(str(directory)).load_into(model, reader="pread", max_host_bytes=1 << 20, progress=False)
+    assert_equals_files(model, directory)
+    assert {model.get_parameter("model.norm.weight").dtype, model.get_parameter("lm_head.weight").dtype,
+            model.get_parameter("model.embed_tokens.weight").dtype} == {torch.float32, torch.float16, torch.bfloat16}
+    assert report.pinned_bytes == 0 and report.h2d_bytes == 0  # nothing pinned for a CPU destination
+    # The read pool ran its initializer in every worker thread.
+    assert threads and set(threads.values()) == {torch.device("cpu")}
+
+
+# --------------------------------------------------------------------------- pinning
+
+
+class FakeCudart:
+    """torch.cuda.cudart() on a machine without CUDA: records registrations."""
+
+    def __init__(self, code: int = 0):
+        self.code = code
+        self.live: dict[int, int] = {}
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls.append(("register", ptr, size, flags))
+        if self.code == 0:
+            self.live[ptr] = size
+        return self.code
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0 if self.live.pop(ptr, None) is not None else 1
+
+
+def test_pinned_staging_is_exactly_the_budget_and_released_on_close(monkeypatch):
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    arena = Arena(123_457, pin=True)
+    assert arena.pinned_bytes == 123_457
+    (_, ptr, size, _), = cudart.calls
+    assert (ptr, size) == (arena.buffer.data_ptr(), 123_457) and ptr % os.sysconf("SC_PAGE_SIZE") == 0
+    arena.close()
+    assert cudart.live == {} and arena.pinned_bytes == 0
+    arena.close()  # once only
+    assert len(cudart.calls) == 2
+
+
+def test_staging_that_cannot_be_pinned_stays_pageable(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(code=2))
+    arena = Arena(4096, pin=True)
+    assert arena.pinned_bytes == 0
+    assert "could not pin" in caplog.text
+    arena.close()
+
+
+# --------------------------------------------------------------------------- devices
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Patch torch.cuda into a machine with `count` GPUs; returns a setter and the
+    devices `set_device` was called with."""
+    state = {"count": 0, "current": 0, "initialized": False}
+    set_calls: list[torch.device] = []
+
+    def set_device(device):
+        set_calls.append(torch.device(device))
+        state["initialized"] = True
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: state["count"] > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: state["count"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    for name in ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+
+    def machine(count, current=0, initialized=False, **env):
+        state.update(count=count, current=current, initialized=initialized)
+        for key, value in env.items():
+            monkeypatch.setenv(key, str(value))
+    return machine, set_calls
+
+
+def meta_linear():
+    with torch.device("meta"):
+        return torch.nn.Linear(4, 4)
+
+
+def test_cuda_without_index_is_the_current_device(fake_cuda):
+    machine, _ = fake_cuda
+    machine(2, current=1, initialized=True)
+    assert torch.device("cuda") != torch.device("cuda", 1)  # why it must be made concrete
+    assert target_device("cuda", meta_linear()) == torch.device("cuda", 1)
+    assert target_device("cuda:0", meta_linear()) == torch.device("cuda", 0)
+    assert target_device(None, meta_linear()) == torch.device("cuda", 1)
+    assert target_device("cpu", meta_linear()) == torch.device("cpu")
+    real = torch.nn.Linear(4, 4)
+    assert target_device(None, real) == torch.device("cpu")  # a real model's own device
+
+
+def test_a_device_that_does_not_exist_is_a_device_error(fake_cuda):
+    machine, _ = fake_cuda
+    machine(2)
+    with pytest.raises(DeviceError, match=r"cuda:2 does not exist: 2 CUDA devices visible.*'cuda:1'"):
+        target_device("cuda:2", meta_linear())
+    with pytest.raises(DeviceError, match="not a device"):
+        target_device("gpu", meta_linear())
+
+
+@pytest.mark.parametrize("count,env,expected", [
+    (2, {"LOCAL_RANK": 1}, 1),                                # torchrun, a GPU per local rank
+    (1, {"LOCAL_RANK": 3, "CUDA_VISIBLE_DEVICES": "3"}, 0),   # one GPU visible per process
+    (4, {}, 0),                                               # a single process
+])
+def test_a_meta_model_goes_to_the_gpu_of_this_process(fake_cuda, count, env, expected):
+    machine, set_calls = fake_cuda
+    machine(count, **env)
+    device = target_device(None, meta_linear())
+    assert device == torch.device("cuda", expected)
+    assert set_calls == []  # choosing changes nothing
+    use_device(device)  # load_into, before any mesh is made: DeviceMesh then agrees
+    assert set_calls == [device]
+    use_device(torch.device("cuda", 0))  # chosen once: never overridden
+    assert set_calls == [device]
+
+
+def test_a_chosen_current_device_wins_over_local_rank(fake_cuda):
+    machine, set_calls = fake_cuda
+    machine(4, current=2, initialized=True, LOCAL_RANK=0)
+    assert target_device(None, meta_linear()) == torch.device("cuda", 2)
+    use_device(torch.device("cuda", 2))
+    assert set_calls == []
+
+
+def test_without_local_rank_ranks_share_gpus_as_device_mesh_does(fake_cuda, monkeypatch):
+    import torch.distributed as dist
+
+    machine, _ = fake_cuda
+    machine(4)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 6)  # srun / mpirun: rank 6, 4 GPUs a host
+    assert target_device(None, meta_linear()) == torch.device("cuda", 2)
+
+
+def test_a_local_rank_beyond_the_gpus_is_a_device_error(fake_cuda):
+    machine, _ = fake_cuda
+    machine(2, LOCAL_RANK=3, CUDA_VISIBLE_DEVICES="0,1")
+    with pytest.raises(DeviceError, match=r"LOCAL_RANK=3 .*2 CUDA devices visible \(CUDA_VISIBLE_DEVICES='0,1'\)"):
+        target_device(None, meta_linear())
+
+
+def test_cuda_asked_for_without_cuda_fails_before_reading(checkpoint):
+    """This machine has no CUDA: device="cuda" is a LazyLoadError saying what to pass,
+    raised before anything is read, the model untouched (no patching here)."""
+    assert not torch.cuda.is_available()
+    directory, config = checkpoint("llama")
+    model = build_model("llama", config, torch.float32)
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        with pytest.raises(LazyLoadError, match="CUDA is not available.*Pass device='cpu'") as info:
+            LazyCheckpoint(str(directory)).load_into(model, device=device, progress=False)
+        assert isinstance(info.value, DeviceError)
+    assert len(meta_tensors(model)) == len(list(model.parameters())) + len(list(model.buffers()))
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def test_every_read_thread_sets_the_destination_device_first(monkeypatch):
+    """CUDA's current device is per thread; a worker left on device 0 creates a context
+    there when it leaves a stream context (a GPU-0 context for every rank)."""
+    calls: dict[int, torch.device] = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault(threading.get_ident(), d))
+    device = torch.device("cuda", 1)
+    barrier = threading.Barrier(4)
+
+    def task():
+        barrier.wait(timeout=30)  # four tasks on four distinct threads
+        return calls.get(threading.get_ident())
+
+    with engine.worker_pool(4, device) as pool:
+        seen = [f.result() for f in [pool.submit(task) for _ in range(4)]]
+    assert seen == [device] * 4
+    calls.clear()
+    with engine.worker_pool(2, torch.device("cpu")) as pool:
+        pool.submit(lambda: None).result()
+    assert calls == {}  # a CPU load leaves CUDA alone
+
+
+# --------------------------------------------------------------------------- gpu_check
+
+
+def test_gpu_check_cpu_smoke_runs_its_cpu_halves(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LAZYLOAD_PROGRESS="0")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke",
+                           "--work-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    cases = {line.split("|")[1].strip() for line in table[2:]}
+    assert {"reference", "race", "mixed dtypes", "mmap", "conversions", "in place", "dtensor", "device index",
+            "one visible GPU", "pinned", "h2d"} <= cases, cases
+    assert all("| FAIL |" not in line for line in table)
