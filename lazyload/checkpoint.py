@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -15,7 +16,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .devices import target_device, use_device
-from .engine import must_release_pages, run_schedule
+from .engine import run_schedule
 from .errors import ArgumentError, DtypeError, PlanError
 from .hub import local_path
 from .index import CheckpointIndex, TensorEntry, resolve_files
@@ -26,7 +27,7 @@ from .placements import resolve_placements
 from .placer import allocate, assign, fill_meta_buffers, mapped_views, meta_buffers_to_recompute
 from .plan import REPLICATE, local_regions, plan_for_rank
 from .quant.formats import Quantization, detect, read_quantization_config
-from .readers import MmapReader, choose_reader
+from .readers import MmapReader, choose_reader, must_release_pages
 from .report import LoadReport, MemorySampler, size
 from .schedule import default_budget, schedule
 from .targets import model_slots, model_specs
@@ -186,7 +187,8 @@ class LazyCheckpoint:
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
         recompute = meta_buffers_to_recompute(model, set(mapping.exprs) | set(initialized))
-        release_pages = release_pages or must_release_pages(items)
+        dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
+        release_pages = release_pages or must_release_pages(items, dest_bytes, world)
         chosen = choose_reader(reader, device, release_pages, items, index, world)
         views: dict[str, torch.Tensor] = {}
         copies = items
@@ -231,7 +233,8 @@ class LazyCheckpoint:
                             bytes_read=chosen.bytes_read, bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
-                            reader=chosen.name, prefetched=chosen.prefetching, pinned_bytes=engine.pinned_bytes,
+                            reader=chosen.name, prefetched=chosen.prefetching, released_pages=release_pages,
+                            pinned_bytes=engine.pinned_bytes,
                             h2d_bytes=engine.h2d_bytes, h2d_seconds=engine.h2d_seconds)
         logger.info("%s", report)
         if not report.ok:

@@ -14,7 +14,7 @@ layer's exact page ranges while this one is placed, so that the storage reads ah
 copies; targets that are views of the mapping (`mapped`) are paged in rather than copied.
 
 Page release: when the reader was asked to (`release_pages`, which the loader also turns
-on when `must_release_pages`), each item's file pages are dropped once it is placed, so
+on when `readers.choice.must_release_pages`), each item's file pages are dropped once it is placed, so
 that RSS (not only anonymous memory) stays bounded.
 """
 from __future__ import annotations
@@ -33,7 +33,6 @@ from .expr import apply_ops
 from .placer import box_of, copy_into
 from .plan import ReadItem
 from .readers import Arena, MmapReader, PreadReader, byte_runs
-from .system import memory_limit
 from .schedule import Group
 
 
@@ -142,16 +141,6 @@ def direct_target(dest: torch.Tensor, item: ReadItem) -> torch.Tensor | None:
     if not view.is_contiguous():
         return None
     return view.reshape(-1).view(torch.uint8)
-
-
-def must_release_pages(items: list[ReadItem]) -> bool:
-    """True under a memory cgroup limit smaller than the files this rank reads from: their
-    pages would otherwise push out the destination (or the page cache of the other ranks)."""
-    limit = memory_limit()
-    if limit is None:
-        return False
-    files = {item.entry.file for item in items}
-    return limit < sum(os.path.getsize(f) for f in files)
 
 
 def _workers(reader: object) -> int:

@@ -116,6 +116,9 @@ class LoadReport:
     - `reader`: the reader that ran, "mmap" or "pread".
     - `prefetched`: True when this rank's pages were cold and each layer's page ranges were
       announced to the kernel a layer ahead.
+    - `released_pages`: True when consumed file pages were dropped as the load went
+      (`release_pages=True`, or on by itself: a tight memory cgroup, or more page cache
+      touched than the host can spare).
     - `pinned_bytes`: page-locked staging of a GPU load (exactly the host budget, held
       during the load only, then unlocked); 0 on CPU.
     - `h2d_bytes`, `h2d_seconds`: the host-to-device copies of a GPU load and their GPU time
@@ -138,6 +141,7 @@ class LoadReport:
     world: int = 1
     reader: str = ""
     prefetched: bool = False
+    released_pages: bool = False
     pinned_bytes: int = 0
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0

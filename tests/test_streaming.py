@@ -435,3 +435,45 @@ def test_prefetch_of_a_row_parallel_slice_is_exact_alone_and_whole_span_among_ho
     reader.prefetch((item,))
     reader.close()
     assert len([c for c in calls if c[2] == os.POSIX_FADV_WILLNEED]) == rows
+
+
+# --------------------------------------------------------------------- page cache beyond what the host spares
+
+def test_pages_are_released_when_the_touched_page_cache_exceeds_what_the_host_spares(llama, monkeypatch):
+    """A strided (row-parallel) rank touches whole pages: when they exceed the host's spare
+    memory beside the destination, consumed pages are released on their own, with or
+    without a cgroup; with room to spare they are kept (other ranks and later loads find
+    them cached). The result is the same either way."""
+    from collections import namedtuple
+
+    import lazyload.readers.choice as choice
+
+    directory, config = llama
+    reference = _reference(directory, torch.float16)
+    world, rank = 4, 1
+    model = build_model("llama", config, torch.float16, empty="meta")
+    plan = sharded_plan(model)
+    ckpt = LazyCheckpoint(directory)
+    from lazyload.targets import model_slots, model_specs
+    from lazyload.mapping import map_model
+    from lazyload.placements import resolve_placements
+    from lazyload.plan import plan_for_rank
+
+    slots, aliases = model_slots(model)
+    specs = model_specs(model, slots)
+    mapping = map_model(ckpt.index, model, specs, aliases)
+    resolved = resolve_placements(model, specs, [], plan, rank, world)
+    _, items = plan_for_rank(mapping.exprs, ckpt.index, {n: s.shape for n, s in specs.items()},
+                             {n: torch.float16 for n in mapping.exprs}, resolved.placements, rank, world)
+    touched = choice.touched_bytes(items)
+    read = sum(i.nbytes for i in items)
+    assert touched > read  # row-parallel runs shorter than a page touch more than their bytes
+
+    Memory = namedtuple("Memory", "available")
+    monkeypatch.setattr(choice, "memory_limit", lambda: None)
+    for available, released in ((touched // 2, True), (1 << 40, False)):
+        monkeypatch.setattr(choice.psutil, "virtual_memory", lambda a=available: Memory(a))
+        assert choice.must_release_pages(items, 0, world) is released
+        loaded, report = _load(directory, config, "mmap", rank, world, dtype=torch.float16)
+        assert report.released_pages is released
+        _assert_equal(loaded, reference, plan, rank, world)

@@ -1,18 +1,21 @@
 """Which reader a load uses, and what it is told about this rank's reads: the files it
-reads only part of, whether its pages are already cached, and how many ranks of the load
-share this host's page cache."""
+reads only part of, whether its pages are already cached, how many ranks of the load
+share this host's page cache, and whether consumed pages must be released."""
 from __future__ import annotations
 
 import os
 
+import psutil
 import torch
 
 from ..errors import PlanError
 from ..index import CheckpointIndex
 from ..plan import ReadItem
+from ..system import PAGE, memory_limit
 from .mmap import MmapReader
 from .pread import PreadReader
 from .residency import resident_fraction
+from .runs import byte_runs, pages_touched
 
 # Share of this rank's pages that must already be in the page cache to skip prefetching.
 WARM_FRACTION = 0.9
@@ -56,3 +59,32 @@ def partially_read_files(items: list[ReadItem], index: CheckpointIndex) -> set[s
     for entry in index.entries():
         stored[entry.file] = stored.get(entry.file, 0) + entry.nbytes
     return {f for f in read if read[f] < stored[f]}
+
+
+def must_release_pages(items: list[ReadItem], dest_bytes: int, world: int) -> bool:
+    """Whether consumed pages must be dropped as the load goes (`release_pages`): under a
+    memory cgroup limit smaller than the files this rank reads from, or when the page cache
+    this rank's reads touch exceeds what the host can spare beside the destinations of its
+    ranks. A strided slice touches whole pages: rank 0 of 128 of a 405B checkpoint touches
+    about 21 GB of page cache for 7.3 GB of data, and a 24 GB host then spends the load in
+    reclaim (docs/architecture.md). Kept pages are otherwise worth keeping: other ranks of
+    the host, and the next load, find them cached."""
+    files = {part.entry.file for item in items for part in item.reads()}
+    limit = memory_limit()
+    if limit is not None and limit < sum(os.path.getsize(f) for f in files):
+        return True
+    sharers = host_ranks(world)
+    spare = psutil.virtual_memory().available // sharers - dest_bytes
+    if sum(os.path.getsize(f) for f in files) <= spare:  # cheap bound: every page of every file
+        return False
+    return touched_bytes(items) > spare
+
+
+def touched_bytes(items: list[ReadItem]) -> int:
+    """Page-cache bytes this rank's reads touch: whole pages of every run."""
+    total = 0
+    for item in items:
+        for part in item.reads():
+            offsets, run = byte_runs(part)
+            total += pages_touched(offsets, run) * PAGE
+    return total
