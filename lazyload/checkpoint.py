@@ -174,7 +174,7 @@ class LazyCheckpoint:
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
-        recompute = meta_buffers_to_recompute(model, set(mapping.exprs))
+        recompute = meta_buffers_to_recompute(model, dtypes, device)
         release_pages = release_pages or must_release_pages(items)
         chosen = choose_reader(reader, device, release_pages, _partially_read_files(items, index),
                                warm=lambda: resident_fraction(items) >= WARM_FRACTION,
@@ -207,7 +207,7 @@ class LazyCheckpoint:
                 chosen.close()
             for target in targets:
                 assign(slots[target.name], dests[target.name])
-            recomputed = fill_meta_buffers(model, recompute, device)
+            recomputed = fill_meta_buffers(recompute)
 
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
