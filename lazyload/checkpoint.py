@@ -74,7 +74,8 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: dict[str, TargetS
             base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
             renames=renames, converts=converts,
             ignore_unexpected=_ignore_patterns(model, "_keys_to_ignore_on_load_unexpected"),
-            ignore_missing=_ignore_patterns(model, "_keys_to_ignore_on_load_missing"))
+            ignore_missing=_ignore_patterns(model, "_keys_to_ignore_on_load_missing"),
+            buffers=[name for name, _ in model.named_buffers(remove_duplicate=False)])
 
     mapping = with_rules([], [])
     if mapping.missing or mapping.unexpected or mapping.mismatched:
@@ -211,7 +212,8 @@ class LazyCheckpoint:
 
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
-                            recomputed_buffers=recomputed, bytes_read=chosen.bytes_read,
+                            recomputed_buffers=recomputed, ignored_buffer_keys=mapping.ignored_buffer_keys,
+                            bytes_read=chosen.bytes_read,
                             bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,

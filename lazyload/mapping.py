@@ -11,8 +11,8 @@ from __future__ import annotations
 import difflib
 import re
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping as MappingT, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping as MappingT, Sequence
 
 import torch
 
@@ -39,6 +39,8 @@ class Mapping:
     missing: list[str]
     unexpected: list[str]
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    # checkpoint keys of buffers the model computes itself (see build_mapping): not loaded
+    ignored_buffer_keys: list[str] = field(default_factory=list)
 
 
 def natural_key(key: str) -> list:
@@ -61,7 +63,7 @@ def _apply_key_map(key: str, key_map: KeyMap | None) -> str:
 class _Resolver:
     """Finds the model name a checkpoint key stands for."""
 
-    def __init__(self, targets: MappingT[str, Any], aliases: MappingT[str, str], base_prefix: str,
+    def __init__(self, targets: Collection[str], aliases: MappingT[str, str], base_prefix: str,
                  key_map: KeyMap | None, renames: Sequence, converts: Sequence):
         self.known = set(targets) | set(aliases)
         self.base_prefix = base_prefix
@@ -139,6 +141,12 @@ def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: 
     return {first_name.replace(first_target, target, 1): expr for target, expr in zip(convert.targets, outputs)}
 
 
+# Keys that from_pretrained drops when the model has a buffer of that name ending (transformers
+# PreTrainedModel._adjust_missing_and_unexpected_keys): buffers older versions saved, once
+# persistent position_ids and rotary inv_freq once per layer, that the model now computes.
+LEGACY_BUFFER_KEYS = {"rotary_emb.inv_freq": r"rotary_emb\.inv_freq", "position_ids": r"(^|\.)position_ids$"}
+
+
 def _matches_any(name: str, patterns: Sequence[str]) -> bool:
     return any(re.search(p, name) for p in patterns)
 
@@ -146,10 +154,17 @@ def _matches_any(name: str, patterns: Sequence[str]) -> bool:
 def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *, aliases: MappingT[str, str] = {},
                   base_prefix: str = "", key_map: KeyMap | None = None, renames: Sequence = (),
                   converts: Sequence = (), ignore_unexpected: Sequence[str] = (),
-                  ignore_missing: Sequence[str] = ()) -> Mapping:
+                  ignore_missing: Sequence[str] = (), buffers: Collection[str] = ()) -> Mapping:
     """Match checkpoint keys to model tensors. `aliases` maps a tied name to the target it
-    shares storage with: a key for it fills that target unless the target has its own."""
-    resolver = _Resolver(targets, aliases, base_prefix, key_map, renames, converts)
+    shares storage with: a key for it fills that target unless the target has its own.
+
+    `buffers`: the model's buffer names. A key naming one that is no target (a non-persistent
+    buffer, e.g. position_ids that older versions saved), or a legacy key of LEGACY_BUFFER_KEYS,
+    goes to `ignored_buffer_keys`, unread, as from_pretrained ignores it: the model computes
+    the buffer."""
+    computed = set(buffers) - set(targets) - set(aliases)
+    resolver = _Resolver(set(targets) | computed, aliases, base_prefix, key_map, renames, converts)
+    ignored_buffer_keys = []
     exprs: dict[str, Expr] = {}
     from_alias: dict[str, Expr] = {}
     groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
@@ -160,7 +175,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
             unexpected.append(key)
             continue
         name, convert, source_index = hit
-        if convert is not None:
+        if name in computed:
+            ignored_buffer_keys.append(key)
+        elif convert is not None:
             groups.setdefault(name, (convert, defaultdict(list)))[1][source_index].append(key)
         elif name in aliases:
             from_alias.setdefault(aliases[name], Source(key))
@@ -179,6 +196,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
         exprs.setdefault(name, expr)
 
     unexpected = [k for k in unexpected if not _matches_any(k, ignore_unexpected)]
+    legacy = [p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)]
+    ignored_buffer_keys += [k for k in unexpected if _matches_any(k, legacy)]
+    unexpected = [k for k in unexpected if not _matches_any(k, legacy)]
     missing = [n for n in targets if n not in exprs and not _matches_any(n, ignore_missing)]
     mismatched = []
     shape_of = lambda key: index[key].shape  # noqa: E731
@@ -194,7 +214,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
         if shape != targets[name].shape:
             mismatched.append((name, shape, targets[name].shape))
             del exprs[name]
-    return Mapping(exprs, missing, unexpected, mismatched)
+    return Mapping(exprs, missing, unexpected, mismatched, sorted(ignored_buffer_keys, key=natural_key))
 
 
 def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[str, TargetSpec]) -> None:

@@ -93,6 +93,9 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     recomputed_buffers: list[str] = field(default_factory=list)
+    # checkpoint keys of buffers the model computes itself (e.g. a legacy position_ids): not
+    # loaded, as from_pretrained ignores them; the buffer is recomputed if it was on meta
+    ignored_buffer_keys: list[str] = field(default_factory=list)
     bytes_read: int = 0
     # tensors left as views of the file mapping (CPU, same dtype); with cold pages (`prefetched`)
     # they are paged in during the load, with warm ones the pages are cached and mapped on first use
@@ -116,7 +119,8 @@ class LoadReport:
                  + f" in {self.seconds:.2f} s ({self.reader} reader{', prefetched' if self.prefetched else ''}); "
                  f"peak RSS {_gib(self.peak_rss)}, peak anonymous {_gib(self.peak_anon)}"]
         sections = [("loaded", self.loaded), ("missing", self.missing), ("unexpected", self.unexpected),
-                    ("recomputed buffers", self.recomputed_buffers)]
+                    ("recomputed buffers", self.recomputed_buffers),
+                    ("checkpoint keys of computed buffers, not loaded", self.ignored_buffer_keys)]
         for title, names in sections:
             if names:
                 lines.append(f"  {title}:")

@@ -1,6 +1,7 @@
 """Buffers a meta load does not read: recomputed as from_pretrained computes them (values and
-dtypes), next to loaded weights that must stay the checkpoint's bytes; what cannot be computed
-refused before a byte is read."""
+dtypes), next to loaded weights that must stay the checkpoint's bytes; checkpoint keys of such
+buffers (legacy position_ids, per-layer inv_freq) accepted and reported; what cannot be
+computed refused before a byte is read."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from checkpoints import (assert_same_buffers, assert_same_ties, assert_same_weights, build_model, meta_tensors,
-                         outputs, reference_model, shard_files)
+from checkpoints import (assert_same_buffers, assert_same_ties, assert_same_weights, build_model, copy_checkpoint,
+                         meta_tensors, outputs, reference_model, rewrite_tensor_in_checkpoint, shard_files)
 from lazyload import LazyCheckpoint
 from lazyload.errors import MetaBufferError
 
@@ -34,6 +35,47 @@ def assert_checkpoint_bytes(model, directory):
                 saved = f.get_tensor(key)
                 assert state[name].dtype == saved.dtype, f"{name}: {state[name].dtype} vs saved {saved.dtype}"
                 assert torch.equal(state[name], saved), f"{name} differs from checkpoint tensor {key}"
+
+
+# ------------------------------------------------------------- legacy buffer keys
+
+@pytest.mark.parametrize("base", [False, True], ids=["bert", "minilm"])
+def test_saved_position_ids_accepted_and_reported(checkpoint, tmp_path, base):
+    """Published BERT / sentence-transformers (all-MiniLM-L6-v2: a bare BertModel) checkpoints
+    carry embeddings.position_ids, now a non-persistent buffer. from_pretrained ignores the saved
+    value and computes the buffer; so does lazyload, with default arguments, and reports the key."""
+    directory, config = checkpoint("bert", "fp32", base=base)
+    directory = copy_checkpoint(directory, tmp_path / "ckpt")
+    key = "embeddings.position_ids" if base else "bert.embeddings.position_ids"
+    # a value of its own, so that loading it instead of computing the buffer shows
+    saved = torch.arange(config.max_position_embeddings).flip(0)[None]
+    rewrite_tensor_in_checkpoint(directory, add={key: saved})
+
+    model = build_model("bert", config, torch.float32, base=base)
+    report = load(directory, model)
+
+    assert report.ignored_buffer_keys == [key]
+    assert report.unexpected == [] and report.missing == []
+    assert key in str(report)
+    ref = reference_model("bert", directory, torch.float32, base=base)
+    assert_same_weights(model, ref)
+    assert torch.equal(outputs(model, config), outputs(ref, config))
+
+
+def test_per_layer_rotary_inv_freq_keys_accepted(checkpoint, tmp_path):
+    """Older Llama checkpoints hold model.layers.N.self_attn.rotary_emb.inv_freq, a buffer the
+    model no longer has there; from_pretrained drops such keys, lazyload too."""
+    directory, config = checkpoint("llama", "fp32")
+    directory = copy_checkpoint(directory, tmp_path / "ckpt")
+    keys = [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(config.num_hidden_layers)]
+    rewrite_tensor_in_checkpoint(directory, add={k: torch.ones(8) for k in keys})
+
+    model = build_model("llama", config, torch.float32)
+    report = load(directory, model)
+
+    assert report.ignored_buffer_keys == keys
+    assert report.unexpected == []
+    assert_same_weights(model, reference_model("llama", directory, torch.float32))
 
 
 # ---------------------------------------------- buffers next to loaded weights
