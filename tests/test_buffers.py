@@ -158,6 +158,24 @@ def test_buffers_get_from_pretrained_dtype_after_cast(checkpoint):
     assert torch.equal(outputs(model, config), outputs(ref, config))
 
 
+def test_buffers_get_from_pretrained_dtype_with_dtype_auto(checkpoint):
+    """Built in float32, loaded with dtype="auto" from a bfloat16 checkpoint: from_pretrained
+    (dtype=bfloat16) has Gemma 3's embed_scale in bfloat16 (made under the default dtype) but
+    the rotary inv_freq in float32: the load gives each the same."""
+    directory, config = checkpoint("gemma3", "bf16")
+    model = build_model("gemma3", config, torch.float32)
+
+    load(directory, model, dtype="auto")
+
+    ref = reference_model("gemma3", directory, torch.bfloat16)
+    assert ref.model.language_model.embed_tokens.embed_scale.dtype == torch.bfloat16
+    assert ref.model.language_model.rotary_emb.sliding_attention_inv_freq.dtype == torch.float32
+    assert_checkpoint_bytes(model, directory)
+    assert_same_weights(model, ref)
+    for mine, theirs in zip(_outputs(model, "gemma3", config), _outputs(ref, "gemma3", config)):
+        assert torch.equal(mine, theirs)
+
+
 # ------------------------------------------------ plain modules: the mechanism
 
 class Embeddings(nn.Module):
