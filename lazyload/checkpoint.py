@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .buffers import fill_meta_buffers, meta_buffers_to_recompute
 from .devices import target_device, use_device
 from .engine import run_schedule
 from .errors import ArgumentError, DtypeError, PlanError
@@ -24,7 +25,7 @@ from .mapping import KeyMap, check_casts, check_mapping, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
 from .parallel import auto_parallelize, check_process_group
 from .placements import resolve_placements
-from .placer import allocate, assign, fill_meta_buffers, mapped_views, meta_buffers_to_recompute
+from .placer import allocate, assign, mapped_views
 from .plan import REPLICATE, local_regions, plan_for_rank
 from .quant.formats import Quantization, detect, read_quantization_config
 from .readers import MmapReader, choose_reader, must_release_pages
@@ -186,7 +187,8 @@ class LazyCheckpoint:
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
-        recompute = meta_buffers_to_recompute(model, set(mapping.exprs) | set(initialized))
+        loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
+        recompute = meta_buffers_to_recompute(model, loaded_dtypes, device)
         dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
         release_pages = release_pages or must_release_pages(items, dest_bytes, world)
         chosen = choose_reader(reader, device, release_pages, items, index, world)
@@ -225,11 +227,12 @@ class LazyCheckpoint:
                 assign(slots[target.name], dests[target.name])
             for name, value in initialized.items():
                 assign(slots[name], value)
-            recomputed = fill_meta_buffers(model, recompute, device)
+            recomputed = fill_meta_buffers(recompute)
 
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
                             initialized=list(initialized), recomputed_buffers=recomputed,
+                            ignored_buffer_keys=mapping.ignored_buffer_keys,
                             bytes_read=chosen.bytes_read, bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import difflib
 import re
 from collections import defaultdict
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping as MappingT, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Collection, Mapping as MappingT, Sequence
 
 import torch
 from torch import nn
@@ -38,6 +38,8 @@ class Mapping:
     unexpected: list[str]
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
     unused_key_map: tuple[str, ...] = ()  # key_map patterns that match no checkpoint key
+    # checkpoint keys of buffers the model computes itself (see build_mapping): not loaded
+    ignored_buffer_keys: list[str] = field(default_factory=list)
 
 
 def natural_key(key: str) -> list:
@@ -89,7 +91,7 @@ def _apply_key_map(key: str, key_map: KeyMap | None) -> str:
 class _Resolver:
     """Finds the model name a checkpoint key stands for."""
 
-    def __init__(self, targets: MappingT[str, Any], aliases: MappingT[str, str], base_prefix: str,
+    def __init__(self, targets: Collection[str], aliases: MappingT[str, str], base_prefix: str,
                  key_map: KeyMap | None, renames: Sequence, converts: Sequence):
         self.known = set(targets) | set(aliases)
         self.base_prefix = base_prefix
@@ -168,6 +170,12 @@ def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: 
     return {first_name.replace(first_target, target, 1): expr for target, expr in zip(convert.targets, outputs)}
 
 
+# Keys that from_pretrained drops when the model has a buffer of that name ending (transformers
+# PreTrainedModel._adjust_missing_and_unexpected_keys): buffers older versions saved, once
+# persistent position_ids and rotary inv_freq once per layer, that the model now computes.
+LEGACY_BUFFER_KEYS = {"rotary_emb.inv_freq": r"rotary_emb\.inv_freq", "position_ids": r"(^|\.)position_ids$"}
+
+
 def _matches_any(name: str, patterns: Sequence[str]) -> bool:
     return any(re.search(p, name) for p in patterns)
 
@@ -175,11 +183,19 @@ def _matches_any(name: str, patterns: Sequence[str]) -> bool:
 def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *, aliases: MappingT[str, str] = {},
                   base_prefix: str = "", key_map: KeyMap | None = None, renames: Sequence = (),
                   converts: Sequence = (), ignore_unexpected: Sequence[str] = (),
-                  ignore_missing: Sequence[str] = (), quant: Quantization = Quantization()) -> Mapping:
+                  ignore_missing: Sequence[str] = (), quant: Quantization = Quantization(),
+                  buffers: Collection[str] = ()) -> Mapping:
     """Match checkpoint keys to model tensors. `aliases` maps a tied name to the target it
     shares storage with: a key for it fills that target unless the target has its own.
-    `quant`: the checkpoint's quantized weights, each matched as its dequantization."""
-    resolver = _Resolver(targets, aliases, base_prefix, key_map, renames, converts)
+    `quant`: the checkpoint's quantized weights, each matched as its dequantization.
+
+    `buffers`: the model's buffer names. A key naming one that is no target (a non-persistent
+    buffer, e.g. position_ids that older versions saved), or a legacy key of LEGACY_BUFFER_KEYS,
+    goes to `ignored_buffer_keys`, unread, as from_pretrained ignores it: the model computes
+    the buffer."""
+    computed = set(buffers) - set(targets) - set(aliases)
+    resolver = _Resolver(set(targets) | computed, aliases, base_prefix, key_map, renames, converts)
+    ignored_buffer_keys = []
     leaf = lambda key: quant.leaves.get(key) or Source(key)  # noqa: E731
     exprs: dict[str, Expr] = {}
     from_alias: dict[str, Expr] = {}
@@ -191,7 +207,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
             unexpected.append(key)
             continue
         name, convert, source_index = hit
-        if convert is not None:
+        if name in computed:
+            ignored_buffer_keys.append(key)
+        elif convert is not None:
             groups.setdefault(name, (convert, defaultdict(list)))[1][source_index].append(key)
         elif name in aliases:
             from_alias.setdefault(aliases[name], leaf(key))
@@ -210,6 +228,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
         exprs.setdefault(name, expr)
 
     unexpected = [k for k in unexpected if not _matches_any(k, (*ignore_unexpected, *quant.ignored))]
+    legacy = [p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)]
+    ignored_buffer_keys += [k for k in unexpected if _matches_any(k, legacy)]
+    unexpected = [k for k in unexpected if not _matches_any(k, legacy)]
     missing = [n for n in targets if n not in exprs and not _matches_any(n, ignore_missing)]
     mismatched = []
     shape_of = lambda key: index[key].shape  # noqa: E731
@@ -225,7 +246,8 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
         if shape != targets[name].shape:
             mismatched.append((name, shape, targets[name].shape))
             del exprs[name]
-    return Mapping(exprs, missing, unexpected, mismatched)
+    return Mapping(exprs, missing, unexpected, mismatched,
+                   ignored_buffer_keys=sorted(ignored_buffer_keys, key=natural_key))
 
 
 def _prefixes(names: Sequence[str], others: set[str]) -> dict[str, int]:
@@ -337,7 +359,8 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, Tar
             base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
             renames=renames, converts=converts,
             ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
-            ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []), quant=quant),
+            ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []), quant=quant,
+            buffers=[name for name, _ in model.named_buffers(remove_duplicate=False)]),
             unused_key_map=unused)
 
     mapping = with_rules([], [])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import MetaBufferError
 from .expr import apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
@@ -88,43 +87,3 @@ def assign(slot: Slot, tensor: torch.Tensor) -> None:
             module._parameters[attr] = value
         else:
             module._buffers[attr] = value
-
-
-def meta_buffers_to_recompute(model: nn.Module, loaded: set[str]) -> dict[str, list[str]]:
-    """Buffers on meta that the checkpoint does not fill, by owning module name.
-
-    transformers models know how to recompute them (`_init_weights` on the owning module,
-    which is what `from_pretrained` does); that is used only on modules without parameters
-    of their own, so that no loaded weight is re-initialised. Anything else is refused here,
-    before a byte is read."""
-    init = getattr(model, "_init_weights", None)
-    owners: dict[str, list[str]] = {}
-    refused = []
-    for name, buf in model.named_buffers():
-        if not buf.is_meta or name in loaded:
-            continue
-        module_name = name.rpartition(".")[0]
-        module = model.get_submodule(module_name)
-        if init is None or any(True for _ in module.parameters(recurse=False)):
-            refused.append(name)
-        owners.setdefault(module_name, []).append(name)
-    if refused:
-        raise MetaBufferError(
-            "buffers on the meta device that the checkpoint does not hold and lazyload cannot recompute: "
-            + ", ".join(refused) + ". Build the model with these buffers real (outside the meta device), or "
-            "register them after the load.")
-    return owners
-
-
-def fill_meta_buffers(model: nn.Module, owners: dict[str, list[str]], device: torch.device) -> list[str]:
-    """Make the buffers real on `device` and let the model's own init compute them."""
-    filled = []
-    for module_name, names in owners.items():
-        module = model.get_submodule(module_name)
-        for name in names:
-            attr = name.rpartition(".")[2]
-            module._buffers[attr] = torch.empty_like(module._buffers[attr], device=device)
-            filled.append(name)
-        with torch.no_grad():
-            model._init_weights(module)
-    return filled

@@ -104,6 +104,9 @@ class LoadReport:
       (strict=False, missing="init"), as `from_pretrained` does.
     - `recomputed_buffers`: non-persistent buffers left on meta (rotary `inv_freq`, ...)
       that the model's own init computed.
+    - `ignored_buffer_keys`: checkpoint keys of buffers the model computes itself (a
+      `position_ids` or rotary `inv_freq` older versions saved): not read, as
+      `from_pretrained` ignores them.
     - `bytes_read`: tensor bytes copied out of the files by the reader.
     - `bytes_mapped`: bytes of tensors left as copy-on-write views of the file mapping
       (CPU, checkpoint dtype); with cold pages (`prefetched`) they are paged in during the
@@ -131,6 +134,9 @@ class LoadReport:
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     initialized: list[str] = field(default_factory=list)
     recomputed_buffers: list[str] = field(default_factory=list)
+    # checkpoint keys of buffers the model computes itself (e.g. a legacy position_ids): not
+    # loaded, as from_pretrained ignores them; the buffer is recomputed if it was on meta
+    ignored_buffer_keys: list[str] = field(default_factory=list)
     bytes_read: int = 0
     bytes_mapped: int = 0
     seconds: float = 0.0
@@ -160,7 +166,8 @@ class LoadReport:
         sections = [("loaded", self.loaded),
                     ("missing, given the model's own initialisation", [n for n in self.missing if n in initialized]),
                     ("missing, left as they were", [n for n in self.missing if n not in initialized]),
-                    ("unexpected (not read)", self.unexpected), ("recomputed buffers", self.recomputed_buffers)]
+                    ("unexpected (not read)", self.unexpected), ("recomputed buffers", self.recomputed_buffers),
+                    ("checkpoint keys of computed buffers, not loaded", self.ignored_buffer_keys)]
         for title, names in sections:
             if names:
                 lines.append(f"  {title}:")

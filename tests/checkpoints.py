@@ -15,9 +15,19 @@ import torch
 # Architecture name -> (config factory, model class name used to write the checkpoint).
 ARCHS = ("llama", "qwen2", "mixtral", "llama4_text", "gpt2", "bert")
 
+# Architectures whose buffers sit next to loaded weights or in sub-models (position_ids in
+# embeddings, vision towers, Gemma 3's embed_scale), for test_buffers.py; kept out of ARCHS,
+# which other tests parametrize over. Name -> transformers auto class.
+BUFFER_ARCHS = {"clip": "AutoModel", "siglip": "AutoModel", "groupvit": "AutoModel", "xclip": "AutoModel",
+                "chinese_clip": "AutoModel", "llava": "AutoModelForImageTextToText",
+                "gemma3": "AutoModelForImageTextToText"}
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 ATTN = "eager"  # same attention code on both sides of every comparison
+
+
+_TOWER = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
 
 
 def make_config(arch: str, **overrides):
@@ -54,6 +64,36 @@ def make_config(arch: str, **overrides):
         kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, max_position_embeddings=64, type_vocab_size=2)
         cls = tf.BertConfig
+    elif arch in ("clip", "siglip", "chinese_clip"):
+        kw = dict(text_config=dict(vocab_size=99, max_position_embeddings=32, **_TOWER),
+                  vision_config=dict(image_size=30, patch_size=6, **_TOWER))
+        cls = {"clip": tf.CLIPConfig, "siglip": tf.SiglipConfig, "chinese_clip": tf.ChineseCLIPConfig}[arch]
+    elif arch == "groupvit":
+        kw = dict(text_config=dict(vocab_size=99, max_position_embeddings=32, **_TOWER),
+                  vision_config=dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, image_size=32,
+                                     patch_size=8, depths=[1, 1], num_hidden_layers=2, num_group_tokens=[4, 0],
+                                     num_output_groups=[4, 2]),
+                  projection_dim=16, projection_intermediate_dim=16)
+        cls = tf.GroupViTConfig
+    elif arch == "xclip":
+        kw = dict(text_config=dict(vocab_size=99, max_position_embeddings=32, **_TOWER),
+                  vision_config=dict(image_size=32, patch_size=8, num_frames=2, mit_hidden_size=32,
+                                     mit_intermediate_size=37, mit_num_hidden_layers=1, mit_num_attention_heads=4,
+                                     **_TOWER),
+                  projection_dim=16, prompt_layers=1, prompt_attention_heads=4)
+        cls = tf.XCLIPConfig
+    elif arch == "llava":  # CLIP vision tower, Llama text model
+        kw = dict(vision_config=dict(model_type="clip_vision_model", image_size=30, patch_size=6, **_TOWER),
+                  text_config=dict(model_type="llama", vocab_size=99, num_key_value_heads=2,
+                                   max_position_embeddings=64, **_TOWER),
+                  image_token_index=98, image_seq_length=25, vision_feature_layer=-1)
+        cls = tf.LlavaConfig
+    elif arch == "gemma3":  # SigLIP vision tower, Gemma 3 text model
+        kw = dict(text_config=dict(vocab_size=99, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                                   sliding_window=16, **_TOWER),
+                  vision_config=dict(image_size=28, patch_size=7, **_TOWER), mm_tokens_per_image=4,
+                  image_token_index=98, boi_token_index=96, eoi_token_index=97)
+        cls = tf.Gemma3Config
     else:
         raise ValueError(f"unknown arch {arch!r}")
     kw.update(overrides)
@@ -62,14 +102,8 @@ def make_config(arch: str, **overrides):
 
 def model_class(arch: str, config=None, *, base: bool = False):
     """The transformers class written/loaded for ``arch``: a causal LM, or for bert the
-    masked LM; ``base=True`` gives the bare base model (LlamaModel, BertModel, ...)."""
-    import transformers as tf
-
-    if base:
-        return tf.AutoModel._model_mapping[type(config or make_config(arch))]
-    if arch == "bert":
-        return tf.BertForMaskedLM
-    return tf.AutoModelForCausalLM._model_mapping[type(config or make_config(arch))]
+    masked LM (see ``auto_class``); ``base=True`` gives the bare base model (LlamaModel, BertModel, ...)."""
+    return auto_class(arch, base=base)._model_mapping[type(config or make_config(arch))]
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
@@ -227,6 +261,8 @@ def auto_class(arch: str, *, base: bool = False):
 
     if base:
         return tf.AutoModel
+    if arch in BUFFER_ARCHS:
+        return getattr(tf, BUFFER_ARCHS[arch])
     return tf.AutoModelForMaskedLM if arch == "bert" else tf.AutoModelForCausalLM
 
 
@@ -281,6 +317,11 @@ def assert_same_weights(model: torch.nn.Module, ref: torch.nn.Module) -> None:
         assert a.shape == b.shape, f"{k}: shape {tuple(a.shape)} != reference {tuple(b.shape)}"
         assert a.device == b.device, f"{k}: device {a.device} != reference {b.device}"
         assert torch.equal(a, b), f"{k}: values differ from the reference"
+    assert_same_buffers(model, ref)
+
+
+def assert_same_buffers(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """Every buffer, non-persistent ones too, identical: names, dtypes, shapes, values."""
     bufs, rbufs = dict(model.named_buffers()), dict(ref.named_buffers())
     assert sorted(bufs) == sorted(rbufs)
     for k in rbufs:

@@ -19,7 +19,8 @@ FAMILIES = [
     "LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM",                        # decoder, tied head, encoder
     "T5ForConditionalGeneration", "BartForConditionalGeneration",                    # encoder-decoder
     "WhisperForConditionalGeneration", "ViTForImageClassification",                  # speech, vision
-    "Qwen2VLForConditionalGeneration",                                               # multimodal
+    "Qwen2VLForConditionalGeneration", "LlavaForConditionalGeneration",              # multimodal
+    "Gemma3ForConditionalGeneration", "CLIPModel", "SiglipModel",                    # meta buffers of modules with weights
     "MambaForCausalLM", "JambaForCausalLM",                                          # state-space, hybrid
     "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM",  # MoE
 ]
