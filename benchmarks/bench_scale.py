@@ -6,8 +6,9 @@ memory and I/O paths at full scale. One run prints one table per checkpoint:
 
 - index: seconds and bytes read for the whole checkpoint (headers only), cold and warm;
 - plan: seconds for one rank, and per-rank bytes, at world 8, 64 and 128 (tensor parallel;
-  expert parallel too for the MoE models), with a check that every rank's bytes add up to
-  the checkpoint (each replicated tensor once per rank);
+  expert parallel too for the MoE models), with a check that every rank's weight bytes add
+  up to the checkpoint (each replicated tensor once per rank; scale blocks at slice edges
+  are read by both neighbours, so scales are left out of the sum);
 - load: a real `load_into` of one rank's share (rank 0 of `--world`), cold page cache, in a
   fresh process inside a memory cgroup limited to its destination + 2 GB: seconds, GB/s,
   peak RSS, anonymous and file-backed memory, kernel CPU seconds; for the first 16 layers
@@ -96,6 +97,9 @@ def measure_plan(directory, model, world, plan=None, all_ranks=True):
     ranks = range(world) if all_ranks else (0, world - 1)
     per_rank = [sum(i.nbytes for i in items)] + [
         sum(i.nbytes for i in rank_plan(directory, model, world, r, plan)[1]) for r in ranks if r]
+    # The add-up check counts weights only: a scale block at a slice edge covers both neighbours.
+    weights = [_weight_bytes(items)] + [_weight_bytes(rank_plan(directory, model, world, r, plan)[1])
+                                        for r in ranks if r] if all_ranks else []
     out = {"world": world, "plan": plan or "tp", "seconds": seconds, "rank0_bytes": per_rank[0],
            "max_bytes": max(per_rank), "min_bytes": min(per_rank), "items": len(items),
            "unexpected": len(mapping.unexpected)}
@@ -103,10 +107,16 @@ def measure_plan(directory, model, world, plan=None, all_ranks=True):
         from lazyload.index import CheckpointIndex, resolve_files
 
         index = CheckpointIndex(*resolve_files(directory))
-        expected = sum(_replicated_bytes(sum(index[k].nbytes for k in mapping.exprs[t.name].keys()), t.placement, world)
-                       for t in targets)
-        out["adds_up"] = sum(per_rank) == expected
+        scales = {part.entry.key for i in items for part in i.reads()[1:]} | {
+            k for k in index if k.endswith(("_scale_inv", "weight_scale", "_zero_point"))}
+        expected = sum(_replicated_bytes(sum(index[k].nbytes for k in mapping.exprs[t.name].keys() if k not in scales),
+                                         t.placement, world) for t in targets)
+        out["adds_up"] = sum(weights) == expected
     return out
+
+
+def _weight_bytes(items):
+    return sum(item.reads()[0].nbytes for item in items)
 
 
 def _replicated_bytes(full, p, world):
