@@ -117,3 +117,81 @@ def test_quantize_argument_errors(checkpoint):
         LazyCheckpoint(directory).load_into(model, quantize="int4")
     with pytest.raises(lazyload.ArgumentError, match="group_size"):
         Quantization("int8", group_size=0)
+
+
+# --------------------------------------------------------------- tensor parallel (gloo)
+
+TP_GROUP = 8  # row-parallel shards of the tiny models: 32 / 4 columns
+
+
+def _case_tp(arch, directory, qdtype, rank, world):
+    from test_tp_dist import RTOL, ATOL, _check_shards
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    quantize = Quantization(qdtype, group_size=TP_GROUP)
+    ref = build_model(arch, config, torch.float32)
+    LazyCheckpoint(directory).load_into(ref, quantize=quantize, progress=False)
+    model = build_model(arch, config, torch.float32)
+    report = LazyCheckpoint(directory).load_into(model, rank, world, quantize=quantize, progress=False)
+    assert report.ok
+    label = f"{arch} {qdtype} world={world}"
+    assert any(isinstance(m, QuantizedLinear) for m in model.modules()), label
+    # Weights and scales (DTensors gathered, plain KV shards as their share) equal world 1's.
+    _check_shards(_BitView(model), _BitView(ref), rank, world, config.num_key_value_heads, label)
+    ids = fixed_input(config)
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: {m}")
+
+
+class _BitView:
+    """A model's named parameters with float8 seen as int8 bits (torch.equal compares bits)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def named_parameters(self):
+        for name, p in self.model.named_parameters():
+            if p.dtype == torch.float8_e4m3fn:
+                p = p.view(torch.int8) if not hasattr(p, "to_local") else _dtensor_bits(p)
+            yield name, p
+
+
+def _dtensor_bits(p):
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(p.to_local().view(torch.int8), p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def _worker(rank, world, init_file, cases, errors):
+    os.environ["LAZYLOAD_PROGRESS"] = "0"
+    torch.set_num_threads(1)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for case in cases:
+            try:
+                _case_tp(*case, rank, world)
+                dist.barrier()
+            except Exception:
+                errors.put((rank, repr(case), traceback.format_exc()))
+                raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_quantized_model_equals_world1(checkpoint, tmp_path, world):
+    cases = [("llama", str(checkpoint("llama")[0]), "int8"), ("mixtral", str(checkpoint("mixtral")[0]), "fp8")]
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_worker, args=(world, str(tmp_path / "pg"), cases, errors), nprocs=world, join=True)
+    except Exception:
+        failures = []
+        while not errors.empty():
+            failures.append("rank {}, case {}:\n{}".format(*errors.get()))
+        pytest.fail("\n".join(failures) or "a rank failed")
