@@ -195,3 +195,44 @@ def test_tensor_parallel_quantized_model_equals_world1(checkpoint, tmp_path, wor
         while not errors.empty():
             failures.append("rank {}, case {}:\n{}".format(*errors.get()))
         pytest.fail("\n".join(failures) or "a rank failed")
+
+
+# --------------------------------------------------------------- memory
+
+
+def _quantized_load_memory(directory, config, qdtype):
+    """In a fresh process: a warm-up load of one layer, then the measured quantized load."""
+    import copy
+    import gc
+
+    from test_streaming import model_bytes, status
+
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = 1
+    LazyCheckpoint(directory).load_into(build_model("llama", small, torch.bfloat16), quantize=qdtype, strict=False,
+                                        progress=False)
+    model = build_model("llama", config, torch.bfloat16)
+    ckpt = LazyCheckpoint(directory)
+    ckpt.index
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := current RSS
+    before = status()["RssAnon"]
+    report = ckpt.load_into(model, quantize=qdtype, progress=False)
+    return dict(over=report.peak_anon - before - model_bytes(model), dest=model_bytes(model),
+                linear=sum(m.weight.nbytes + m.weight_scale.nbytes for m in model.modules()
+                           if isinstance(m, QuantizedLinear)),
+                full=sum(2 * m.weight.numel() for m in model.modules() if isinstance(m, QuantizedLinear)))
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+def test_quantized_load_peak_memory_is_destination_plus_one_layer(checkpoint, qdtype):
+    from test_streaming import SHAPE, MiB, in_fresh_process, layer_bytes
+
+    directory, config = checkpoint("llama", "bf16", **SHAPE)
+    r = in_fresh_process(_quantized_load_memory, str(directory), config, qdtype)
+    budget = layer_bytes(str(directory))
+    assert r["linear"] <= 0.55 * r["full"], f"quantized Linear weights + scales are {r['linear'] / r['full']:.2f}x bf16"
+    assert r["over"] < budget + 64 * MiB, (
+        f"{qdtype}: peak anonymous memory exceeds destination by {r['over'] / MiB:.1f} MiB; "
+        f"one layer is {budget / MiB:.1f} MiB")
