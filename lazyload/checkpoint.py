@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from .devices import target_device, use_device
 from .engine import must_release_pages, run_schedule
 from .errors import ArgumentError, DtypeError, PlanError
+from .expr import Dequant
 from .hub import local_path
 from .index import CheckpointIndex, TensorEntry, resolve_files
 from .mapping import KeyMap, check_casts, check_mapping, map_model, prefix_hint
@@ -28,7 +29,7 @@ from .placer import (allocate, allocate_quantized, assign, fill_meta_buffers, ma
 from .plan import REPLICATE, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, read_quantization_config
 from .quant.linear import quantizable_linears, swap_linears
-from .quant.onload import Quantization, QuantizedDest, check_groups, group_size
+from .quant.onload import Quantization, QuantizedDest, check_groups, group_size, kept, kept_group
 from .readers import MmapReader, choose_reader
 from .report import LoadReport, MemorySampler, size
 from .schedule import default_budget, schedule
@@ -189,7 +190,7 @@ class LazyCheckpoint:
         # Only now, with the input checked, may the model change: Linear layers quantized,
         # made tensor parallel.
         if quantized:
-            swap_linears(model, [name.rpartition(".")[0] for name in quantized], qconfig)
+            swap_linears(model, {name.rpartition(".")[0]: group for name, group in quantized.items()}, qconfig)
             slots, _ = model_slots(model)
         use_device(device)  # before any mesh is made: DeviceMesh then agrees
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
@@ -296,10 +297,12 @@ def _quantized_groups(model: nn.Module, qconfig: Quantization | None, exprs: dic
         name = f"{module}.weight"
         if name not in exprs:  # not filled from the checkpoint: left as it is
             continue
-        shape = specs[name].shape
-        groups[name] = group_size(qconfig, shape[-1])
-        check_groups(name, exprs[name], shape, placements.get(name, REPLICATE), rank, world, groups[name],
-                     lambda key: index[key].shape)
+        shape, expr, placement = specs[name].shape, exprs[name], placements.get(name, REPLICATE)
+        if isinstance(expr, Dequant) and kept(index[expr.weight].dtype, qconfig.torch_dtype, expr.zero is not None):
+            groups[name] = kept_group(expr, shape, placement, world)  # stored values, scales re-gridded
+        else:
+            groups[name] = group_size(qconfig, shape[-1])
+        check_groups(name, expr, shape, placement, rank, world, groups[name], lambda key: index[key].shape)
     return groups
 
 

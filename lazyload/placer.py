@@ -14,7 +14,7 @@ from .errors import MetaBufferError
 from .expr import apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
-from .quant.onload import QuantizedDest, quantize_into, scale_shape
+from .quant.onload import QuantizedDest, keep_into, kept, quantize_into, scale_shape
 from .readers import MmapReader, byte_runs
 from .targets import Slot, current_tensor, is_dtensor, local_tensor
 
@@ -66,6 +66,8 @@ def copy_into(dest: torch.Tensor | QuantizedDest, item: ReadItem, source: torch.
     quantized (the quantize-on-load stage). `source` is on dest's device (host-to-device
     copies are the engine's)."""
     if isinstance(dest, QuantizedDest):
+        if item.scales is not None and kept(item.entry.dtype, dest.dtype, item.scales.zero is not None):
+            return keep_into(dest, item, source)
         return quantize_into(dest, item.dst_box, full_precision(item, source, dest.device))
     if item.scales is not None:
         return dequant_into(dest, item, source)

@@ -236,3 +236,64 @@ def test_quantized_load_peak_memory_is_destination_plus_one_layer(checkpoint, qd
     assert r["over"] < budget + 64 * MiB, (
         f"{qdtype}: peak anonymous memory exceeds destination by {r['over'] / MiB:.1f} MiB; "
         f"one layer is {budget / MiB:.1f} MiB")
+
+
+# --------------------------------------------------------------- kept quantized
+
+
+@pytest.fixture(scope="module")
+def fp8_llama(checkpoint, tmp_path_factory):
+    from quant_checkpoints import write_fp8_checkpoint
+    from test_dequant import LLAMA
+
+    src, config = checkpoint("llama", "bf16", **LLAMA)
+    return str(write_fp8_checkpoint(src, tmp_path_factory.mktemp("llama-fp8-kept"))), config
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fp8_block_checkpoint_kept_quantized_dequantizes_to_the_dequantized_load(fp8_llama, world):
+    """Dims not multiples of 128 (384, 1000): at world 4 the down_proj slices (250 columns)
+    start inside blocks; the kept scales are re-gridded, and dequantizing every rank's local
+    weights gives exactly the dequantized load's slice. The stored bytes are kept."""
+    from test_dequant import read_all
+    from test_tp import shard_of
+
+    directory, config = fp8_llama
+    full = build_model("llama", config, torch.bfloat16)
+    LazyCheckpoint(directory).load_into(full, progress=False)
+    raw = read_all(directory)
+    for rank in range(world):
+        model = build_model("llama", config, torch.bfloat16)
+        LazyCheckpoint(directory).load_into(model, rank, world, quantize="fp8", progress=False)
+        quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+        assert len(quantized) == 7 * config.num_hidden_layers
+        for name, module in quantized.items():
+            kv = config.num_key_value_heads
+            want = shard_of(f"{name}.weight", full.get_parameter(f"{name}.weight").detach(), rank, world, kv)
+            assert torch.equal(module.dequantized_weight(torch.bfloat16), want), f"rank {rank}/{world}: {name}"
+            stored = shard_of(f"{name}.weight", raw[f"{name}.weight"].view(torch.int8), rank, world, kv)
+            assert torch.equal(module.weight.view(torch.int8), stored), f"{name}: not the stored bytes"
+
+
+def test_int8_channel_checkpoint_kept_and_fp8_requantized(checkpoint, tmp_path):
+    from quant_checkpoints import write_compressed_checkpoint
+
+    src, config = checkpoint("llama", "bf16")
+    directory = str(write_compressed_checkpoint(src, tmp_path / "int8", "int", "channel"))
+    full = build_model("llama", config, torch.bfloat16)
+    LazyCheckpoint(directory).load_into(full, progress=False)
+    for rank in range(2):
+        kept = build_model("llama", config, torch.bfloat16)
+        LazyCheckpoint(directory).load_into(kept, rank, 2, quantize="int8", progress=False)
+        module = kept.model.layers[0].mlp.down_proj  # row parallel: half of each row's channel
+        from test_tp import shard_of
+
+        want = shard_of("model.layers.0.mlp.down_proj.weight", full.model.layers[0].mlp.down_proj.weight.detach(),
+                        rank, 2, config.num_key_value_heads)
+        assert torch.equal(module.dequantized_weight(torch.bfloat16), want)
+    fp8 = build_model("llama", config, torch.bfloat16)  # int8 stored, fp8 asked: dequantized, quantized again
+    LazyCheckpoint(directory).load_into(fp8, quantize=Quantization("fp8", group_size=GROUP), progress=False)
+    module = fp8.model.layers[0].mlp.down_proj
+    assert module.weight.dtype == torch.float8_e4m3fn
+    error = (module.dequantized_weight(torch.float32) - full.model.layers[0].mlp.down_proj.weight.float()).abs()
+    assert (error <= _step(module) * (1 + 1e-6)).all()

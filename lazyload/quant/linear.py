@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dequant import QuantizedBox, dequantize_into
-from .onload import Quantization, group_size, scale_shape
+from .onload import Quantization, scale_shape
 
 
 class QuantizedLinear(nn.Linear):
@@ -64,16 +64,16 @@ def quantizable_linears(model: nn.Module, config: Quantization) -> list[str]:
             if type(module) is nn.Linear and name and not config.skips(name, tuple(not_convert))]
 
 
-def swap_linears(model: nn.Module, names: list[str], config: Quantization) -> dict[str, QuantizedLinear]:
-    """Replace the named Linear layers by QuantizedLinear layers on the meta device (their
-    tensors are filled by the load). Returns name -> new module."""
+def swap_linears(model: nn.Module, groups: dict[str, int], config: Quantization) -> dict[str, QuantizedLinear]:
+    """Replace the named Linear layers by QuantizedLinear layers (module name -> scale
+    group) on the meta device (their tensors are filled by the load). Returns name -> new module."""
     swapped = {}
-    for name in names:
+    for name, group in groups.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, attr)
         new = QuantizedLinear(old.in_features, old.out_features, old.bias is not None,
-                              group_size(config, old.in_features), config.torch_dtype, old.weight.dtype,
+                              group, config.torch_dtype, old.weight.dtype,
                               device="meta")
         setattr(parent, attr, new)
         swapped[name] = new

@@ -10,6 +10,7 @@ few rows at a time (a float32 scratch of about a megabyte), never a Python loop 
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -17,8 +18,9 @@ from typing import NamedTuple
 import torch
 
 from ..errors import ArgumentError, PlanError
-from ..expr import Expr, ShapeOf
-from ..plan import Placement, local_regions
+from ..expr import Dequant, Expr, ShapeOf
+from ..plan import Placement, ReadItem, local_regions
+from .dequant import QuantizedBox
 
 QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -129,6 +131,43 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
 
 def group_size(config: Quantization, columns: int) -> int:
     return config.group_size if config.group_size is not None else max(1, columns)
+
+
+def kept(weight_dtype: torch.dtype, qdtype: torch.dtype, has_zero: bool) -> bool:
+    """A pre-quantized weight stays as stored when it already is what was asked for
+    (symmetric, same 8-bit dtype); any other is dequantized and quantized again."""
+    return weight_dtype == qdtype and not has_zero
+
+
+def kept_group(expr: Dequant, shape: tuple[int, ...], placement: Placement, world: int) -> int:
+    """The scale group of a weight kept as stored: its checkpoint's column block, narrowed
+    (gcd) to the column offsets where ranks' slices start, so that each group of every
+    rank's local tensor lies inside one checkpoint block and its re-gridded scale is exact."""
+    group = expr.block[-1]
+    for rank in range(world):
+        for region in local_regions(expr.weight, shape, placement, rank, world)[1]:
+            group = math.gcd(group, region.global_box[-1][0], region.local_start[-1])
+    return group
+
+
+def keep_into(dest: QuantizedDest, item: ReadItem, source: QuantizedBox) -> None:
+    """A pre-quantized weight box as stored, and its scales re-gridded from the checkpoint's
+    blocks to the destination's (row, group) grid: each local group lies in one block
+    (`kept_group`), whose scale it takes."""
+    data = dest.data[tuple(slice(a, b) for a, b in item.dst_box)]
+    data.copy_(source.weight)
+    (r0, r1), (c0, c1) = item.src_box
+    (d0, _), (e0, e1) = item.dst_box
+    block_r, block_c = item.scales.block
+    g = dest.group
+    rows = torch.arange(r0, r1, device=data.device) // block_r - r0 // block_r
+    cols = torch.arange(c0, c1, g, device=data.device) // block_c - c0 // block_c
+    scale = source.scale.float()
+    if scale.numel() == 1:  # one scale for the whole weight
+        scale, rows, cols = scale.reshape(1, 1), rows * 0, cols * 0
+    else:
+        scale = scale.reshape(item.scales.box[0][1] - item.scales.box[0][0], -1)
+    dest.scale[d0:d0 + r1 - r0, e0 // g:-(-e1 // g)] = scale[rows][:, cols]
 
 
 def check_groups(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement, rank: int, world: int,
