@@ -28,7 +28,7 @@ from .placer import (allocate, allocate_quantized, assign, fill_meta_buffers, ma
                      meta_buffers_to_recompute)
 from .plan import REPLICATE, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, read_quantization_config
-from .quant.linear import quantizable_linears, swap_linears
+from .quant.linear import quantizable_linears, swap_linears, to_torchao
 from .quant.onload import Quantization, QuantizedDest, check_groups, group_size, kept, kept_group
 from .readers import MmapReader, choose_reader
 from .report import LoadReport, MemorySampler, size
@@ -247,6 +247,8 @@ class LazyCheckpoint:
             for name, value in initialized.items():
                 assign(slots[name], value)
             recomputed = fill_meta_buffers(model, recompute, device)
+        if quantized and qconfig.torchao and world == 1:
+            to_torchao(model, [name.rpartition(".")[0] for name in quantized])
 
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,

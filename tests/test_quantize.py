@@ -297,3 +297,25 @@ def test_int8_channel_checkpoint_kept_and_fp8_requantized(checkpoint, tmp_path):
     assert module.weight.dtype == torch.float8_e4m3fn
     error = (module.dequantized_weight(torch.float32) - full.model.layers[0].mlp.down_proj.weight.float()).abs()
     assert (error <= _step(module) * (1 + 1e-6)).all()
+
+
+# --------------------------------------------------------------- torchao (optional extra)
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+def test_torchao_tensors_hold_the_same_weights_and_give_the_same_logits(checkpoint, qdtype):
+    pytest.importorskip("torchao", reason="the optional extra lazyload[torchao]")
+    from torchao.quantization import Float8Tensor, Int8Tensor
+
+    ours, config, _ = _load(checkpoint, "llama", Quantization(qdtype, group_size=GROUP))
+    theirs, _, _ = _load(checkpoint, "llama", Quantization(qdtype, group_size=GROUP, torchao=True))
+    kind = Int8Tensor if qdtype == "int8" else Float8Tensor
+    layers = {n: m for n, m in ours.named_modules() if isinstance(m, QuantizedLinear)}
+    for name, module in layers.items():
+        held = theirs.get_submodule(name)
+        assert type(held) is torch.nn.Linear and isinstance(held.weight, kind), name
+        assert torch.equal(held.weight.dequantize(torch.float32), module.dequantized_weight(torch.float32)), name
+    torch.testing.assert_close(_logits(theirs, config), _logits(ours, config), rtol=1e-5, atol=1e-5)
+    # A short last group (64 columns, groups of 48) is no grid torchao takes: QuantizedLinear.
+    tails, _, _ = _load(checkpoint, "llama", Quantization(qdtype, group_size=48, torchao=True))
+    assert isinstance(tails.model.layers[0].self_attn.q_proj, QuantizedLinear)

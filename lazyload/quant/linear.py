@@ -6,6 +6,12 @@ kernel that dequantizes pre-quantized checkpoints), then runs `F.linear`. It is 
 `nn.Linear` (so transformers' TP styles run it with local shards, and the model's
 `out_features` / `in_features` bookkeeping holds); under tensor parallelism its weight and
 scale are DTensors with the same placement, and forward sees their local shards.
+
+`to_torchao` turns the layers torchao 0.18 can hold (plain tensors, whole groups) into
+plain `nn.Linear` layers whose weight is torchao's `Int8Tensor` / `Float8Tensor`, built from
+the same data and scales (its dequantization gives the same values). torchao does not take
+a short last group (int8 refuses it, fp8 dequantizes it wrongly) and is not tested with
+DTensor; those layers stay `QuantizedLinear`.
 """
 from __future__ import annotations
 
@@ -78,3 +84,25 @@ def swap_linears(model: nn.Module, groups: dict[str, int], config: Quantization)
         setattr(parent, attr, new)
         swapped[name] = new
     return swapped
+
+
+def to_torchao(model: nn.Module, names: list[str]) -> list[str]:
+    """Replace the named QuantizedLinear layers that torchao can hold by nn.Linear layers
+    with an Int8Tensor / Float8Tensor weight. Returns the names replaced."""
+    from torchao.quantization import Float8Tensor, Int8Tensor
+
+    replaced = []
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        weight, scale = old.weight.data, old.weight_scale.data
+        if not isinstance(old, QuantizedLinear) or hasattr(weight, "to_local") or weight.shape[-1] % old.group:
+            continue
+        cls = Int8Tensor if weight.dtype == torch.int8 else Float8Tensor
+        new = nn.Linear(old.in_features, old.out_features, bias=False, device="meta")
+        new.weight = nn.Parameter(cls(weight, scale, [1, old.group], dtype=old.compute_dtype), requires_grad=False)
+        new.bias = old.bias
+        setattr(parent, attr, new)
+        replaced.append(name)
+    return replaced

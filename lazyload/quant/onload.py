@@ -40,11 +40,16 @@ class Quantization:
       row-parallel TP a rank sees only part of a row, so its scales differ from world 1's).
     - `skip`: regexes (`re.search` on module names) of Linear layers kept in full
       precision, on top of the defaults (`lm_head`, MoE routers `gate` / `router`) and the
-      model config's `modules_to_not_convert`."""
+      model config's `modules_to_not_convert`.
+    - `torchao`: True holds each quantized weight, where torchao 0.18 takes it (world 1, no
+      short last group), as torchao's `Int8Tensor` / `Float8Tensor` in a plain `nn.Linear`
+      (torchao must be installed: `pip install lazyload[torchao]`); the others stay
+      `QuantizedLinear`. False (default): `QuantizedLinear` everywhere, no import of torchao."""
 
     dtype: str = "int8"
     group_size: int | None = 128
     skip: tuple[str, ...] = ()
+    torchao: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in QDTYPES:
@@ -53,6 +58,12 @@ class Quantization:
             raise ArgumentError(f"Quantization group_size={self.group_size!r}: a positive integer, or None for "
                                 "one scale per row.")
         object.__setattr__(self, "skip", tuple(self.skip))
+        if self.torchao:
+            try:
+                import torchao  # noqa: F401
+            except ImportError as exc:
+                raise ArgumentError("Quantization(torchao=True) needs torchao: pip install torchao (or "
+                                    "lazyload[torchao]); or leave torchao=False for lazyload's QuantizedLinear.") from exc
 
     @property
     def torch_dtype(self) -> torch.dtype:
