@@ -19,20 +19,13 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lazyload import LazyCheckpoint
 from lazyload.quant.linear import QuantizedLinear
+from load_llama import write_example_checkpoint  # the same small random Llama (examples/ is on sys.path)
 
 BLOCK = 128
-
-
-def write_example_checkpoint(directory: str) -> str:
-    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory, max_shard_size="4MB")
-    return directory
 
 
 def meta_model(path: str) -> torch.nn.Module:
