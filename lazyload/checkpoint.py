@@ -23,7 +23,7 @@ from .index import CheckpointIndex, TensorEntry, resolve_files
 from .mapping import KeyMap, check_casts, check_mapping, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
 from .parallel import auto_parallelize, check_process_group
-from .placements import resolve_placements
+from .placements import model_tp_plan, resolve_placements
 from .placer import (allocate, allocate_quantized, assign, fill_meta_buffers, mapped_views,
                      meta_buffers_to_recompute)
 from .plan import REPLICATE, local_regions, plan_for_rank
@@ -187,6 +187,8 @@ class LazyCheckpoint:
              for n in unfilled},
             {n: _target_dtype(specs[n].dtype, specs[n].dtype, dtype) for n in unfilled}, device)
         quantized = _quantized_groups(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
+        if quantized and not shards_only:
+            _check_runnable_quantized(model, quantized, placements.placements, world)
         # Only now, with the input checked, may the model change: Linear layers quantized,
         # made tensor parallel.
         if quantized:
@@ -306,6 +308,21 @@ def _quantized_groups(model: nn.Module, qconfig: Quantization | None, exprs: dic
             groups[name] = group_size(qconfig, shape[-1])
         check_groups(name, expr, shape, placement, rank, world, groups[name], lambda key: index[key].shape)
     return groups
+
+
+def _check_runnable_quantized(model: nn.Module, quantized: dict[str, int], placements: dict, world: int) -> None:
+    """`parallelize`'s structural rule (models without a transformers TP plan) runs
+    row-parallel layers with their raw weight, which a quantized layer does not hold:
+    refused under torch.distributed, before the model changes."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if world == 1 or not distributed or torch.distributed.get_world_size() != world or model_tp_plan(model):
+        return
+    rows = [n for n in quantized if placements.get(n, REPLICATE).kind == "shard" and placements[n].dim in (1, -1)]
+    if rows:
+        raise PlanError(f"{rows[0]}: a row-parallel quantized layer of a model without a transformers TP plan cannot "
+                        "run under lazyload's parallelize yet; keep these layers in full precision "
+                        f"(Quantization(skip=[...]) for {len(rows)} layers), or load only the shards with "
+                        "shards_only=True.")
 
 
 def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype | None, requested: Any) -> torch.dtype:
