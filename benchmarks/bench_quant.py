@@ -9,6 +9,14 @@ Rows (each in a fresh process, page cache warm, see common.run_isolated):
   lazyload bf16 -> fp16 (cast)  LazyCheckpoint(bf16_dir).load_into(meta_model, dtype=fp16)
   transformers fp8 -> bf16      LlamaForCausalLM.from_pretrained(fp8_dir, dtype=bf16)
 
+Quantization on load (`--rows` picks; all by default), each in a fresh process as well:
+  lazyload bf16 -> bf16          the plain load, the reference for bytes and time
+  lazyload bf16 -> int8 / fp8    load_into(meta_model, quantize="int8" / "fp8")
+  lazyload fp8 kept              the FP8 checkpoint, load_into(meta_model, quantize="fp8")
+  transformers bf16 -> int8      from_pretrained(bf16_dir, quantization_config=TorchAoConfig(
+                                 Int8WeightOnlyConfig(granularity=PerGroup(128))))
+Weight bytes: the destination's parameters, torchao tensors as their int8 data + scales.
+
 Every dim of the benchmark Llama is a multiple of 128, where transformers' dequantization is
 exact too: the loaded values are compared. A last check loads a small FP8 Llama with an MLP
 of 1000 (not a multiple of 128) with both, against the exact formula.
@@ -43,6 +51,74 @@ def case_lazyload_pread(args, meter):
     return model
 
 
+def weight_bytes(model):
+    """(bytes the model's parameters hold, bytes of its quantized weights with their scales,
+    those weights' bytes in bf16); torchao tensors count as their 8-bit data and scales."""
+    import torch
+    total = quantized = as_bf16 = 0
+    for name, p in model.named_parameters():
+        if name.endswith("weight_scale"):  # counted with its weight
+            continue
+        if hasattr(p, "qdata"):  # torchao
+            data, scale = p.qdata, p.scale
+        elif p.dtype in (torch.int8, torch.float8_e4m3fn):  # lazyload's QuantizedLinear
+            data, scale = p, model.get_submodule(name.rpartition(".")[0]).weight_scale
+        else:
+            total += p.numel() * p.element_size()
+            continue
+        quantized += data.nbytes + scale.nbytes
+        as_bf16 += 2 * data.numel()
+    return total + quantized, quantized, as_bf16
+
+
+def _record_bytes(meter, model):
+    rec = meter.records["load"]
+    rec["dest_bytes"], rec["quantized_bytes"], rec["quantized_bf16_bytes"] = weight_bytes(model)
+
+
+def case_lazyload_quantize(args, meter):
+    from lazyload import LazyCheckpoint
+    from transformers import LlamaForCausalLM  # noqa: F401  imported before the clock
+    dtype, config = bench_load._torch_dtype(args), bench_load._config(args)
+    meter.start()
+    model = bench_load._meta_model(config, dtype)
+    LazyCheckpoint(args["ckpt_dir"]).load_into(model, quantize=args["quantize"], progress=False)
+    meter.loaded(model)
+    _record_bytes(meter, model)
+    return model
+
+
+def case_transformers_torchao(args, meter):
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, PerGroup
+    except ImportError as exc:
+        raise CaseSkipped(f"torchao is not installed ({exc})")
+    from transformers import LlamaForCausalLM, TorchAoConfig
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+    meter.start()
+    model = LlamaForCausalLM.from_pretrained(args["ckpt_dir"], dtype=bench_load._torch_dtype(args),
+                                             quantization_config=TorchAoConfig(Int8WeightOnlyConfig(granularity=PerGroup(128))))
+    meter.loaded(model)
+    _record_bytes(meter, model)
+    return model
+
+
+def quant_table(recs):
+    """Quantize-on-load rows against the bf16 load: seconds, peak anon over the destination,
+    weight bytes, and the targets."""
+    base, tf = recs.get("lazyload bf16 -> bf16"), recs.get("transformers bf16 -> int8 (torchao)")
+    lines = ["| case | seconds | weight bytes (MiB) | vs bf16 bytes | quantized weights + scales vs their bf16 "
+             "| peak anon above the loaded model (MiB) | time vs transformers int8 |", "|---|---|---|---|---|---|---|"]
+    for name, rec in recs.items():
+        share = rec["quantized_bytes"] / rec["quantized_bf16_bytes"] if rec.get("quantized_bf16_bytes") else None
+        lines.append(f"| {name} | {rec['seconds']:.2f} | {common.mib(rec['dest_bytes'])} "
+                     f"| {common.ratio(rec['dest_bytes'], base['dest_bytes'] if base else None)} "
+                     f"| {'-' if share is None else f'{share:.3f}x'} | {common.mib(rec['peak_anon'] - rec['end_anon'])} "
+                     f"| {common.ratio(rec['seconds'], tf['seconds'] if tf else None)} |")
+    return "\n".join(lines)
+
+
 def write_fp8(bf16_dir, fp8_dir, shape):
     """The bf16 benchmark checkpoint as FP8 blocks (kept: the marker says it is complete)."""
     from quant_checkpoints import write_fp8_checkpoint
@@ -55,8 +131,9 @@ def write_fp8(bf16_dir, fp8_dir, shape):
         json.dump({"shape": shape, "files": files}, f, indent=1)
 
 
-def run(fn_name, ckpt_dir, dtype, warm_dirs, num_layers):
-    args = {"ckpt_dir": ckpt_dir, "dtype": dtype, "checksum_names": bench_load.checksum_names(num_layers)}
+def run(fn_name, ckpt_dir, dtype, warm_dirs, num_layers, checksum=True, **extra):
+    names = bench_load.checksum_names(num_layers) if checksum else []  # quantized rows: no float sums
+    args = {"ckpt_dir": ckpt_dir, "dtype": dtype, "checksum_names": names, **extra}
     results = []
     for _ in range(ARGS.repeat):
         for d in warm_dirs:
@@ -158,6 +235,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the table shows medians")
     parser.add_argument("--rows", default="lazyload fp8 -> bf16,lazyload fp8 -> bf16 pread,"
                         "lazyload bf16 -> fp16 (cast),transformers fp8 -> bf16")
+    parser.add_argument("--quant-rows", default=",".join(QUANT_CASES), help="quantize-on-load rows ('' for none)")
     ARGS = parser.parse_args()
     ckpt_dir = ARGS.ckpt_dir or common.default_ckpt_dir(ARGS.layers, ARGS.quick)
     fp8_dir = ARGS.fp8_dir or ckpt_dir.rstrip("/") + "_fp8"
@@ -190,8 +268,52 @@ def main():
           "(tensors left as views of the files are not anonymous)\n")
     check_values(checksums)
     targets(recs, common.largest_layer_bytes(ckpt_dir, 2))
+    quant_rows(ckpt_dir, fp8_dir, shape)
     tail_blocks_check()
     print(f"\nat the end: {bench_load.load_average()}")
+
+
+QUANT_CASES = {  # name -> (case, checkpoint: "bf16" or "fp8", quantize)
+    "lazyload bf16 -> bf16": ("bench_load:case_lazyload", "bf16", None),
+    "lazyload bf16 -> int8": ("bench_quant:case_lazyload_quantize", "bf16", "int8"),
+    "lazyload bf16 -> fp8": ("bench_quant:case_lazyload_quantize", "bf16", "fp8"),
+    "lazyload fp8 kept": ("bench_quant:case_lazyload_quantize", "fp8", "fp8"),
+    "transformers bf16 -> int8 (torchao)": ("bench_quant:case_transformers_torchao", "bf16", None),
+}
+
+
+def quant_rows(ckpt_dir, fp8_dir, shape):
+    names = [n.strip() for n in ARGS.quant_rows.split(",") if n.strip()]
+    if not names:
+        return
+    recs = {}
+    for name in names:
+        fn_name, which, quantize = QUANT_CASES[name]
+        directory = fp8_dir if which == "fp8" else ckpt_dir
+        extra = {"quantize": quantize} if quantize else {}
+        try:
+            recs[name], _ = run(fn_name, directory, "bf16", [directory], shape["num_hidden_layers"], False, **extra)
+        except CaseSkipped as exc:
+            print(f"- {name}: skipped: {exc}")
+    print("\n### Quantization on load\n")
+    print(quant_table(recs))
+    one_layer = common.largest_layer_bytes(ckpt_dir, 2)
+    tf = recs.get("transformers bf16 -> int8 (torchao)")
+    for name in ("lazyload bf16 -> int8", "lazyload bf16 -> fp8", "lazyload fp8 kept"):
+        rec = recs.get(name)
+        if rec is None:
+            continue
+        # Above what the loaded model holds: bf16 embeddings stay views of the file (not anonymous).
+        over = rec["peak_anon"] - rec["end_anon"]
+        print(f"- {name}: peak anon above the loaded model {over / MiB:,.0f} MiB vs one bf16 layer "
+              f"{one_layer / MiB:,.0f} MiB -> **{'PASS' if over <= one_layer else 'FAIL'}**", end="")
+        share = rec["quantized_bytes"] / rec["quantized_bf16_bytes"]
+        print(f"; quantized weights + scales {share:.3f}x their bf16 bytes -> **{'PASS' if share <= 0.55 else 'FAIL'}**",
+              end="")
+        if tf and "fp8" not in name:
+            print(f"; {rec['seconds']:.2f} s vs transformers {tf['seconds']:.2f} s "
+                  f"-> **{'PASS' if rec['seconds'] <= tf['seconds'] else 'FAIL'}**", end="")
+        print()
 
 
 ARGS = None

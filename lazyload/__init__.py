@@ -6,10 +6,11 @@ from .errors import (ArgumentError, CheckpointError, DeviceError, DtypeError, La
                      MissingKeysError, PlanError, ReadError, ShapeMismatchError, UnexpectedKeysError)
 from .index import TensorEntry
 from .plan import Placement
+from .quant.onload import Quantization
 from .report import LoadReport
 
 __all__ = [
-    "LazyCheckpoint", "load_model", "LoadReport", "Placement", "TensorEntry",
+    "LazyCheckpoint", "load_model", "LoadReport", "Placement", "Quantization", "TensorEntry",
     "LazyLoadError", "ArgumentError", "CheckpointError", "MappingError", "MissingKeysError", "UnexpectedKeysError",
     "ShapeMismatchError", "DtypeError", "PlanError", "ReadError", "MetaBufferError", "DeviceError",
 ]

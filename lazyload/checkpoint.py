@@ -19,15 +19,18 @@ from .buffers import fill_meta_buffers, meta_buffers_to_recompute
 from .devices import target_device, use_device
 from .engine import run_schedule
 from .errors import ArgumentError, DtypeError, PlanError
+from .expr import Dequant
 from .hub import local_path
 from .index import CheckpointIndex, TensorEntry, resolve_files
 from .mapping import KeyMap, check_casts, check_mapping, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
 from .parallel import auto_parallelize, check_process_group
-from .placements import resolve_placements
-from .placer import allocate, assign, mapped_views
+from .placements import model_tp_plan, resolve_placements
+from .placer import allocate, allocate_quantized, assign, mapped_views
 from .plan import REPLICATE, local_regions, plan_for_rank
-from .quant.formats import Quantization, detect, read_quantization_config
+from .quant.formats import Quantization as PreQuantized, detect, read_quantization_config
+from .quant.linear import quantizable_linears, swap_linears, to_torchao
+from .quant.onload import Quantization, QuantizedDest, check_groups, group_size, kept, kept_group
 from .readers import MmapReader, choose_reader, must_release_pages
 from .report import LoadReport, MemorySampler, size
 from .schedule import default_budget, schedule
@@ -53,7 +56,7 @@ class LazyCheckpoint:
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
         self._paths = paths
         self._index: CheckpointIndex | None = None
-        self._quantization: Quantization | None = None
+        self._quantization: PreQuantized | None = None
         self.files, self._index_json = resolve_files(local_path(paths))
 
     @property
@@ -63,7 +66,7 @@ class LazyCheckpoint:
         return self._index
 
     @property
-    def quantization(self) -> Quantization:
+    def quantization(self) -> PreQuantized:
         """The checkpoint's pre-quantized weights and their scales (from the tensors and the
         `quantization_config` of the config.json beside its files); loads dequantize them."""
         if self._quantization is None:
@@ -105,7 +108,7 @@ class LazyCheckpoint:
                   strict: bool = True, missing: str = "init", key_map: KeyMap | None = None,
                   progress: bool | None = None, plan: dict[str, Any] | str | None = None, reader: str = "auto",
                   max_host_bytes: int | None = None, release_pages: bool = False,
-                  shards_only: bool = False) -> LoadReport:
+                  shards_only: bool = False, quantize: str | Quantization | None = None) -> LoadReport:
         """Fill `model` with this rank's share of the checkpoint; returns a LoadReport.
 
         Every input error (arguments, keys, shapes, casts, rank/world, plan) is a
@@ -142,9 +145,17 @@ class LazyCheckpoint:
         - `max_host_bytes`: bytes read but not yet placed (default about one layer).
         - `release_pages`: drop consumed file pages (on by itself under a tight cgroup).
         - `shards_only`: fill this rank's shards into plain tensors and leave the model's
-          structure alone, even under torch.distributed with another (rank, world)."""
+          structure alone, even under torch.distributed with another (rank, world).
+        - `quantize`: None (default) loads full precision; "int8", "fp8" or a
+          `lazyload.Quantization(dtype, group_size=128, skip=())` quantizes the Linear layers
+          on load (weight-only: `lazyload.quant.linear.QuantizedLinear`, 8-bit weight and
+          float32 scales per output row and group of 128 input columns), each rank quantizing
+          the slice it reads; `lm_head`, MoE routers and the config's
+          `modules_to_not_convert` stay in full precision. A TP split that cuts a group is a
+          PlanError."""
         start = time.perf_counter()
         _check_arguments(model, dtype, missing, reader)
+        qconfig = Quantization.of(quantize)
         index = self.index
         device = target_device(device, model)  # concrete (cuda:N), checked to exist
 
@@ -176,13 +187,21 @@ class LazyCheckpoint:
             {n: local_regions(n, specs[n].shape, placements.placements.get(n, REPLICATE), rank, world)[0]
              for n in unfilled},
             {n: _target_dtype(specs[n].dtype, specs[n].dtype, dtype) for n in unfilled}, device)
-        # Only now, with the input checked, may the model change: made tensor parallel.
+        quantized = _quantized_groups(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
+        if quantized and not shards_only:
+            _check_runnable_quantized(model, quantized, placements.placements, world)
+        # Only now, with the input checked, may the model change: Linear layers quantized,
+        # made tensor parallel.
+        if quantized:
+            swap_linears(model, {name.rpartition(".")[0]: group for name, group in quantized.items()}, qconfig)
+            slots, _ = model_slots(model)
         use_device(device)  # before any mesh is made: DeviceMesh then agrees
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
             slots, _ = model_slots(model)  # parameters became DTensors: placements from them
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
         dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0]), dtype)
                   for name, expr in mapping.exprs.items()}
+        dtypes.update({name: qconfig.torch_dtype for name in quantized})
 
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
@@ -216,18 +235,25 @@ class LazyCheckpoint:
         with MemorySampler() as memory, bar:
             if not chosen.prefetching:
                 bar.update(mapped / 2**20)
-            dests = {t.name: views.get(t.name) if t.name in views else allocate(t, slots[t.name], device)
-                     for t in targets}
+            dests = {t.name: views.get(t.name) if t.name in views else
+                     allocate_quantized(t, quantized[t.name], device) if t.name in quantized else
+                     allocate(t, slots[t.name], device) for t in targets}
             try:
                 engine = run_schedule(groups, chosen, dests, budget, on_bytes=lambda n: bar.update(n / 2**20),
                                       mapped=frozenset(views))
             finally:
                 chosen.close()
             for target in targets:
-                assign(slots[target.name], dests[target.name])
+                dest = dests[target.name]
+                if isinstance(dest, QuantizedDest):  # the 8-bit data, and its scales beside it
+                    assign(slots[target.name + "_scale"], dest.scale)
+                    dest = dest.data
+                assign(slots[target.name], dest)
             for name, value in initialized.items():
                 assign(slots[name], value)
             recomputed = fill_meta_buffers(recompute)
+        if quantized and qconfig.torchao and world == 1:
+            to_torchao(model, [name.rpartition(".")[0] for name in quantized])
 
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
@@ -262,11 +288,46 @@ def _check_arguments(model: Any, dtype: Any, missing: str, reader: str) -> None:
                             f"got {type(model).__name__} {model!r}{hint}.")
     if not (dtype is None or dtype == "auto" or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)):
         raise DtypeError(f"dtype={dtype!r}: pass None (keep the model's dtypes), 'auto' (the checkpoint's) or a "
-                         "floating torch.dtype such as torch.bfloat16; integer tensors keep their own dtype, and "
-                         "quantizing on load is not something load_into does.")
+                         "floating torch.dtype such as torch.bfloat16; integer tensors keep their own dtype (to "
+                         "quantize on load, pass quantize='int8' or 'fp8').")
     check_choice(missing)
     if reader not in ("auto", "mmap", "pread"):
         raise ArgumentError(f"reader={reader!r}: use 'auto' (mmap for CPU, pread for GPU), 'mmap' or 'pread'.")
+
+
+def _quantized_groups(model: nn.Module, qconfig: Quantization | None, exprs: dict, specs: dict, placements: dict,
+                      index: CheckpointIndex, rank: int, world: int) -> dict[str, int]:
+    """Weight name -> scale group size of each Linear weight `qconfig` quantizes; a TP split
+    that would cut a group is refused here, before the model changes."""
+    if qconfig is None:
+        return {}
+    groups = {}
+    for module in quantizable_linears(model, qconfig):
+        name = f"{module}.weight"
+        if name not in exprs:  # not filled from the checkpoint: left as it is
+            continue
+        shape, expr, placement = specs[name].shape, exprs[name], placements.get(name, REPLICATE)
+        if isinstance(expr, Dequant) and kept(index[expr.weight].dtype, qconfig.torch_dtype, expr.zero is not None):
+            groups[name] = kept_group(expr, shape, placement, world)  # stored values, scales re-gridded
+        else:
+            groups[name] = group_size(qconfig, shape[-1])
+        check_groups(name, expr, shape, placement, rank, world, groups[name], lambda key: index[key].shape)
+    return groups
+
+
+def _check_runnable_quantized(model: nn.Module, quantized: dict[str, int], placements: dict, world: int) -> None:
+    """`parallelize`'s structural rule (models without a transformers TP plan) runs
+    row-parallel layers with their raw weight, which a quantized layer does not hold:
+    refused under torch.distributed, before the model changes."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if world == 1 or not distributed or torch.distributed.get_world_size() != world or model_tp_plan(model):
+        return
+    rows = [n for n in quantized if placements.get(n, REPLICATE).kind == "shard" and placements[n].dim in (1, -1)]
+    if rows:
+        raise PlanError(f"{rows[0]}: a row-parallel quantized layer of a model without a transformers TP plan cannot "
+                        "run under lazyload's parallelize yet; keep these layers in full precision "
+                        f"(Quantization(skip=[...]) for {len(rows)} layers), or load only the shards with "
+                        "shards_only=True.")
 
 
 def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype | None, requested: Any) -> torch.dtype:

@@ -84,8 +84,9 @@ class CudaCopies:
     def place(self, dest: torch.Tensor, item: ReadItem, source: torch.Tensor) -> None:
         """Copy the item's host bytes into its box of `dest`; returns once they are there."""
         with torch.cuda.stream(self.stream):
-            box, shaped = box_of(dest, item), apply_ops(source, item.ops)
-            if shaped.dtype == box.dtype and shaped.is_contiguous() and box.is_contiguous():
+            box = box_of(dest, item) if isinstance(dest, torch.Tensor) else None  # else quantized on the GPU
+            shaped = apply_ops(source, item.ops)
+            if box is not None and shaped.dtype == box.dtype and shaped.is_contiguous() and box.is_contiguous():
                 self.h2d(box, shaped)  # the bytes land in place: one copy
             else:  # raw bytes over PCIe, then cast / transpose / strided write on the GPU
                 raw = torch.empty(source.shape, dtype=source.dtype, device=self.device)
@@ -130,7 +131,8 @@ def worker_pool(workers: int, device: torch.device) -> ThreadPoolExecutor:
 def direct_target(dest: torch.Tensor, item: ReadItem) -> torch.Tensor | None:
     """A uint8 view of the item's box in `dest` when the file bytes can land there as they
     are: CPU destination, same dtype, no transpose, one contiguous run each side."""
-    if dest.device.type != "cpu" or dest.dtype != item.entry.dtype or item.scales is not None:
+    if (not isinstance(dest, torch.Tensor) or dest.device.type != "cpu" or dest.dtype != item.entry.dtype
+            or item.scales is not None):
         return None
     if any(op[0] == "transpose" for op in item.ops):
         return None

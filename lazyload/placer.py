@@ -13,8 +13,15 @@ from torch import nn
 from .expr import apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
+from .quant.onload import QuantizedDest, keep_into, kept, quantize_into, scale_shape
 from .readers import MmapReader, byte_runs
 from .targets import Slot, current_tensor, is_dtensor, local_tensor
+
+
+def allocate_quantized(target: TargetPlan, group: int, device: torch.device) -> QuantizedDest:
+    """8-bit data and float32 scales for a target quantized on load."""
+    scale = torch.empty(scale_shape(target.local_shape, group), dtype=torch.float32, device=device)
+    return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, group)
 
 
 def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> torch.Tensor:
@@ -52,13 +59,28 @@ def box_of(dest: torch.Tensor, item: ReadItem) -> torch.Tensor:
     return dest[tuple(slice(a, b) for a, b in item.dst_box)]
 
 
-def copy_into(dest: torch.Tensor, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
+def copy_into(dest: torch.Tensor | QuantizedDest, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
     """Write the item's source tensor (after its ops) into its box of `dest`, casting, or
-    dequantize it there when the item has scales; `source` is on dest's device
-    (host-to-device copies are the engine's)."""
+    dequantize it there when the item has scales; a quantized destination gets the values
+    quantized (the quantize-on-load stage). `source` is on dest's device (host-to-device
+    copies are the engine's)."""
+    if isinstance(dest, QuantizedDest):
+        if item.scales is not None and kept(item.entry.dtype, dest.dtype, item.scales.zero is not None):
+            return keep_into(dest, item, source)
+        return quantize_into(dest, item.dst_box, full_precision(item, source, dest.device))
     if item.scales is not None:
         return dequant_into(dest, item, source)
     box_of(dest, item).copy_(apply_ops(source, item.ops))
+
+
+def full_precision(item: ReadItem, source: torch.Tensor | QuantizedBox, device: torch.device) -> torch.Tensor:
+    """The item's values as its destination box sees them: the source after its ops, or a
+    pre-quantized source dequantized into float32 first."""
+    if item.scales is None:
+        return apply_ops(source, item.ops)
+    values = torch.empty(box_shape(item.dst_box), dtype=torch.float32, device=device)
+    dequantize_into(undo_ops(values, item.ops), source, tuple(a for a, _ in item.src_box), item.scales.block)
+    return values
 
 
 def dequant_into(dest: torch.Tensor, item: ReadItem, source: QuantizedBox) -> None:

@@ -1,0 +1,108 @@
+"""A weight-only quantized Linear layer, and the swap of a model's Linear layers for it.
+
+`QuantizedLinear` holds its weight as stored 8-bit values (int8 or float8) with float32
+scales on a (rows, ceil(in / group)) grid, and dequantizes it in forward (exactly, with the
+kernel that dequantizes pre-quantized checkpoints), then runs `F.linear`. It is an
+`nn.Linear` (so transformers' TP styles run it with local shards, and the model's
+`out_features` / `in_features` bookkeeping holds); under tensor parallelism its weight and
+scale are DTensors with the same placement, and forward sees their local shards.
+
+`to_torchao` turns the layers torchao 0.18 can hold (plain tensors, whole groups) into
+plain `nn.Linear` layers whose weight is torchao's `Int8Tensor` / `Float8Tensor`, built from
+the same data and scales (its dequantization gives the same values). torchao does not take
+a short last group (int8 refuses it, fp8 dequantizes it wrongly) and is not tested with
+DTensor; those layers stay `QuantizedLinear`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .dequant import QuantizedBox, dequantize_into
+from .onload import Quantization, scale_shape
+
+
+class QuantizedLinear(nn.Linear):
+    """y = x @ dequantize(weight, weight_scale).T + bias, weight 8-bit, scales float32:
+    `weight_scale[r, j]` multiplies `weight[r, j*group:(j+1)*group]`."""
+
+    _hf_quantized_needs_local_tp = True  # transformers' TP: forward gets local shards
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: int, qdtype: torch.dtype,
+                 compute_dtype: torch.dtype, device: torch.device | str | None = None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.compute_dtype = compute_dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=qdtype, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape((out_features, in_features), group),
+                                                     dtype=torch.float32, device=device), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device))
+                     if bias else None)
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full-precision weight (this rank's shard under TP), in `dtype`."""
+        weight, scale = _local(self.weight), _local(self.weight_scale)
+        out = torch.empty(weight.shape, dtype=dtype or self.compute_dtype, device=weight.device)
+        dequantize_into(out, QuantizedBox(weight, scale), (0, 0), (1, self.group))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight={self.weight.dtype}, group={self.group}")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def quantizable_linears(model: nn.Module, config: Quantization) -> list[str]:
+    """Names of the Linear layers `config` quantizes: every plain `nn.Linear` not skipped
+    by its patterns or the model config's `modules_to_not_convert`."""
+    qconfig = getattr(getattr(model, "config", None), "quantization_config", None)
+    not_convert = (qconfig.get("modules_to_not_convert") if isinstance(qconfig, dict)
+                   else getattr(qconfig, "modules_to_not_convert", None)) or ()
+    return [name for name, module in model.named_modules()
+            if type(module) is nn.Linear and name and not config.skips(name, tuple(not_convert))]
+
+
+def swap_linears(model: nn.Module, groups: dict[str, int], config: Quantization) -> dict[str, QuantizedLinear]:
+    """Replace the named Linear layers by QuantizedLinear layers (module name -> scale
+    group) on the meta device (their tensors are filled by the load). Returns name -> new module."""
+    swapped = {}
+    for name, group in groups.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        new = QuantizedLinear(old.in_features, old.out_features, old.bias is not None,
+                              group, config.torch_dtype, old.weight.dtype,
+                              device="meta")
+        setattr(parent, attr, new)
+        swapped[name] = new
+    return swapped
+
+
+def to_torchao(model: nn.Module, names: list[str]) -> list[str]:
+    """Replace the named QuantizedLinear layers that torchao can hold by nn.Linear layers
+    with an Int8Tensor / Float8Tensor weight. Returns the names replaced."""
+    from torchao.quantization import Float8Tensor, Int8Tensor
+
+    replaced = []
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        weight, scale = old.weight.data, old.weight_scale.data
+        if not isinstance(old, QuantizedLinear) or hasattr(weight, "to_local") or weight.shape[-1] % old.group:
+            continue
+        cls = Int8Tensor if weight.dtype == torch.int8 else Float8Tensor
+        new = nn.Linear(old.in_features, old.out_features, bias=False, device="meta")
+        new.weight = nn.Parameter(cls(weight, scale, [1, old.group], dtype=old.compute_dtype), requires_grad=False)
+        new.bias = old.bias
+        setattr(parent, attr, new)
+        replaced.append(name)
+    return replaced
