@@ -7,9 +7,10 @@ from .errors import (CheckpointError, DtypeError, LazyLoadError, MappingError, M
 from .index import TensorEntry
 from .plan import Placement
 from .report import LoadReport
+from .writers import save_sharded
 
 __all__ = [
-    "LazyCheckpoint", "load_model", "LoadReport", "Placement", "TensorEntry",
+    "LazyCheckpoint", "load_model", "save_sharded", "LoadReport", "Placement", "TensorEntry",
     "LazyLoadError", "CheckpointError", "MappingError", "MissingKeysError", "UnexpectedKeysError",
     "ShapeMismatchError", "DtypeError", "PlanError", "ReadError", "MetaBufferError",
 ]

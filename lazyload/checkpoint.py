@@ -15,12 +15,13 @@ from tqdm.auto import tqdm
 
 from .engine import must_release_pages, run_schedule
 from .errors import DtypeError, PlanError
-from .index import CheckpointIndex, TensorEntry, resolve_files
+from .formats import CheckpointSource, open_index, resolve
+from .index import CheckpointIndex, TensorEntry
 from .mapping import KeyMap, check_casts, check_mapping, map_model
 from .parallel import auto_parallelize
 from .placements import resolve_placements
 from .placer import allocate, assign, fill_meta_buffers, mapped_views, meta_buffers_to_recompute
-from .plan import plan_for_rank
+from .plan import check_rank, plan_for_rank
 from .readers import MmapReader, choose_reader
 from .report import LoadReport, MemorySampler
 from .schedule import default_budget, schedule
@@ -44,20 +45,22 @@ def _show_progress(progress: bool | None, rank: int) -> bool:
 
 
 class LazyCheckpoint:
-    """A sharded safetensors checkpoint, indexed from its headers alone.
+    """A checkpoint, indexed from its headers (or other metadata) alone.
 
     `paths`: a directory (its `model.safetensors.index.json` when present, else every
-    `*.safetensors`), one file, a list of files, or a glob."""
+    `*.safetensors`; a pre-sharded layout written by `save_sharded`), one file, a list of
+    files, a glob, or a description json (`lazyload_sharded.json`)."""
 
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
         self._paths = paths
         self._index: CheckpointIndex | None = None
-        self.files, self._index_json = resolve_files(paths)
+        self.source: CheckpointSource = resolve(paths)
+        self.files = self.source.files
 
     @property
     def index(self) -> CheckpointIndex:
         if self._index is None:
-            self._index = CheckpointIndex(self.files, self._index_json)
+            self._index = open_index(self.source)
         return self._index
 
     def keys(self) -> list[str]:
@@ -103,7 +106,8 @@ class LazyCheckpoint:
         torch.distributed initialised and (rank, world) this process's, such a model is made
         runnable first (`lazyload.parallel.parallelize`)."""
         start = time.perf_counter()
-        index = self.index
+        check_rank(rank, world)
+        index = self.index.for_rank(rank, world)  # copies of a replicated piece: this rank's own file
         device = torch.device(device) if device is not None else _default_device(model)
 
         # Mapping: model tensors as expressions over checkpoint tensors.

@@ -105,9 +105,10 @@ class _Resolver:
         return None
 
 
-def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: str) -> dict[str, Expr]:
+def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: str,
+                     source: Callable[[str], Expr] = Source) -> dict[str, Expr]:
     """Apply a gathering rule's ops to its checkpoint keys; returns model name -> expr."""
-    values: dict[int, list[Expr]] = {i: [Source(k) for k in sorted(keys, key=natural_key)]
+    values: dict[int, list[Expr]] = {i: [source(k) for k in sorted(keys, key=natural_key)]
                                      for i, keys in sorted(by_source.items())}
     outputs: list[Expr] | None = None
     for op in convert.ops:
@@ -148,7 +149,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     from_alias: dict[str, Expr] = {}
     groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
     unexpected = []
-    for key in sorted(index.keys(), key=natural_key):
+    for key in sorted(index.names(), key=natural_key):  # a tensor split over files is one name
         hit = resolver.resolve(key)
         if hit is None:
             unexpected.append(key)
@@ -157,14 +158,14 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
         if convert is not None:
             groups.setdefault(name, (convert, defaultdict(list)))[1][source_index].append(key)
         elif name in aliases:
-            from_alias.setdefault(aliases[name], Source(key))
+            from_alias.setdefault(aliases[name], index.expr(key))
         elif name in exprs:
             raise MappingError(f"model tensor {name!r} is provided twice by the checkpoint: by "
                                f"{exprs[name]} and by {key!r}; drop one (key_map can rename it).")
         else:
-            exprs[name] = Source(key)
+            exprs[name] = index.expr(key)
     for first_name, (convert, by_source) in groups.items():
-        for name, expr in _build_converted(convert, by_source, first_name).items():
+        for name, expr in _build_converted(convert, by_source, first_name, index.expr).items():
             if name in aliases:
                 from_alias.setdefault(aliases[name], expr)
             else:
@@ -178,7 +179,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     shape_of = lambda key: index[key].shape  # noqa: E731
     for name, expr in list(exprs.items()):
         if name not in targets:
-            unexpected.extend(expr.keys())
+            unexpected.extend(dict.fromkeys(index.name_of(k) for k in expr.keys()))
             del exprs[name]
             continue
         try:
@@ -194,7 +195,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
 def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[str, TargetSpec]) -> None:
     """Raise the first problem of a strict load, naming what is wrong and what to do."""
     if mapping.missing:
-        keys = index.keys()
+        keys = index.names()
         lines = []
         for name in mapping.missing[:20]:
             near = difflib.get_close_matches(name, keys, n=3, cutoff=0.5)
@@ -206,7 +207,7 @@ def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[st
             "\nPass key_map= to rename checkpoint keys, or strict=False to leave them as they are.",
             mapping.missing)
     if mapping.unexpected:
-        shown = "\n".join(f"  {k} (in {index[k].file})" for k in mapping.unexpected[:20])
+        shown = "\n".join(f"  {k} (in {', '.join(index.files_of(k))})" for k in mapping.unexpected[:20])
         more = f"\n  ... and {len(mapping.unexpected) - 20} more" if len(mapping.unexpected) > 20 else ""
         raise UnexpectedKeysError(
             f"{len(mapping.unexpected)} checkpoint tensor(s) match no model tensor:\n{shown}{more}\n"

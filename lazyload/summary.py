@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from .errors import PlanError
-from .index import CheckpointIndex, resolve_files
+from .formats import open_index, resolve
+from .index import CheckpointIndex
 from .mapping import map_model
 from .placements import model_heads, resolve_placements
 from .plan import REPLICATE, check_rank, plan_for_rank
@@ -29,7 +30,7 @@ def _size(n: int) -> str:
 
 
 def _index(path: str) -> CheckpointIndex:
-    return CheckpointIndex(*resolve_files(path))
+    return open_index(resolve(path))
 
 
 def inspect_checkpoint(path: str) -> str:

@@ -1,0 +1,54 @@
+"""Checkpoint formats: what a path names, and the Index built from that format's metadata.
+
+Each format is a source for the Index, in its own module: safetensors files (`index.py`),
+lazyload's pre-sharded layout (`sharded`), PyTorch `.bin`/`.pt` state dicts
+(`torch_files`), Megatron-LM per-rank checkpoints (`megatron`), DeepSpeed's checkpoint
+description json (`deepspeed`). All give the same `TensorEntry`s, and a tensor stored in
+pieces across files is one logical name (`logical`). None reads tensor data to build it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import CheckpointError
+from ..index import INDEX_JSON, CheckpointIndex, read_json, resolve_files
+from . import sharded
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    """What a path names: the format, its files, and the description file (index json,
+    layout json, DeepSpeed json, Megatron directory) when there is one."""
+
+    kind: str  # "safetensors" | "sharded"
+    files: list[str]
+    description: str | None = None
+
+
+def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> CheckpointSource:
+    """A directory, a file, a description json, a glob or a list of files -> its format and files."""
+    if isinstance(paths, (str, os.PathLike)):
+        path = os.fspath(paths)
+        if os.path.isdir(path) and os.path.isfile(os.path.join(path, sharded.LAYOUT_JSON)):
+            path = os.path.join(path, sharded.LAYOUT_JSON)
+        if os.path.isfile(path) and path.endswith(".json") and not path.endswith(".index.json"):
+            return _from_json(path)
+    files, index_json = resolve_files(paths)
+    return CheckpointSource("safetensors", files, index_json)
+
+
+def _from_json(path: str) -> CheckpointSource:
+    doc = read_json(path, "a checkpoint description json")
+    if isinstance(doc, dict) and doc.get("format") == sharded.FORMAT:
+        return CheckpointSource("sharded", sharded.files_of(path), path)
+    raise CheckpointError(f"{path}: a json that lazyload does not know (not a {sharded.LAYOUT_JSON}, nor a "
+                          f"{INDEX_JSON}); pass the checkpoint's directory or its files.")
+
+
+def open_index(source: CheckpointSource) -> CheckpointIndex:
+    """The Index of a resolved checkpoint, from its metadata alone."""
+    if source.kind == "sharded":
+        return sharded.open_index(source.description)
+    return CheckpointIndex(source.files, source.description)
