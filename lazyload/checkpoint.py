@@ -49,10 +49,13 @@ class LazyCheckpoint:
 
     `paths`: a directory (its `model.safetensors.index.json` when present, else every
     `*.safetensors`; a pre-sharded layout written by `save_sharded`), one file, a list of
-    files, a glob, or a description json (`lazyload_sharded.json`)."""
+    files, a glob, or a description json (`lazyload_sharded.json`); `.bin`/`.pt` state
+    dicts too. `trust_pickle=True` lets a pickled file run the code it names (classes,
+    functions): only for files from a trusted source; without it such a file is refused."""
 
-    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *, trust_pickle: bool = False):
         self._paths = paths
+        self.trust_pickle = trust_pickle
         self._index: CheckpointIndex | None = None
         self.source: CheckpointSource = resolve(paths)
         self.files = self.source.files
@@ -60,7 +63,7 @@ class LazyCheckpoint:
     @property
     def index(self) -> CheckpointIndex:
         if self._index is None:
-            self._index = open_index(self.source)
+            self._index = open_index(self.source, self.trust_pickle)
         return self._index
 
     def keys(self) -> list[str]:

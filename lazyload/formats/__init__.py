@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import CheckpointError
-from ..index import INDEX_JSON, CheckpointIndex, read_json, resolve_files
-from . import sharded
+from ..index import INDEX_JSON, CheckpointIndex, _files_from_index_json, read_json, resolve_files
+from . import sharded, torch_files
+
+BIN_INDEX_JSON = "pytorch_model.bin.index.json"
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class CheckpointSource:
     """What a path names: the format, its files, and the description file (index json,
     layout json, DeepSpeed json, Megatron directory) when there is one."""
 
-    kind: str  # "safetensors" | "sharded"
+    kind: str  # "safetensors" | "sharded" | "torch"
     files: list[str]
     description: str | None = None
 
@@ -33,10 +35,27 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
         path = os.fspath(paths)
         if os.path.isdir(path) and os.path.isfile(os.path.join(path, sharded.LAYOUT_JSON)):
             path = os.path.join(path, sharded.LAYOUT_JSON)
-        if os.path.isfile(path) and path.endswith(".json") and not path.endswith(".index.json"):
+        if os.path.isfile(path) and path.endswith(".json") and not path.endswith(INDEX_JSON):
             return _from_json(path)
+        if os.path.isdir(path):
+            torch_dir = _torch_directory(path)
+            if torch_dir is not None:
+                return torch_dir
     files, index_json = resolve_files(paths)
+    if index_json is None and all(torch_files.is_torch_file(f) for f in files):
+        return CheckpointSource("torch", files)
     return CheckpointSource("safetensors", files, index_json)
+
+
+def _torch_directory(path: str) -> CheckpointSource | None:
+    """A directory of `.bin`/`.pt` state dicts (and no safetensors, which are preferred)."""
+    names = os.listdir(path)
+    if INDEX_JSON in names or any(n.endswith(".safetensors") for n in names):
+        return None
+    if BIN_INDEX_JSON in names:
+        return CheckpointSource("torch", _files_from_index_json(os.path.join(path, BIN_INDEX_JSON)))
+    files = sorted(os.path.join(path, n) for n in names if n.endswith((".bin", ".pt", ".pth")))
+    return CheckpointSource("torch", files) if files else None
 
 
 def _from_json(path: str) -> CheckpointSource:
@@ -47,8 +66,11 @@ def _from_json(path: str) -> CheckpointSource:
                           f"{INDEX_JSON}); pass the checkpoint's directory or its files.")
 
 
-def open_index(source: CheckpointSource) -> CheckpointIndex:
-    """The Index of a resolved checkpoint, from its metadata alone."""
+def open_index(source: CheckpointSource, trust_pickle: bool = False) -> CheckpointIndex:
+    """The Index of a resolved checkpoint, from its metadata alone. `trust_pickle`: let
+    pickled files run the code they name (see torch_files)."""
     if source.kind == "sharded":
         return sharded.open_index(source.description)
+    if source.kind == "torch":
+        return torch_files.open_index(source.files, trust_pickle)
     return CheckpointIndex(source.files, source.description)
