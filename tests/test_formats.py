@@ -115,3 +115,127 @@ def test_legacy_pickle_and_strided_views_are_refused_with_a_reason(tmp_path):
     torch.save({"w": torch.ones(4, 6)[:, ::2]}, strided)
     with pytest.raises(CheckpointError, match="strided view"):
         LazyCheckpoint(str(strided)).index
+
+
+# ----------------------------------------------------------------------------- Megatron
+
+
+def _megatron_qkv(q, k, v, heads, groups, tp, version):
+    """Each rank's fused QKV rows in the layout of checkpoint `version`, from transformers'
+    q, k, v ([heads * hn, ...]): 0: [3, np, hn]; 1.0: [np, hn, 3]; 2.0+: [ng, np/ng + 2, hn]."""
+    hn, rest = q.shape[0] // heads, tuple(q.shape[1:])
+    q, k, v = (t.reshape(-1, hn, *rest) for t in (q, k, v))
+    np_, ng = heads // tp, groups // tp
+    out = []
+    for r in range(tp):
+        qs, ks, vs = q[r * np_:(r + 1) * np_], k[r * ng:(r + 1) * ng], v[r * ng:(r + 1) * ng]
+        if version == 0:
+            fused = torch.cat([qs, ks, vs])
+        elif version == 1.0:
+            fused = torch.stack([qs, ks, vs], dim=2)
+        else:
+            per = np_ // ng
+            fused = torch.cat([torch.cat([qs[g * per:(g + 1) * per], ks[g:g + 1], vs[g:g + 1]]) for g in range(ng)])
+        out.append(fused.reshape(-1, *rest).clone())
+    return out
+
+
+def _split(t, tp, dim):
+    return [c.clone() for c in t.chunk(tp, dim)]
+
+
+def _write_megatron(state, config, directory, tp, version, llama):
+    """Megatron-LM's per-rank checkpoint layout (release/mp_rank_XX/model_optim_rng.pt), its
+    legacy names (version 0: 'transformer' and 'attention.', later 'encoder' and
+    'self_attention.'), from a transformers state dict."""
+    import argparse
+    import random
+
+    import numpy as np
+
+    heads = config.num_attention_heads
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    layers = config.num_hidden_layers
+    attn = "attention" if version == 0 else "self_attention"
+    ranks = [{} for _ in range(tp)]
+
+    def put(name, tensors):
+        for r in range(tp):
+            ranks[r][name] = tensors[r] if isinstance(tensors, list) else tensors.clone()
+
+    for i in range(layers):
+        p = f"layers.{i}."
+        if llama:
+            h = f"model.layers.{i}."
+            put(p + "input_layernorm.weight", state[h + "input_layernorm.weight"])
+            put(p + f"{attn}.query_key_value.weight", _megatron_qkv(*(state[h + f"self_attn.{c}_proj.weight"]
+                                                                      for c in "qkv"), heads, groups, tp, version))
+            put(p + f"{attn}.dense.weight", _split(state[h + "self_attn.o_proj.weight"], tp, 1))
+            put(p + "post_attention_layernorm.weight", state[h + "post_attention_layernorm.weight"])
+            gate, up = (_split(state[h + f"mlp.{c}_proj.weight"], tp, 0) for c in ("gate", "up"))
+            put(p + "mlp.dense_h_to_4h.weight", [torch.cat([g, u]) for g, u in zip(gate, up)])
+            put(p + "mlp.dense_4h_to_h.weight", _split(state[h + "mlp.down_proj.weight"], tp, 1))
+        else:
+            h = f"transformer.h.{i}."
+            for ln, mname in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm")):
+                for param in ("weight", "bias"):
+                    put(p + f"{mname}.{param}", state[h + f"{ln}.{param}"])
+            for param, t in (("weight", state[h + "attn.c_attn.weight"].t()), ("bias", state[h + "attn.c_attn.bias"])):
+                put(p + f"{attn}.query_key_value.{param}", _megatron_qkv(*t.chunk(3, 0), heads, groups, tp, version))
+            put(p + f"{attn}.dense.weight", _split(state[h + "attn.c_proj.weight"].t(), tp, 1))
+            put(p + f"{attn}.dense.bias", state[h + "attn.c_proj.bias"])
+            put(p + "mlp.dense_h_to_4h.weight", _split(state[h + "mlp.c_fc.weight"].t(), tp, 0))
+            put(p + "mlp.dense_h_to_4h.bias", _split(state[h + "mlp.c_fc.bias"], tp, 0))
+            put(p + "mlp.dense_4h_to_h.weight", _split(state[h + "mlp.c_proj.weight"].t(), tp, 1))
+            put(p + "mlp.dense_4h_to_h.bias", state[h + "mlp.c_proj.bias"])
+    if llama:
+        put("final_layernorm.weight", state["model.norm.weight"])
+        embed, extra = state["model.embed_tokens.weight"], {"output_layer": _split(state["lm_head.weight"], tp, 0)}
+    else:
+        put("final_layernorm.weight", state["transformer.ln_f.weight"])
+        put("final_layernorm.bias", state["transformer.ln_f.bias"])
+        embed, extra = state["transformer.wte.weight"], {}
+    hidden = config.hidden_size
+    args = argparse.Namespace(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, swiglu=llama,
+                              group_query_attention=groups != heads, num_query_groups=groups,
+                              padded_vocab_size=embed.shape[0], params_dtype=embed.dtype, kv_channels=hidden // heads)
+    words = _split(embed, tp, 0)
+    for r in range(tp):
+        language_model = {"embedding": {"word_embeddings": {"weight": words[r]}},
+                          ("transformer" if version == 0 else "encoder"): ranks[r]}
+        if not llama:
+            language_model["embedding"]["position_embeddings"] = {"weight": state["transformer.wpe.weight"].clone()}
+        for name, tensors in extra.items():
+            language_model[name] = {"weight": tensors[r]}
+        saved = {"args": args, "iteration": 10, "model": {"language_model": language_model},
+                 "optimizer": {"optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}},
+                                             "param_groups": [{"lr": 1e-4, "params": [0]}]}},
+                 "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                                "torch_rng_state": torch.get_rng_state()}]}
+        if version:
+            saved["checkpoint_version"] = version
+        rank_dir = directory / "release" / f"mp_rank_{r:02d}"
+        rank_dir.mkdir(parents=True)
+        torch.save(saved, rank_dir / "model_optim_rng.pt")
+    (directory / "latest_checkpointed_iteration.txt").write_text("release")
+    return directory
+
+
+@pytest.mark.parametrize("arch,version,tp,kv,worlds", [
+    ("gpt2", 0, 2, None, [1, 2, 4]), ("gpt2", 1.0, 2, None, [1, 4]), ("gpt2", 2.0, 4, None, [1, 2]),
+    ("llama", 0, 4, 4, [1, 2]), ("llama", 1.0, 2, 4, [1, 4]), ("llama", 2.0, 2, 4, [1, 4]),
+    ("llama", 3.0, 2, 2, [1, 2, 4]),
+])
+def test_megatron_checkpoint_loads_exactly(checkpoint, tmp_path, arch, version, tp, kv, worlds):
+    """Megatron per-rank files (source TP `tp`) in the QKV layout of `version`: fused q/k/v
+    for GPT-2, separate for Llama (grouped-query at version 3.0); world 1 equals
+    from_pretrained, other worlds split or merge the source ranks exactly."""
+    overrides = {} if kv is None else dict(num_key_value_heads=kv)
+    original, config = checkpoint(arch, **overrides)
+    ref = reference_model(arch, original, torch.float32)
+    directory = _write_megatron(ref.state_dict(), config, tmp_path / "megatron", tp, version, arch == "llama")
+    model = build_model(arch, config, torch.float32)
+    LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    assert_same_weights(model, ref)
+    _local_equal(directory, arch, config, torch.float32, original, [w for w in worlds if w > 1])

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from ..errors import CheckpointError
 from ..index import INDEX_JSON, CheckpointIndex, _files_from_index_json, read_json, resolve_files
-from . import sharded, torch_files
+from . import megatron, sharded, torch_files
 
 BIN_INDEX_JSON = "pytorch_model.bin.index.json"
 
@@ -24,7 +24,7 @@ class CheckpointSource:
     """What a path names: the format, its files, and the description file (index json,
     layout json, DeepSpeed json, Megatron directory) when there is one."""
 
-    kind: str  # "safetensors" | "sharded" | "torch"
+    kind: str  # "safetensors" | "sharded" | "torch" | "megatron"
     files: list[str]
     description: str | None = None
 
@@ -37,6 +37,8 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
             path = os.path.join(path, sharded.LAYOUT_JSON)
         if os.path.isfile(path) and path.endswith(".json") and not path.endswith(INDEX_JSON):
             return _from_json(path)
+        if os.path.isdir(path) and megatron.is_megatron_dir(path):
+            return CheckpointSource("megatron", megatron.rank_files(path), path)
         if os.path.isdir(path):
             torch_dir = _torch_directory(path)
             if torch_dir is not None:
@@ -73,4 +75,6 @@ def open_index(source: CheckpointSource, trust_pickle: bool = False) -> Checkpoi
         return sharded.open_index(source.description)
     if source.kind == "torch":
         return torch_files.open_index(source.files, trust_pickle)
+    if source.kind == "megatron":
+        return megatron.open_index(source.files, trust_pickle)
     return CheckpointIndex(source.files, source.description)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
-from ..expr import Box, Cat, Expr, box_shape, full_box
+from ..expr import Box, Cat, Expr, Transpose, box_shape, full_box
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Layout:
     dtype: torch.dtype
     parts: tuple[Part, ...]
     world: int = 1   # source ranks the parts are spread over
+    transpose: bool = False  # the parts tile the 2-D transpose of `shape` (Megatron's [out, in] as Conv1D's)
 
     def keys(self) -> list[str]:
         return list(dict.fromkeys(k for part in self.parts for k in part.expr.keys()))
@@ -45,7 +46,8 @@ class Layout:
             best = chosen.get(part.box)
             if best is None or abs(part.rank - prefer) < abs(best.rank - prefer):
                 chosen[part.box] = part
-        return _tile(self.name, full_box(self.shape), list(chosen.values()))
+        tiled = _tile(self.name, full_box(self.shape[::-1] if self.transpose else self.shape), list(chosen.values()))
+        return Transpose(tiled) if self.transpose else tiled
 
 
 def _tile(name: str, region: Box, parts: list[Part]) -> Expr:
