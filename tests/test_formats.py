@@ -239,3 +239,76 @@ def test_megatron_checkpoint_loads_exactly(checkpoint, tmp_path, arch, version, 
     LazyCheckpoint(str(directory)).load_into(model, progress=False)
     assert_same_weights(model, ref)
     _local_equal(directory, arch, config, torch.float32, original, [w for w in worlds if w > 1])
+
+
+# ----------------------------------------------------------------------------- DeepSpeed json
+
+_ROW = ("o_proj", "down_proj")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _write_deepspeed_tp(state, directory, tp, partitions=3):
+    """What DeepSpeed's save_mp_checkpoint_path writes after AutoTP: ds_inference_config.json,
+    non-tp.pt (tensors outside the layers) and tp_RR_MM.pt (rank RR's local shards of part
+    MM of the layers' tensors, listed part by part)."""
+    import json
+
+    directory.mkdir(parents=True)
+    layer_keys = [k for k in state if ".layers." in k]
+    torch.save({k: v.clone() for k, v in state.items() if k not in layer_keys}, directory / "non-tp.pt")
+    size = len(layer_keys) // partitions + 1
+    for m in range(partitions):
+        keys = layer_keys[m * size:(m + 1) * size]
+        for r in range(tp):
+            shard = {}
+            for k in keys:
+                module = k.split(".")[-2]
+                dim = 1 if module in _ROW and k.endswith("weight") else 0 if module in _COLUMN else None
+                shard[k] = (state[k] if dim is None else state[k].chunk(tp, dim)[r]).clone()
+            torch.save(shard, directory / f"tp_{r:02d}_{m:02d}.pt")
+    doc = {"type": "ds_model", "base_dir": ".", "version": 1.0, "parallelization": "tp", "tp_size": tp,
+           "checkpoints": {"non_tp": ["non-tp.pt"],
+                           "tp": [f"tp_{r:02d}_{m:02d}.pt" for m in range(partitions) for r in range(tp)]}}
+    (directory / "ds_inference_config.json").write_text(json.dumps(doc))
+    return directory
+
+
+def test_deepspeed_json_over_presharded_tp_files(checkpoint, tmp_path):
+    original, config = checkpoint("llama")
+    ref = reference_model("llama", original, torch.float32)
+    directory = _write_deepspeed_tp(ref.state_dict(), tmp_path / "ds", tp=2)
+    model = build_model("llama", config, torch.float32)
+    LazyCheckpoint(str(directory / "ds_inference_config.json")).load_into(model, progress=False)
+    assert_same_weights(model, ref)
+    _local_equal(directory, "llama", config, torch.float32, original, [2, 4])
+
+
+def test_deepspeed_json_lists_state_dicts_and_megatron_files(checkpoint, tmp_path):
+    """'ds_model' with a list of whole-tensor .bin files (GPT-2), and 'Megatron' whose json
+    version (2.0) says the QKV layout that the files themselves do not record."""
+    import json
+
+    original, config = checkpoint("gpt2")
+    ref = reference_model("gpt2", original, torch.float32)
+    state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+    _save_bin(state, tmp_path / "bins")
+    names = sorted(p.name for p in (tmp_path / "bins").iterdir())
+    (tmp_path / "bins.json").write_text(json.dumps({"type": "ds_model", "base_dir": "bins", "checkpoints": names,
+                                                    "version": 1.0}))
+    model = build_model("gpt2", config, torch.float32)
+    LazyCheckpoint(str(tmp_path / "bins.json")).load_into(model, progress=False)
+    assert_same_weights(model, ref)
+
+    megatron = _write_megatron(ref.state_dict(), config, tmp_path / "megatron", 2, 2.0, llama=False)
+    files = [str(p) for p in sorted(megatron.glob("release/mp_rank_*/model_optim_rng.pt"))]
+    for f in files:  # an old file: no checkpoint_version in it
+        saved = torch.load(f, weights_only=False)
+        del saved["checkpoint_version"]
+        torch.save(saved, f)
+    (tmp_path / "megatron.json").write_text(json.dumps({"type": "Megatron", "checkpoints": files, "version": 2.0}))
+    model = build_model("gpt2", config, torch.float32)
+    LazyCheckpoint(str(tmp_path / "megatron.json")).load_into(model, progress=False)
+    assert_same_weights(model, ref)
+    with pytest.raises(CheckpointError, match="missing"):
+        (tmp_path / "broken.json").write_text(json.dumps({"type": "ds_model", "checkpoints": ["nothing.bin"]}))
+        LazyCheckpoint(str(tmp_path / "broken.json"))

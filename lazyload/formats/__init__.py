@@ -14,9 +14,10 @@ from typing import Sequence
 
 from ..errors import CheckpointError
 from ..index import INDEX_JSON, CheckpointIndex, _files_from_index_json, read_json, resolve_files
-from . import megatron, sharded, torch_files
+from . import deepspeed, megatron, sharded, torch_files
 
 BIN_INDEX_JSON = "pytorch_model.bin.index.json"
+DEEPSPEED_JSON = "ds_inference_config.json"  # what DeepSpeed's save_mp_checkpoint_path writes
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class CheckpointSource:
     """What a path names: the format, its files, and the description file (index json,
     layout json, DeepSpeed json, Megatron directory) when there is one."""
 
-    kind: str  # "safetensors" | "sharded" | "torch" | "megatron"
+    kind: str  # "safetensors" | "sharded" | "torch" | "megatron" | "deepspeed"
     files: list[str]
     description: str | None = None
 
@@ -33,8 +34,9 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
     """A directory, a file, a description json, a glob or a list of files -> its format and files."""
     if isinstance(paths, (str, os.PathLike)):
         path = os.fspath(paths)
-        if os.path.isdir(path) and os.path.isfile(os.path.join(path, sharded.LAYOUT_JSON)):
-            path = os.path.join(path, sharded.LAYOUT_JSON)
+        for name in (sharded.LAYOUT_JSON, DEEPSPEED_JSON):
+            if os.path.isdir(path) and os.path.isfile(os.path.join(path, name)):
+                path = os.path.join(path, name)
         if os.path.isfile(path) and path.endswith(".json") and not path.endswith(INDEX_JSON):
             return _from_json(path)
         if os.path.isdir(path) and megatron.is_megatron_dir(path):
@@ -64,8 +66,11 @@ def _from_json(path: str) -> CheckpointSource:
     doc = read_json(path, "a checkpoint description json")
     if isinstance(doc, dict) and doc.get("format") == sharded.FORMAT:
         return CheckpointSource("sharded", sharded.files_of(path), path)
-    raise CheckpointError(f"{path}: a json that lazyload does not know (not a {sharded.LAYOUT_JSON}, nor a "
-                          f"{INDEX_JSON}); pass the checkpoint's directory or its files.")
+    if deepspeed.is_description(doc):
+        return CheckpointSource("deepspeed", deepspeed.files_of(path), path)
+    raise CheckpointError(f"{path}: a json that lazyload does not know (not a {sharded.LAYOUT_JSON}, a "
+                          f"{INDEX_JSON} or a DeepSpeed checkpoint json with 'type' and 'checkpoints'); pass the "
+                          "checkpoint's directory or its files.")
 
 
 def open_index(source: CheckpointSource, trust_pickle: bool = False) -> CheckpointIndex:
@@ -77,4 +82,6 @@ def open_index(source: CheckpointSource, trust_pickle: bool = False) -> Checkpoi
         return torch_files.open_index(source.files, trust_pickle)
     if source.kind == "megatron":
         return megatron.open_index(source.files, trust_pickle)
+    if source.kind == "deepspeed":
+        return deepspeed.open_index(source.description, trust_pickle)
     return CheckpointIndex(source.files, source.description)
