@@ -136,7 +136,7 @@ class LazyCheckpoint:
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
-        recompute = meta_buffers_to_recompute(model, set(mapping.exprs))
+        recompute = meta_buffers_to_recompute(model, set(mapping.exprs)) | _emptied_buffers(model, set(mapping.exprs))
         release_pages = release_pages or must_release_pages(items)
         chosen = choose_reader(reader, device, release_pages, items, index, world)
         views: dict[str, torch.Tensor] = {}
@@ -180,6 +180,25 @@ class LazyCheckpoint:
             logger.warning("missing from checkpoint, left as it was: %s", name)
         logger.info("%s", report)
         return report
+
+
+def _emptied_buffers(model: nn.Module, loaded: set[str]) -> dict[str, list[str]]:
+    """DeepSpeed's init_inference makes a meta model real with `to_empty` (uninitialised
+    memory, buffers included) when it injects its tensor-parallel layers. Non-persistent
+    buffers (rotary `inv_freq`: never in a checkpoint) of modules without parameters are
+    then recomputed by the model's init, as if they were still on meta."""
+    if not hasattr(model, "_init_weights") or not any(
+            type(m).__module__.startswith("deepspeed.") for m in model.modules()):
+        return {}
+    owners: dict[str, list[str]] = {}
+    for module_name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            continue
+        for attr in module._non_persistent_buffers_set:
+            name = f"{module_name}.{attr}" if module_name else attr
+            if name not in loaded and module._buffers.get(attr) is not None and not module._buffers[attr].is_meta:
+                owners.setdefault(module_name, []).append(name)
+    return owners
 
 
 def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype, requested: Any) -> torch.dtype:
