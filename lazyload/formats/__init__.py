@@ -37,7 +37,7 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
         for name in (sharded.LAYOUT_JSON, DEEPSPEED_JSON):
             if os.path.isdir(path) and os.path.isfile(os.path.join(path, name)):
                 path = os.path.join(path, name)
-        if os.path.isfile(path) and path.endswith(".json") and not path.endswith(INDEX_JSON):
+        if os.path.isfile(path) and path.endswith(".json") and not path.endswith(".index.json"):
             return _from_json(path)
         if os.path.isdir(path) and megatron.is_megatron_dir(path):
             return CheckpointSource("megatron", megatron.rank_files(path), path)
@@ -46,7 +46,7 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
             if torch_dir is not None:
                 return torch_dir
     files, index_json = resolve_files(paths)
-    if index_json is None and all(torch_files.is_torch_file(f) for f in files):
+    if all(torch_files.is_torch_file(f) for f in files):  # e.g. pytorch_model.bin.index.json's shards
         return CheckpointSource("torch", files)
     return CheckpointSource("safetensors", files, index_json)
 

@@ -93,6 +93,9 @@ def rank_files(path: str) -> list[str]:
         if not found:
             raise CheckpointError(f"{os.path.join(path, name)}: no model_optim_rng.pt in this rank's directory.")
         files.append(found[0])
+    if not files:
+        raise CheckpointError(f"{path}: no mp_rank_XX/model_optim_rng.pt here; point lazyload at a Megatron "
+                              "checkpoint directory (the one holding latest_checkpointed_iteration.txt).")
     return files
 
 

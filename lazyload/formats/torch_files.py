@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import stat
 from typing import Any, Iterable
 
 import torch
@@ -32,12 +33,18 @@ _MODEL_KEYS = ("module", "model", "state_dict")
 
 
 def is_torch_file(path: str) -> bool:
+    """A regular file that starts like torch.save's output (a FIFO is not waited on)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return False
-    return head == ZIP_MAGIC or head[:1] == b"\x80"  # \x80: a bare pickle (torch's legacy format)
+    try:
+        head = os.read(fd, 9) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+    # torch's legacy format is a bare pickle (PROTO opcode); safetensors has '{' after its length.
+    legacy = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") and head[8:9] != b"{"
+    return head[:4] == ZIP_MAGIC or legacy
 
 
 def numpy_arrays() -> list:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import defaultdict
 from typing import Any
 
@@ -34,6 +35,7 @@ from ..schedule import default_budget, layer_of, schedule
 from ..targets import model_slots, model_specs
 
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_CONFIGS = ("config.json", "generation_config.json")
 
 
 def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | str | None = None, *,
@@ -81,11 +83,20 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
     doc = {"format": FORMAT, "version": VERSION, "world": world, "files": files,
            "tensors": {name: {"shape": list(view[name].shape), "dtype": _DTYPE_NAMES[view[name].dtype],
                               "pieces": records[name]} for name in view}}
+    _copy_configs(src, out_dir)
     path = os.path.join(out_dir, LAYOUT_JSON)
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(path + ".tmp", path)  # written last: a partial output is not a checkpoint
     return path
+
+
+def _copy_configs(src: Any, out_dir: str | os.PathLike) -> None:
+    """The model's config files beside the rank files, so that the copy builds its model too."""
+    folder = src if isinstance(src, (str, os.PathLike)) and os.path.isdir(src) else None
+    for name in _CONFIGS if folder is not None else ():
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(out_dir, name))
 
 
 def _index_of(src: Any) -> CheckpointIndex:
