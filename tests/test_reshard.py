@@ -116,3 +116,45 @@ def test_layout_json_that_disagrees_with_its_files_is_refused(checkpoint, tmp_pa
     layout.write_text(json.dumps(doc))
     with pytest.raises(CheckpointError, match="does not hold"):
         LazyCheckpoint(str(out)).index
+
+
+class _Int8Mlp(torch.nn.Module):
+    """int8 weights with per-output-channel scales (persistent buffers beside them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(32, 64, bias=False, dtype=torch.float16)
+        self.down = torch.nn.Linear(64, 32, bias=False, dtype=torch.float16)
+        for layer in (self.up, self.down):
+            layer.weight = torch.nn.Parameter(torch.empty(layer.weight.shape, dtype=torch.int8), requires_grad=False)
+            layer.register_buffer("weight_scale", torch.empty(layer.weight.shape[0], dtype=torch.float16))
+
+
+def test_scales_follow_their_weights(tmp_path):
+    """Column-parallel: each rank's scale rows are its weight rows; row-parallel: the scale
+    (per output channel) is whole on every rank. Written for 2 ranks, loaded at 1, 2 and 4."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for name, shape in (("up", (64, 32)), ("down", (32, 64))):
+        state[f"{name}.weight"] = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+        state[f"{name}.weight_scale"] = torch.rand(shape[0], generator=g).to(torch.float16)
+    (tmp_path / "src").mkdir()
+    save_file(state, str(tmp_path / "src" / "model.safetensors"))
+    plan = {"up": "colwise", "down": "rowwise"}
+    with torch.device("meta"):
+        model = _Int8Mlp()
+    save_sharded(str(tmp_path / "src"), tmp_path / "tp2", 2, plan, model=model)
+    for world in (1, 2, 4):
+        for rank in range(world):
+            with torch.device("meta"):
+                model = _Int8Mlp()
+            LazyCheckpoint(str(tmp_path / "tp2")).load_into(model, rank, world, plan=plan, progress=False)
+            got = model.state_dict()
+            rows = slice(rank * 64 // world, (rank + 1) * 64 // world)
+            cols = slice(rank * 64 // world, (rank + 1) * 64 // world)
+            assert torch.equal(got["up.weight"], state["up.weight"][rows])
+            assert torch.equal(got["up.weight_scale"], state["up.weight_scale"][rows])
+            assert torch.equal(got["down.weight"], state["down.weight"][:, cols])
+            assert torch.equal(got["down.weight_scale"], state["down.weight_scale"])
