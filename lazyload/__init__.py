@@ -8,9 +8,10 @@ from .index import TensorEntry
 from .plan import Placement
 from .quant.onload import Quantization
 from .report import LoadReport
+from .writers import save_sharded
 
 __all__ = [
-    "LazyCheckpoint", "load_model", "LoadReport", "Placement", "Quantization", "TensorEntry",
+    "LazyCheckpoint", "load_model", "save_sharded", "LoadReport", "Placement", "Quantization", "TensorEntry",
     "LazyLoadError", "ArgumentError", "CheckpointError", "MappingError", "MissingKeysError", "UnexpectedKeysError",
     "ShapeMismatchError", "DtypeError", "PlanError", "ReadError", "MetaBufferError", "DeviceError",
 ]

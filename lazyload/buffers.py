@@ -20,17 +20,18 @@ from .targets import Slot, current_tensor, local_tensor, model_slots
 logger = logging.getLogger("lazyload")
 
 
-def meta_buffers_to_recompute(model: nn.Module, loaded: MappingT[str, torch.dtype],
-                              device: torch.device) -> dict[str, tuple[Slot, torch.Tensor]]:
+def meta_buffers_to_recompute(model: nn.Module, loaded: MappingT[str, torch.dtype], device: torch.device,
+                              also: set[str] = frozenset()) -> dict[str, tuple[Slot, torch.Tensor]]:
     """The buffers on meta that the checkpoint does not fill (`loaded`: name -> dtype of what
     it fills), computed now on `device`, before a byte is read, as `from_pretrained` computes
     them: by the model's own `_init_weights` (`_run_init`, which never reads a loaded value, so
     before or after the load is the same), in the dtype from_pretrained gives them. The model is
     left as it was; `fill_meta_buffers` puts them in. A buffer the init does not write, or an
-    init that fails, is refused here."""
+    init that fails, is refused here. `also`: real buffers to recompute the same way (left
+    uninitialised by someone else's `to_empty`)."""
     slots, _ = model_slots(model)
     targets = {n: s for n, s in slots.items()
-               if not s.is_parameter and n not in loaded and local_tensor(current_tensor(s)).is_meta}
+               if not s.is_parameter and n not in loaded and (local_tensor(current_tensor(s)).is_meta or n in also)}
     if not targets:
         return {}
     metas = {n: current_tensor(s) for n, s in targets.items()}

@@ -21,13 +21,14 @@ from .engine import run_schedule
 from .errors import ArgumentError, DtypeError, PlanError
 from .expr import Dequant
 from .hub import local_path
-from .index import CheckpointIndex, TensorEntry, resolve_files
-from .mapping import KeyMap, check_casts, check_mapping, map_model, prefix_hint
+from .formats import CheckpointSource, open_index, resolve
+from .index import CheckpointIndex, TensorEntry
+from .mapping import KeyMap, check_casts, check_mapping, held_by, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
 from .parallel import auto_parallelize, check_process_group
 from .placements import model_tp_plan, resolve_placements
 from .placer import allocate, allocate_quantized, assign, mapped_views
-from .plan import REPLICATE, local_regions, plan_for_rank
+from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, read_quantization_config
 from .quant.linear import quantizable_linears, swap_linears, to_torchao
 from .quant.onload import Quantization, QuantizedDest, check_groups, group_size, kept, kept_group
@@ -45,24 +46,31 @@ def _show_progress(progress: bool | None, rank: int) -> bool:
 
 
 class LazyCheckpoint:
-    """A sharded safetensors checkpoint, indexed from its headers alone (no tensor byte is
-    read until `load_into`).
+    """A checkpoint, indexed from its headers (or other metadata) alone: no tensor byte is
+    read until `load_into`.
 
     `paths`: a directory (its `model.safetensors.index.json` when present, else every
-    `*.safetensors` in it), one `.safetensors` file, a list of files, a glob, or a Hugging
-    Face repo id (`"Qwen/Qwen2-0.5B"`) already in huggingface_hub's local cache (never
-    downloaded). A path that leads to no checkpoint is a CheckpointError here."""
+    `*.safetensors` in it; a pre-sharded layout written by `save_sharded`), one file, a list
+    of files, a glob, a description json (`lazyload_sharded.json`, DeepSpeed's checkpoint
+    json), `.bin`/`.pt` state dicts, Megatron-LM per-rank checkpoints, or a Hugging Face repo
+    id (`"Qwen/Qwen2-0.5B"`) already in huggingface_hub's local cache (never downloaded). A
+    path that leads to no checkpoint is a CheckpointError here.
 
-    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
+    `trust_pickle`: True lets a pickled file (`.bin`, `.pt`) run the code it names (classes,
+    functions): only for files from a trusted source; without it such a file is refused."""
+
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *, trust_pickle: bool = False):
         self._paths = paths
+        self.trust_pickle = trust_pickle
         self._index: CheckpointIndex | None = None
         self._quantization: PreQuantized | None = None
-        self.files, self._index_json = resolve_files(local_path(paths))
+        self.source: CheckpointSource = resolve(local_path(paths))
+        self.files = self.source.files
 
     @property
     def index(self) -> CheckpointIndex:
         if self._index is None:
-            self._index = CheckpointIndex(self.files, self._index_json)
+            self._index = open_index(self.source, self.trust_pickle)
         return self._index
 
     @property
@@ -70,8 +78,11 @@ class LazyCheckpoint:
         """The checkpoint's pre-quantized weights and their scales (from the tensors and the
         `quantization_config` of the config.json beside its files); loads dequantize them."""
         if self._quantization is None:
-            self._quantization = detect(self.index, read_quantization_config(self.files))
+            self._quantization = self._detect()
         return self._quantization
+
+    def _detect(self, held=lambda key: False) -> PreQuantized:
+        return detect(self.index, read_quantization_config(self.files), held)
 
     def keys(self) -> list[str]:
         return list(self.index)
@@ -96,9 +107,9 @@ class LazyCheckpoint:
     def header_bytes_read(self) -> int:
         return self.index.header_bytes_read
 
-    def _values_dtype(self, key: str) -> torch.dtype | None:
+    def _values_dtype(self, key: str, quant: PreQuantized) -> torch.dtype | None:
         """The dtype of the values a key holds: None for a quantized weight (8-bit storage)."""
-        return None if key in self.quantization.leaves else self.index[key].dtype
+        return None if key in quant.leaves else self.index[key].dtype
 
     def __repr__(self) -> str:
         return f"LazyCheckpoint({len(self.files)} files, {len(self.index)} tensors, {self.total_bytes} bytes)"
@@ -156,19 +167,21 @@ class LazyCheckpoint:
         start = time.perf_counter()
         _check_arguments(model, dtype, missing, reader)
         qconfig = Quantization.of(quantize)
-        index = self.index
+        check_rank(rank, world)
+        index = self.index.for_rank(rank, world)  # copies of a replicated piece: this rank's own file
         device = target_device(device, model)  # concrete (cuda:N), checked to exist
 
         # Mapping: model tensors as expressions over checkpoint tensors.
         slots, aliases = model_slots(model)
         specs = model_specs(model, slots)
-        mapping = map_model(index, model, specs, aliases, key_map, self.quantization)
+        quant = self._detect(held=held_by(model, specs))
+        mapping = map_model(index, model, specs, aliases, key_map, quant)
 
         # Placements: from DTensors, local shapes, plan= or the model's TP plan.
         placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
         if placements.local_shaped:  # the model holds local shards: map with the full shapes
             specs = placements.specs
-            mapping = map_model(index, model, specs, aliases, key_map, self.quantization)
+            mapping = map_model(index, model, specs, aliases, key_map, quant)
         check_process_group(rank, world, plan, placements, shards_only)
         if mapping.unused_key_map:
             logger.warning("lazyload: key_map patterns that match no checkpoint key (key_map maps checkpoint key "
@@ -199,7 +212,7 @@ class LazyCheckpoint:
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
             slots, _ = model_slots(model)  # parameters became DTensors: placements from them
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
-        dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0]), dtype)
+        dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0], quant), dtype)
                   for name, expr in mapping.exprs.items()}
         dtypes.update({name: qconfig.torch_dtype for name in quantized})
 
@@ -207,7 +220,8 @@ class LazyCheckpoint:
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
         loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
-        recompute = meta_buffers_to_recompute(model, loaded_dtypes, device)
+        recompute = meta_buffers_to_recompute(model, loaded_dtypes, device,
+                                              also=_emptied_buffers(model, set(mapping.exprs)))
         dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
         release_pages = release_pages or must_release_pages(items, dest_bytes, world)
         chosen = choose_reader(reader, device, release_pages, items, index, world)
@@ -328,6 +342,25 @@ def _check_runnable_quantized(model: nn.Module, quantized: dict[str, int], place
                         "run under lazyload's parallelize yet; keep these layers in full precision "
                         f"(Quantization(skip=[...]) for {len(rows)} layers), or load only the shards with "
                         "shards_only=True.")
+
+
+def _emptied_buffers(model: nn.Module, loaded: set[str]) -> set[str]:
+    """DeepSpeed's init_inference makes a meta model real with `to_empty` (uninitialised
+    memory, buffers included) when it injects its tensor-parallel layers. Non-persistent
+    buffers (rotary `inv_freq`: never in a checkpoint) of modules without parameters are
+    then recomputed by the model's init, as if they were still on meta."""
+    if not hasattr(model, "_init_weights") or not any(
+            type(m).__module__.startswith("deepspeed.") for m in model.modules()):
+        return set()
+    names = set()
+    for module_name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            continue
+        for attr in module._non_persistent_buffers_set:
+            name = f"{module_name}.{attr}" if module_name else attr
+            if name not in loaded and module._buffers.get(attr) is not None and not module._buffers[attr].is_meta:
+                names.add(name)
+    return names
 
 
 def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype | None, requested: Any) -> torch.dtype:

@@ -3,9 +3,15 @@
 safetensors' Python API exposes keys, dtypes and shapes but not byte offsets, which the
 planner and the pread reader need; the header format (8-byte little-endian length, then
 JSON) is a documented, stable spec, so it is parsed here directly.
+
+Other formats (`formats/`: pre-sharded layouts, `.bin`/`.pt`, Megatron, DeepSpeed) build the
+same index from their own metadata (`CheckpointIndex.of`). A tensor they store in pieces
+(one per source tensor-parallel rank) is one logical name whose expression concatenates the
+pieces; the Mapping stage sees names (`names`, `expr`), the Plan reads stored entries.
 """
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import math
@@ -15,11 +21,12 @@ import stat
 import struct
 from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping as MappingT, Sequence, TypeVar
 
 import torch
 
 from .errors import CheckpointError
+from .expr import Expr, Source
 
 # safetensors dtype names -> torch dtypes (only those this torch build has).
 _DTYPES: dict[str, torch.dtype] = {
@@ -280,16 +287,22 @@ def _files_from_index_json(index_json: str) -> list[str]:
     return files
 
 
+def read_json(path: str, what: str) -> Any:
+    """A small JSON file (an index or a checkpoint description), parsed strictly."""
+
+    def read(f: BinaryIO, size: int) -> bytes:
+        if size > _MAX_HEADER:
+            raise CheckpointError(f"{path}: {size} bytes, too big for {what}; it is not one.")
+        return f.read()
+
+    return _load_json(path, _read_regular(path, read), what)
+
+
 def _weight_map(index_json: str) -> dict[str, str]:
     """The index json's weight_map, key -> shard name, each name normalized and inside the
     index json's directory (the name only: the file may be a symlink to anywhere)."""
 
-    def read(f: BinaryIO, size: int) -> bytes:
-        if size > _MAX_HEADER:
-            raise CheckpointError(f"{index_json}: {size} bytes, too big for an index json; it is not one.")
-        return f.read()
-
-    doc = _load_json(index_json, _read_regular(index_json, read), "index json")
+    doc = read_json(index_json, "index json")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_json}: no 'weight_map' object (found {_short(weight_map)}); this is not a "
@@ -309,24 +322,56 @@ def _shard_name(index_json: str, key: str, name: Any) -> str:
 
 
 class CheckpointIndex(MappingABC):
-    """key -> TensorEntry for every tensor of the checkpoint, built from headers only."""
+    """key -> TensorEntry for every stored tensor of the checkpoint, built from headers only.
+
+    The checkpoint's tensors as a model sees them are `names()`: each stored key, except
+    that the pieces of a tensor split across files appear once, as their logical name, whose
+    `expr` concatenates them (a `Layout` from `formats/`)."""
 
     def __init__(self, files: Iterable[str], index_json: str | None = None):
+        self._start(files, index_json)
+        for path in self.files:
+            entries, data_start = _entries_of_file(path)
+            self.header_bytes_read += data_start
+            self._add((entry.key, entry) for entry in entries)
+        if index_json is not None:
+            self._check_against_index_json(index_json)
+
+    @classmethod
+    def of(cls, files: Iterable[str], entries: Iterable[tuple[str, TensorEntry]], layouts: MappingT[str, Any] | None = None,
+           header_bytes_read: int = 0, description: str | None = None) -> "CheckpointIndex":
+        """An index a format built: stored entries keyed by their unique key (`entry.key` is
+        the name inside its file; pairs (key, entry)), and logical tensors `name -> Layout` over those keys."""
+        index = cls.__new__(cls)
+        index._start(files, description)
+        index.header_bytes_read = header_bytes_read
+        index._add(entries)
+        index._layouts = dict(layouts or {})
+        for name, layout in index._layouts.items():
+            for key in layout.keys():
+                if key not in index._entries:
+                    raise CheckpointError(f"{description or name}: logical tensor {name!r} names the piece {key!r}, "
+                                          "which no file stores; the checkpoint description and its files disagree.")
+                index._owner[key] = name
+        index._exprs = {name: layout.expr() for name, layout in index._layouts.items()}
+        return index
+
+    def _start(self, files: Iterable[str], index_json: str | None) -> None:
         self.files = list(files)
         self.index_json = index_json
         self.header_bytes_read = 0
         self._entries: dict[str, TensorEntry] = {}
-        for path in self.files:
-            entries, data_start = _entries_of_file(path)
-            self.header_bytes_read += data_start
-            for entry in entries:
-                other = self._entries.get(entry.key)
-                if other is not None:
-                    raise CheckpointError(f"tensor {entry.key!r} is stored twice: in {other.file} and in "
-                                          f"{entry.file}; remove one of the files from the checkpoint.")
-                self._entries[entry.key] = entry
-        if index_json is not None:
-            self._check_against_index_json(index_json)
+        self._layouts: dict[str, Any] = {}
+        self._exprs: dict[str, Expr] = {}
+        self._owner: dict[str, str] = {}  # stored key -> the logical name it is a piece of
+
+    def _add(self, entries: Iterable[tuple[str, TensorEntry]]) -> None:
+        for key, entry in entries:
+            other = self._entries.get(key)
+            if other is not None:
+                raise CheckpointError(f"tensor {key!r} is stored twice: in {other.file} and in "
+                                      f"{entry.file}; remove one of the files from the checkpoint.")
+            self._entries[key] = entry
 
     def _check_against_index_json(self, index_json: str) -> None:
         folder = os.path.dirname(index_json)
@@ -355,3 +400,34 @@ class CheckpointIndex(MappingABC):
     @property
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
+
+    # The checkpoint's tensors as the Mapping stage sees them.
+
+    def names(self) -> list[str]:
+        """Every tensor name: stored keys that are whole tensors, and logical names."""
+        return [k for k in self._entries if k not in self._owner] + list(self._layouts)
+
+    def expr(self, name: str) -> Expr:
+        return self._exprs.get(name) or Source(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        layout = self._layouts.get(name)
+        return layout.shape if layout is not None else self._entries[name].shape
+
+    def name_of(self, key: str) -> str:
+        """The name a stored key belongs to (a piece's logical name, else the key)."""
+        return self._owner.get(key, key)
+
+    def files_of(self, name: str) -> list[str]:
+        keys = self.expr(name).keys()
+        return sorted({self._entries[k].file for k in keys})
+
+    def for_rank(self, rank: int, world: int) -> "CheckpointIndex":
+        """This index with each logical tensor's copies (a replicated tensor stored in every
+        source rank's file) taken from the file of the source rank nearest to `rank` of
+        `world`: at the world a checkpoint was sharded for, each rank reads its own file."""
+        if not self._layouts:
+            return self
+        index = copy.copy(self)
+        index._exprs = {name: layout.expr(rank, world) for name, layout in self._layouts.items()}
+        return index

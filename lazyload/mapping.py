@@ -196,12 +196,12 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     computed = set(buffers) - set(targets) - set(aliases)
     resolver = _Resolver(set(targets) | computed, aliases, base_prefix, key_map, renames, converts)
     ignored_buffer_keys = []
-    leaf = lambda key: quant.leaves.get(key) or Source(key)  # noqa: E731
+    leaf = lambda key: quant.leaves.get(key) or index.expr(key)  # noqa: E731
     exprs: dict[str, Expr] = {}
     from_alias: dict[str, Expr] = {}
     groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
     unexpected = []
-    for key in sorted(set(index.keys()) - quant.siblings, key=natural_key):
+    for key in sorted(set(index.names()) - quant.siblings, key=natural_key):  # a tensor split over files is one name
         hit = resolver.resolve(key)
         if hit is None:
             unexpected.append(key)
@@ -236,7 +236,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     shape_of = lambda key: index[key].shape  # noqa: E731
     for name, expr in list(exprs.items()):
         if name not in targets:
-            unexpected.extend(expr.keys())
+            unexpected.extend(dict.fromkeys(index.name_of(k) for k in expr.keys()))
             del exprs[name]
             continue
         try:
@@ -293,7 +293,7 @@ def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[st
     hint = prefix_hint(mapping)
     first = f"{hint[0].upper()}{hint[1:]}\n" if hint else ""
     if mapping.missing:
-        keys = index.keys()
+        keys = index.names()
         lines = []
         for name in mapping.missing[:20]:
             near = difflib.get_close_matches(name, keys, n=3, cutoff=0.5)
@@ -305,7 +305,7 @@ def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[st
             "\nPass key_map= to rename checkpoint keys (checkpoint key -> model key), or strict=False to give "
             "them the model's own initialisation (missing='init')." + _key_map_note(mapping), mapping.missing)
     if mapping.unexpected:
-        shown = "\n".join(f"  {k} (in {index[k].file})" for k in mapping.unexpected[:20])
+        shown = "\n".join(f"  {k} (in {', '.join(index.files_of(k))})" for k in mapping.unexpected[:20])
         more = f"\n  ... and {len(mapping.unexpected) - 20} more" if len(mapping.unexpected) > 20 else ""
         raise UnexpectedKeysError(
             f"{first}{len(mapping.unexpected)} checkpoint tensor(s) match no model tensor:\n{shown}{more}\n"
@@ -343,6 +343,17 @@ def _conversion_rules(model: nn.Module) -> tuple[list, list]:
     return rules_from(BUILTIN_RULES.get(model_type, []))
 
 
+def held_by(model: nn.Module, specs: dict) -> Any:
+    """Whether the model holds a checkpoint key itself (by name, with its base prefix added
+    or removed): a model with its own 8-bit weights and scales loads them as stored."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def held(key: str) -> bool:
+        return key in specs or bool(prefix) and (f"{prefix}.{key}" in specs or key.removeprefix(prefix + ".") in specs)
+
+    return held
+
+
 def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, TargetSpec],
               aliases: MappingT[str, str], key_map: KeyMap | None = None,
               quant: Quantization | None = None) -> Mapping:
@@ -351,7 +362,7 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, Tar
     names that match plainly are never converted, so the result is the same. `quant`: the
     checkpoint's quantized weights (default: detected from its tensors alone)."""
     unused = check_key_map(key_map, list(index.keys()))
-    quant = detect(index) if quant is None else quant
+    quant = detect(index, held=held_by(model, specs)) if quant is None else quant
 
     def with_rules(renames, converts):
         return replace(build_mapping(

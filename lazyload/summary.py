@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from .errors import ArgumentError, MappingError
+from .formats import open_index, resolve
 from .hub import local_path
-from .index import CheckpointIndex, resolve_files
+from .index import CheckpointIndex
 from .mapping import map_model, prefix_hint
 from .placements import model_heads, resolve_placements
 from .plan import REPLICATE, check_rank, plan_for_rank
@@ -22,7 +23,7 @@ from .targets import model_slots, model_specs
 
 
 def _index(path: str) -> CheckpointIndex:
-    return CheckpointIndex(*resolve_files(local_path(path)))
+    return open_index(resolve(local_path(path)))
 
 
 def inspect_checkpoint(path: str) -> str:

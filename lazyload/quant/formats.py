@@ -25,7 +25,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -75,8 +75,11 @@ def read_quantization_config(files: Sequence[str]) -> dict | None:
     return quant if isinstance(quant, dict) else None
 
 
-def detect(index: CheckpointIndex, config: dict | None = None) -> Quantization:
-    """Pair every 8-bit weight with its scale (and zero point) siblings."""
+def detect(index: CheckpointIndex, config: dict | None = None,
+           held: Callable[[str], bool] = lambda key: False) -> Quantization:
+    """Pair every 8-bit weight with its scale (and zero point) siblings. `held`: keys the
+    model itself holds as they are (a model with its own int8 weights and scales): such a
+    pair is loaded as stored, not dequantized."""
     declared = config is not None
     blocks = _config_blocks(config) if declared else []
     leaves: dict[str, Dequant] = {}
@@ -84,7 +87,7 @@ def detect(index: CheckpointIndex, config: dict | None = None) -> Quantization:
     for key in index.keys():
         entry = index[key]
         scale = next((key + s for s in SCALE_SUFFIXES if key + s in index), None)
-        if entry.dtype not in WEIGHT_DTYPES or scale is None:
+        if entry.dtype not in WEIGHT_DTYPES or scale is None or held(scale):
             continue
         for suffix in UNSUPPORTED_SUFFIXES:
             if key + suffix in index:

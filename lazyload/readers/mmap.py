@@ -28,6 +28,8 @@ from ..system import (FAULT_AROUND, MADV_DONTNEED, MADV_POPULATE_READ, MADV_RAND
                       madvise, readahead_window)
 from .runs import byte_runs, is_one_range, span_is_cheaper
 
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format is a zip archive; safetensors starts with a length
+
 
 class MmapReader:
     name = "mmap"
@@ -49,17 +51,26 @@ class MmapReader:
         self.bytes_read = 0
 
     def _open(self, path: str):
+        """safe_open's handle for a safetensors file; for torch.save's zip format (.bin,
+        .pt) a uint8 tensor mapping the whole file (MAP_PRIVATE), whose tensors the index
+        located by byte offset."""
         from safetensors import safe_open
 
         with self._lock:
             handle = self._files.get(path)
             if handle is None:
-                if path in self._partial:
-                    self._cache_header(path)
-                try:
-                    handle = safe_open(path, framework="pt")
-                except Exception as exc:  # safetensors raises its own error types
-                    raise ReadError(f"{path}: safetensors cannot open it ({exc}).") from exc
+                if os.pread(self._fd(path), 4, 0) == ZIP_MAGIC:
+                    try:
+                        handle = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+                    except (OSError, RuntimeError) as exc:
+                        raise ReadError(f"{path}: cannot map it ({exc}).") from exc
+                else:
+                    if path in self._partial:
+                        self._cache_header(path)
+                    try:
+                        handle = safe_open(path, framework="pt")
+                    except Exception as exc:  # safetensors raises its own error types
+                        raise ReadError(f"{path}: safetensors cannot open it ({exc}).") from exc
                 self._files[path] = handle
                 if path in self._partial:
                     for lo, hi in self._mappings(path):
@@ -86,7 +97,8 @@ class MmapReader:
     def read(self, item: ReadItem) -> torch.Tensor | QuantizedBox:
         if item.scales is not None:  # a dequantized weight: its box, its scale blocks
             return QuantizedBox(*(self.read(part) for part in item.reads()))
-        tensor = self.view(item) if item.src_box else self._open(item.entry.file).get_tensor(item.entry.key)
+        handle = self._open(item.entry.file)
+        tensor = self.view(item) if item.src_box or isinstance(handle, torch.Tensor) else handle.get_tensor(item.entry.key)
         with self._lock:
             self.bytes_read += item.nbytes
         return tensor
@@ -95,7 +107,11 @@ class MmapReader:
         """The item's bytes as a view of the file mapping, nothing read yet: pages are
         faulted in when first used (copy-on-write: writing to it never changes the file)."""
         handle = self._open(item.entry.file)
-        return handle.get_slice(item.entry.key)[tuple(slice(a, b) for a, b in item.src_box)]
+        box = tuple(slice(a, b) for a, b in item.src_box)
+        if isinstance(handle, torch.Tensor):
+            entry = item.entry
+            return handle[entry.start:entry.end].view(entry.dtype).view(entry.shape)[box]
+        return handle.get_slice(item.entry.key)[box]
 
     def prefetch(self, items: tuple[ReadItem, ...]) -> None:
         """Queue the reads of these items' pages (no waiting): the whole span of an item
@@ -166,3 +182,4 @@ class MmapReader:
         self._windows.clear()
         self._files.clear()
         self._maps.clear()
+

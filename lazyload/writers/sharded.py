@@ -1,0 +1,218 @@
+"""save_sharded: write a checkpoint pre-sharded for a tensor-parallel world, in lazyload's
+layout (`formats/sharded.py`): one safetensors file per target rank (or per rank and layer
+range), holding exactly the boxes that rank reads, plus `lazyload_sharded.json`.
+
+The target layout is a plan: the model's placements at `world` (the same ones `load_into`
+uses), pushed through the mapping down to boxes of the source's tensors (each source tensor
+name is a leaf here, so the output keeps the source's names and global shapes). Each rank's
+file is then written layer by layer: a layer's pieces are read through the Index (any
+source format, split or whole) by the same engine and readers as a load, under the same
+byte budget, and written out before the next layer is read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine import run_schedule
+from ..errors import CheckpointError, PlanError
+from ..expr import Box, Source, box_numel, box_shape, full_box
+from ..formats import CheckpointSource, open_index, resolve
+from ..formats.logical import Layout, Part
+from ..formats.sharded import FORMAT, LAYOUT_JSON, VERSION
+from ..index import _DTYPES, CheckpointIndex, TensorEntry
+from ..mapping import Mapping, check_mapping, map_model, natural_key
+from ..placements import resolve_placements
+from ..plan import ReadItem, check_rank, plan_for_rank
+from ..readers import PreadReader
+from ..schedule import default_budget, layer_of, schedule
+from ..targets import model_slots, model_specs
+
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_CONFIGS = ("config.json", "generation_config.json")
+
+
+def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | str | None = None, *,
+                 model: nn.Module | None = None, config: Any = None, max_file_bytes: int | None = None,
+                 max_host_bytes: int | None = None) -> str:
+    """Write `src` (any checkpoint lazyload reads, or a LazyCheckpoint) pre-sharded for `world`
+    ranks into `out_dir`; returns the path of its `lazyload_sharded.json`.
+
+    The split is the one `load_into(model, rank, world, plan=plan)` makes: `model` (best on
+    meta) or one built on meta from `config` (a transformers config or a directory with
+    config.json; default the source's directory). A rank's file is cut into several, by layer,
+    when it would pass `max_file_bytes`. Host memory stays about one layer of one rank."""
+    check_rank(0, world)
+    index = _index_of(src)
+    model = model if model is not None else _meta_model(config, src)
+    view = _names_as_tensors(index)
+    slots, aliases = model_slots(model)
+    specs = model_specs(model, slots)
+    mapping = map_model(view, model, specs, aliases)
+    if mapping.mismatched:
+        check_mapping(Mapping(mapping.exprs, [], [], mapping.mismatched), view, specs)
+    shapes = {n: s.shape for n, s in specs.items()}
+    dtypes = {n: view[e.keys()[0]].dtype for n, e in mapping.exprs.items()}
+    boxes: dict[str, dict[int, list[Box]]] = defaultdict(lambda: defaultdict(list))
+    for rank in range(world):
+        placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world).placements
+        _, items = plan_for_rank(mapping.exprs, view, shapes, dtypes, placements, rank, world)
+        for item in items:
+            if item.src_box not in boxes[item.entry.key][rank]:
+                boxes[item.entry.key][rank].append(item.src_box)
+    for name in view:  # tensors no model tensor reads are kept, whole, in rank 0's file
+        if name not in boxes:
+            boxes[name][0].append(full_box(view[name].shape))
+    pieces = _pieces(view, boxes, world)
+    os.makedirs(out_dir, exist_ok=True)
+    files, records = [], defaultdict(list)
+    for rank in range(world):
+        for part, chunk in enumerate(_cut(pieces[rank], view, max_file_bytes)):
+            name = f"rank-{rank:05d}-of-{world:05d}" + (f"-{part:05d}" if part else "") + ".safetensors"
+            _write_file(os.path.join(out_dir, name), chunk, index.for_rank(rank, world), view, rank, world,
+                        max_host_bytes)
+            for key, tensor, box in chunk:
+                records[tensor].append({"file": len(files), "key": key, "box": [list(span) for span in box]})
+            files.append({"name": name, "rank": rank})
+    doc = {"format": FORMAT, "version": VERSION, "world": world, "files": files,
+           "tensors": {name: {"shape": list(view[name].shape), "dtype": _DTYPE_NAMES[view[name].dtype],
+                              "pieces": records[name]} for name in view}}
+    _copy_configs(src, out_dir)
+    path = os.path.join(out_dir, LAYOUT_JSON)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(path + ".tmp", path)  # written last: a partial output is not a checkpoint
+    return path
+
+
+def _copy_configs(src: Any, out_dir: str | os.PathLike) -> None:
+    """The model's config files beside the rank files, so that the copy builds its model too."""
+    folder = src if isinstance(src, (str, os.PathLike)) and os.path.isdir(src) else None
+    for name in _CONFIGS if folder is not None else ():
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(out_dir, name))
+
+
+def _index_of(src: Any) -> CheckpointIndex:
+    if isinstance(src, CheckpointIndex):
+        return src
+    if isinstance(getattr(src, "index", None), CheckpointIndex):  # a LazyCheckpoint
+        return src.index
+    return open_index(src if isinstance(src, CheckpointSource) else resolve(src))
+
+
+def _meta_model(config: Any, src: Any) -> nn.Module:
+    """The model whose placements define the split, built on meta from its config."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    if config is None or isinstance(config, (str, os.PathLike)):
+        where = config or (src if isinstance(src, (str, os.PathLike)) and os.path.isdir(src) else None)
+        if where is None or not os.path.exists(os.path.join(where, "config.json") if os.path.isdir(where) else where):
+            raise PlanError(f"{src}: no config.json to build the model whose split to write; pass model= (built "
+                            "on meta) or config= (a transformers config or a directory holding config.json).")
+        config = AutoConfig.from_pretrained(where)
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return AutoModel.from_config(config)
+
+
+def _names_as_tensors(index: CheckpointIndex) -> CheckpointIndex:
+    """The source's tensor names as whole tensors of their global shapes (a split tensor is
+    one tensor here), so that the plan gives boxes of names rather than of stored pieces."""
+    entries = []
+    for name in index.names():
+        dtype = index[index.expr(name).keys()[0]].dtype
+        shape = index.shape(name)
+        nbytes = box_numel(full_box(shape)) * dtype.itemsize
+        entries.append((name, TensorEntry(index.files_of(name)[0], name, dtype, shape, 0, nbytes)))
+    return CheckpointIndex.of(index.files, entries)
+
+
+def _pieces(view: CheckpointIndex, boxes: dict, world: int) -> dict[int, list[tuple[str, str, Box]]]:
+    """Per rank, its (key in its file, tensor name, box), in layer order. A tensor whose
+    boxes do not tile it (a part nobody reads, boxes that overlap) is stored whole instead,
+    in each rank's file that reads any of it."""
+    per_rank: dict[int, list[tuple[str, str, Box]]] = defaultdict(list)
+    for name in sorted(boxes, key=lambda n: (natural_key(layer_of(n)), natural_key(n))):
+        by_rank = boxes[name]
+        shape = view[name].shape
+        parts = [Part(Source(name), box, rank) for rank, bs in by_rank.items() for box in bs]
+        try:
+            Layout(name, shape, view[name].dtype, tuple(parts), world).expr()
+        except CheckpointError:
+            by_rank = {rank: [full_box(shape)] for rank in by_rank}
+        for rank, bs in by_rank.items():
+            for i, box in enumerate(sorted(bs)):
+                per_rank[rank].append((name if i == 0 else f"{name}@{i}", name, box))
+    return per_rank
+
+
+def _cut(pieces: list, view: CheckpointIndex, max_bytes: int | None) -> list[list]:
+    """A rank's pieces in files of at most max_bytes, cut only between layers."""
+    if max_bytes is None:
+        return [pieces]
+    chunks, size, last = [[]], 0, None
+    for piece in pieces:
+        nbytes = box_numel(piece[2]) * view[piece[1]].dtype.itemsize
+        layer = layer_of(piece[1])
+        if chunks[-1] and size + nbytes > max_bytes and layer != last:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(piece)
+        size += nbytes
+        last = layer
+    return chunks
+
+
+def _write_file(path: str, chunk: list, index: CheckpointIndex, view: CheckpointIndex, rank: int, world: int,
+                max_host_bytes: int | None) -> None:
+    """One safetensors file: the header, then each layer's pieces as soon as they are read."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "lazyload_rank": str(rank),
+                                               "lazyload_world": str(world)}}
+    offset = 0
+    for key, name, box in chunk:
+        nbytes = box_numel(box) * view[name].dtype.itemsize
+        header[key] = {"dtype": _DTYPE_NAMES[view[name].dtype], "shape": list(box_shape(box)),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    shape_of = lambda key: index[key].shape  # noqa: E731
+    by_layer: dict[str, list] = defaultdict(list)
+    for piece in chunk:
+        by_layer[layer_of(piece[1])].append(piece)
+    reader = PreadReader()
+    with open(path + ".tmp", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for layer_pieces in by_layer.values():
+            items, dests = [], {}
+            for key, name, box in layer_pieces:
+                dests[key] = torch.empty(box_shape(box), dtype=view[name].dtype)
+                origin = [a for a, _ in box]
+                for p in index.expr(name).pieces(box, shape_of):
+                    dst = tuple((a - o, b - o) for (a, b), o in zip(p.dst_box, origin))
+                    items.append(ReadItem(index[p.key], p.src_box, p.ops, key, dst))
+            groups = schedule(items)
+            budget = max_host_bytes or default_budget(groups)
+            largest = max((item.nbytes for item in items), default=0)
+            if budget < largest:
+                raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read ({largest} "
+                                "bytes); raise it to at least that.")
+            try:
+                run_schedule(groups, reader, dests, budget)
+            except BaseException:
+                reader.close()
+                raise
+            for key, _, _ in layer_pieces:
+                f.write(memoryview(dests[key].reshape(-1).view(torch.uint8).numpy()))
+    reader.close()
+    os.replace(path + ".tmp", path)
