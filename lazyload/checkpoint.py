@@ -15,8 +15,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .devices import target_device, use_device
-from .engine import must_release_pages, run_schedule
-from .errors import ArgumentError, DtypeError, PlanError
+from .agreement import Agreement, NoAgreement, agreement
+from .engine import must_release_pages, run_schedule, settle_failure
+from .errors import ArgumentError, DtypeError, PlanError, ReadError
 from .hub import local_path
 from .index import CheckpointIndex, TensorEntry, resolve_files
 from .mapping import KeyMap, check_casts, check_mapping, map_model, prefix_hint
@@ -103,7 +104,7 @@ class LazyCheckpoint:
                   strict: bool = True, missing: str = "init", key_map: KeyMap | None = None,
                   progress: bool | None = None, plan: dict[str, Any] | str | None = None, reader: str = "auto",
                   max_host_bytes: int | None = None, release_pages: bool = False,
-                  shards_only: bool = False) -> LoadReport:
+                  shards_only: bool = False, rank_timeout: float = 60.0) -> LoadReport:
         """Fill `model` with this rank's share of the checkpoint; returns a LoadReport.
 
         Every input error (arguments, keys, shapes, casts, rank/world, plan) is a
@@ -140,7 +141,28 @@ class LazyCheckpoint:
         - `max_host_bytes`: bytes read but not yet placed (default about one layer).
         - `release_pages`: drop consumed file pages (on by itself under a tight cgroup).
         - `shards_only`: fill this rank's shards into plain tensors and leave the model's
-          structure alone, even under torch.distributed with another (rank, world)."""
+          structure alone, even under torch.distributed with another (rank, world).
+        - `rank_timeout`: seconds a rank of a torch.distributed load (the process group's
+          rank and world > 1) waits for the others at each point where they agree (after
+          planning, after reading); a rank that fails, or does not report in time, makes
+          every other one raise RankFailedError naming it and its error.
+
+        A read that fails (I/O error, permission, a file changed since it was indexed) is a
+        ReadError listing the targets `loaded` (assigned) and `not_loaded` (kept as they
+        were; `partly_written`: real tensors filled in place, their values now mixed)."""
+        agree = agreement(rank, world, rank_timeout)
+        try:
+            return self._load(agree, model, rank, world, device=device, dtype=dtype, strict=strict, missing=missing,
+                              key_map=key_map, progress=progress, plan=plan, reader=reader,
+                              max_host_bytes=max_host_bytes, release_pages=release_pages, shards_only=shards_only)
+        except BaseException as exc:
+            agree.failed(exc)  # the other ranks hear of it at the next point, instead of waiting forever
+            raise
+
+    def _load(self, agree: Agreement | NoAgreement, model: nn.Module, rank: int, world: int, *,
+              device: str | torch.device | None, dtype: torch.dtype | str | None, strict: bool, missing: str,
+              key_map: KeyMap | None, progress: bool | None, plan: dict[str, Any] | str | None, reader: str,
+              max_host_bytes: int | None, release_pages: bool, shards_only: bool) -> LoadReport:
         start = time.perf_counter()
         _check_arguments(model, dtype, missing, reader)
         index = self.index
@@ -174,6 +196,7 @@ class LazyCheckpoint:
             {n: local_regions(n, specs[n].shape, placements.placements.get(n, REPLICATE), rank, world)[0]
              for n in unfilled},
             {n: _target_dtype(specs[n].dtype, specs[n].dtype, dtype) for n in unfilled}, device)
+        agree.reached("planned")  # every rank's input is good: only now may any model change
         # Only now, with the input checked, may the model change: made tensor parallel.
         use_device(device)  # before any mesh is made: DeviceMesh then agrees
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
@@ -217,8 +240,11 @@ class LazyCheckpoint:
             try:
                 engine = run_schedule(groups, chosen, dests, budget, on_bytes=lambda n: bar.update(n / 2**20),
                                       mapped=frozenset(views))
+            except ReadError as exc:  # what was fully read is assigned; the rest left as it was
+                raise settle_failure(exc, {t.name: slots[t.name] for t in targets}, dests) from exc
             finally:
                 chosen.close()
+            agree.reached("read")  # every rank read everything: only now is any model made runnable
             for target in targets:
                 assign(slots[target.name], dests[target.name])
             for name, value in initialized.items():

@@ -51,6 +51,22 @@ _CORRUPT = "the file is corrupt or not safetensors; re-download or re-save it."
 
 
 @dataclass(frozen=True)
+class FileIdentity:
+    """What a file was when its header was read (`os.stat`): a reader opening it later
+    compares, so that a file replaced, truncated or rewritten since is refused instead of
+    read as if its header still described it."""
+
+    size: int
+    inode: int
+    device: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> "FileIdentity":
+        return cls(info.st_size, info.st_ino, info.st_dev, info.st_mtime_ns)
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     """One tensor of one file: where its bytes are, and what they are."""
 
@@ -131,10 +147,10 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def read_header(path: str) -> tuple[dict, int, int]:
-    """Return (header dict, data start offset, file size) of one safetensors file."""
+def read_header(path: str) -> tuple[dict, int, FileIdentity]:
+    """Return (header dict, data start offset, identity) of one safetensors file."""
 
-    def read(f: BinaryIO, size: int) -> tuple[bytes, int]:
+    def read(f: BinaryIO, size: int) -> tuple[bytes, FileIdentity]:
         raw = f.read(8)
         if len(raw) != 8:
             raise CheckpointError(f"{path}: too short to be a safetensors file ({len(raw)} bytes); "
@@ -149,21 +165,21 @@ def read_header(path: str) -> tuple[dict, int, int]:
         if len(text) != length:
             raise CheckpointError(f"{path}: truncated header ({len(text)} of {length} bytes); the file changed "
                                   "while being read.")
-        return text, size
+        return text, FileIdentity.of(os.fstat(f.fileno()))
 
-    text, size = _read_regular(path, read)
+    text, identity = _read_regular(path, read)
     header = _load_json(path, text, "header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {_json_type(header)}, not an object; {_CORRUPT}")
-    return header, 8 + len(text), size
+    return header, 8 + len(text), identity
 
 
-def _entries_of_file(path: str) -> tuple[list[TensorEntry], int]:
-    header, data_start, size = read_header(path)
+def _entries_of_file(path: str) -> tuple[list[TensorEntry], int, FileIdentity]:
+    header, data_start, identity = read_header(path)
     _check_metadata(path, header.get("__metadata__"))
     entries = [_entry(path, key, info, data_start) for key, info in header.items() if key != "__metadata__"]
-    _check_layout(path, entries, data_start, size)
-    return entries, data_start
+    _check_layout(path, entries, data_start, identity.size)
+    return entries, data_start, identity
 
 
 def _check_metadata(path: str, metadata: Any) -> None:
@@ -316,8 +332,9 @@ class CheckpointIndex(MappingABC):
         self.index_json = index_json
         self.header_bytes_read = 0
         self._entries: dict[str, TensorEntry] = {}
+        self.identities: dict[str, FileIdentity] = {}  # path -> the file as indexed
         for path in self.files:
-            entries, data_start = _entries_of_file(path)
+            entries, data_start, self.identities[path] = _entries_of_file(path)
             self.header_bytes_read += data_start
             for entry in entries:
                 other = self._entries.get(entry.key)

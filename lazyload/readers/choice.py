@@ -30,10 +30,11 @@ def choose_reader(name: str, device: torch.device, release_pages: bool, items: l
         name = "mmap" if device.type == "cpu" else "pread"
     partial = partially_read_files(items, index)
     if name == "pread":
-        return PreadReader(release_pages, partial)
+        return PreadReader(release_pages, partial, index.identities)
     if name == "mmap":
         warm = resident_fraction(items) >= WARM_FRACTION
-        return MmapReader(release_pages, partial, prefetch=not warm, host_ranks=host_ranks(world))
+        return MmapReader(release_pages, partial, prefetch=not warm, host_ranks=host_ranks(world),
+                           identities=index.identities)
     raise PlanError(f"unknown reader {name!r}; use 'auto', 'mmap' or 'pread'.")
 
 
