@@ -58,9 +58,10 @@ class Agreement:
         late = self._wait(keys, deadline)
         failed = {r: "did not report within {:g} s (it crashed, hangs, or did not call load_into)".format(
             self.timeout) for r in late}
-        for r, key in enumerate(keys):
-            if r not in late and r != self.rank and (text := self.store.get(key).decode()) != "ok":
-                failed[r] = text
+        present = [r for r in range(self.world) if r not in late]
+        for r, value in zip(present, self.store.multi_get([keys[r] for r in present])):  # one request
+            if r != self.rank and value.decode() != "ok":
+                failed[r] = value.decode()
         if failed or mine != "ok":  # keep the store's host alive until every rank has read
             self.store.add(f"{self.prefix}/{point}/read", 1)
             self._wait_count(f"{self.prefix}/{point}/read", self.world - len(late), deadline)
