@@ -31,7 +31,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -129,12 +129,12 @@ class Progress:
     """Which targets are fully placed, and which have had bytes written, as items finish
     (worker threads report here); `failure` turns an error into a ReadError saying so."""
 
-    def __init__(self, groups: list[Group]):
-        self._left: dict[str, int] = {}
+    def __init__(self, groups: list[Group], targets: Iterable[str]):
+        self._left = dict.fromkeys(targets, 0)  # items not yet placed, by target
         for group in groups:
             for item in group.items:
-                self._left[item.target] = self._left.get(item.target, 0) + 1
-        self.done: set[str] = set()
+                self._left[item.target] += 1
+        self.done = {t for t, n in self._left.items() if not n}  # e.g. views of warm pages
         self.started: set[str] = set()
         self._lock = threading.Lock()
 
@@ -235,9 +235,15 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
         arena = Arena(budget, pin=cuda) if isinstance(reader, PreadReader) else None
         copies = CudaCopies(device) if cuda else None
         h2d = (0, 0.0)
-        progress = Progress(groups)
+        progress = Progress(groups, dests)
         try:
             _run(groups, reader, dests, budget, on_bytes, mapped, device, arena, copies, progress)
+            if mapped:
+                try:
+                    reader.check_mapped()
+                except ReadError:  # views of a file that shrank during the load: not loaded
+                    progress.done -= mapped
+                    raise
         except ItemFailed as failed:  # the pool is drained: no worker writes any more
             raise progress.failure(failed.cause, failed.item) from failed.cause
         except (ReadError, OSError) as exc:  # opening or announcing, outside any item

@@ -170,6 +170,15 @@ class MmapReader:
             fd = self._fd(item.entry.file)
         fadvise(fd, int(offsets[0]), span, os.POSIX_FADV_DONTNEED)
 
+    def check_mapped(self) -> None:
+        """Every file mapped here still has its indexed size: targets left as views of a
+        mapping would otherwise be SIGBUS when the model reads a page the file lost."""
+        with self._lock:
+            fds = {path: self._fds[path] for path in self._files}
+        for path, fd in fds.items():
+            expected = self._identities.get(path)
+            check_size(fd, path, expected, expected.size if expected is not None else 0)
+
     def _mappings(self, path: str) -> list[tuple[int, int]]:
         ranges = self._maps.get(path)
         if ranges is None:  # safe_open mapped the file once; it does not move
