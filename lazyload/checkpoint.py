@@ -17,8 +17,9 @@ from tqdm.auto import tqdm
 
 from .buffers import fill_meta_buffers, meta_buffers_to_recompute
 from .devices import target_device, use_device
-from .engine import run_schedule
-from .errors import ArgumentError, DtypeError, PlanError
+from .agreement import Agreement, NoAgreement, agreement
+from .engine import run_schedule, settle_failure
+from .errors import ArgumentError, DtypeError, PlanError, ReadError
 from .expr import Dequant
 from .hub import local_path
 from .formats import CheckpointSource, open_index, resolve
@@ -119,7 +120,8 @@ class LazyCheckpoint:
                   strict: bool = True, missing: str = "init", key_map: KeyMap | None = None,
                   progress: bool | None = None, plan: dict[str, Any] | str | None = None, reader: str = "auto",
                   max_host_bytes: int | None = None, release_pages: bool = False,
-                  shards_only: bool = False, quantize: str | Quantization | None = None) -> LoadReport:
+                  shards_only: bool = False, quantize: str | Quantization | None = None,
+                  rank_timeout: float = 60.0) -> LoadReport:
         """Fill `model` with this rank's share of the checkpoint; returns a LoadReport.
 
         Every input error (arguments, keys, shapes, casts, rank/world, plan) is a
@@ -163,7 +165,30 @@ class LazyCheckpoint:
           float32 scales per output row and group of 128 input columns), each rank quantizing
           the slice it reads; `lm_head`, MoE routers and the config's
           `modules_to_not_convert` stay in full precision. A TP split that cuts a group is a
-          PlanError."""
+          PlanError.
+        - `rank_timeout`: seconds a rank of a torch.distributed load (the process group's
+          rank and world > 1) waits for the others at each point where they agree (after
+          planning, after reading); a rank that fails, or does not report in time, makes
+          every other one raise RankFailedError naming it and its error.
+
+        A read that fails (I/O error, permission, a file changed since it was indexed) is a
+        ReadError listing the targets `loaded` (assigned) and `not_loaded` (kept as they
+        were; `partly_written`: real tensors filled in place, their values now mixed)."""
+        agree = agreement(rank, world, rank_timeout)
+        try:
+            return self._load(agree, model, rank, world, device=device, dtype=dtype, strict=strict, missing=missing,
+                              key_map=key_map, progress=progress, plan=plan, reader=reader,
+                              max_host_bytes=max_host_bytes, release_pages=release_pages, shards_only=shards_only,
+                              quantize=quantize)
+        except BaseException as exc:
+            agree.failed(exc)  # the other ranks hear of it at the next point, instead of waiting forever
+            raise
+
+    def _load(self, agree: Agreement | NoAgreement, model: nn.Module, rank: int, world: int, *,
+              device: str | torch.device | None, dtype: torch.dtype | str | None, strict: bool, missing: str,
+              key_map: KeyMap | None, progress: bool | None, plan: dict[str, Any] | str | None, reader: str,
+              max_host_bytes: int | None, release_pages: bool, shards_only: bool,
+              quantize: str | Quantization | None) -> LoadReport:
         start = time.perf_counter()
         _check_arguments(model, dtype, missing, reader)
         qconfig = Quantization.of(quantize)
@@ -203,6 +228,7 @@ class LazyCheckpoint:
         quantized = _quantized_groups(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
         if quantized and not shards_only:
             _check_runnable_quantized(model, quantized, placements.placements, world)
+        agree.reached("planned")  # every rank's input is good: only now may any model change
         # Only now, with the input checked, may the model change: Linear layers quantized,
         # made tensor parallel.
         if quantized:
@@ -255,8 +281,11 @@ class LazyCheckpoint:
             try:
                 engine = run_schedule(groups, chosen, dests, budget, on_bytes=lambda n: bar.update(n / 2**20),
                                       mapped=frozenset(views))
+            except ReadError as exc:  # what was fully read is assigned; the rest left as it was
+                raise settle_failure(exc, {t.name: slots[t.name] for t in targets}, dests) from exc
             finally:
                 chosen.close()
+            agree.reached("read")  # every rank read everything: only now is any model made runnable
             for target in targets:
                 dest = dests[target.name]
                 if isinstance(dest, QuantizedDest):  # the 8-bit data, and its scales beside it

@@ -13,6 +13,12 @@ Cold pages (mmap reader with `prefetching`): a single prefetch thread announces 
 layer's exact page ranges while this one is placed, so that the storage reads ahead of the
 copies; targets that are views of the mapping (`mapped`) are paged in rather than copied.
 
+Failures: a read that fails (ReadError from the reader, or any OSError) stops the run and
+becomes a ReadError naming the file and tensor, with the targets whose every item was
+placed (`loaded`), the others (`not_loaded`), and among those the ones some of whose bytes
+were already being written (`partly_written`); the pool is drained first, so the lists are
+final (see `Progress`).
+
 Page release: when the reader was asked to (`release_pages`, which the loader also turns
 on when `readers.choice.must_release_pages`), each item's file pages are dropped once it is placed, so
 that RSS (not only anonymous memory) stays bounded.
@@ -25,15 +31,18 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
+from .errors import ReadError
 from .expr import apply_ops
-from .placer import box_of, copy_into
+from .placer import assign, box_of, copy_into
 from .plan import ReadItem
+from .quant.dequant import QuantizedBox
 from .readers import Arena, MmapReader, PreadReader, byte_runs
 from .schedule import Group
+from .targets import Slot, current_tensor, local_tensor
 
 
 class ByteBudget:
@@ -116,6 +125,52 @@ class CudaCopies:
         return sum(n for _, _, n in self._timed), seconds
 
 
+class Progress:
+    """Which targets are fully placed, and which have had bytes written, as items finish
+    (worker threads report here); `failure` turns an error into a ReadError saying so."""
+
+    def __init__(self, groups: list[Group], targets: Iterable[str]):
+        self._left = dict.fromkeys(targets, 0)  # items not yet placed, by target
+        for group in groups:
+            for item in group.items:
+                self._left[item.target] += 1
+        self.done = {t for t, n in self._left.items() if not n}  # e.g. views of warm pages
+        self.started: set[str] = set()
+        self._lock = threading.Lock()
+
+    def writing(self, item: ReadItem) -> None:
+        with self._lock:
+            self.started.add(item.target)
+
+    def placed(self, item: ReadItem) -> None:
+        with self._lock:
+            self._left[item.target] -= 1
+            if not self._left[item.target]:
+                self.done.add(item.target)
+
+    def failure(self, exc: BaseException, item: ReadItem | None) -> ReadError:
+        """A ReadError naming the file and tensor, listing what is loaded; call once no
+        worker runs any more."""
+        reason = str(exc) if isinstance(exc, ReadError) else (
+            f"{getattr(exc, 'filename', None) or (item.entry.file if item else 'a checkpoint file')}: "
+            f"{exc.strerror or exc}")
+        where = f" (reading tensor {item.entry.key!r} of {item.entry.file} for {item.target})" if item else ""
+        loaded = [t for t in self._left if t in self.done]
+        not_loaded = [t for t in self._left if t not in self.done]
+        partly = [t for t in not_loaded if t in self.started]
+        return ReadError(f"{reason}{where}; {len(loaded)} of {len(self._left)} targets were loaded before it, "
+                         f"{len(not_loaded)} were not (the error's `loaded` / `not_loaded`).",
+                         loaded, not_loaded, partly)
+
+
+class ItemFailed(Exception):
+    """A worker's read or placement of `item` failed with `cause` (carried to `Progress`)."""
+
+    def __init__(self, item: ReadItem, cause: BaseException):
+        super().__init__(item, cause)
+        self.item, self.cause = item, cause
+
+
 def use_device(device: torch.device) -> None:
     """Worker thread initializer: CUDA's current device is per thread (device 0 in a new
     one); work there on another device would create a context on GPU 0."""
@@ -164,8 +219,19 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
         arena = Arena(budget, pin=cuda) if isinstance(reader, PreadReader) else None
         copies = CudaCopies(device) if cuda else None
         h2d = (0, 0.0)
+        progress = Progress(groups, dests)
         try:
-            _run(groups, reader, dests, budget, on_bytes, mapped, device, arena, copies)
+            _run(groups, reader, dests, budget, on_bytes, mapped, device, arena, copies, progress)
+            if mapped:
+                try:
+                    reader.check_mapped()
+                except ReadError:  # views of a file that shrank during the load: not loaded
+                    progress.done -= mapped
+                    raise
+        except ItemFailed as failed:  # the pool is drained: no worker writes any more
+            raise progress.failure(failed.cause, failed.item) from failed.cause
+        except (ReadError, OSError) as exc:  # opening or announcing, outside any item
+            raise progress.failure(exc, None) from exc
         finally:
             try:
                 if copies is not None:
@@ -179,31 +245,47 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
 
 def _run(groups: list[Group], reader: MmapReader | PreadReader, dests: dict[str, torch.Tensor], budget: int,
          on_bytes: Callable[[int], None], mapped: frozenset[str], device: torch.device, arena: Arena | None,
-         copies: CudaCopies | None) -> None:
+         copies: CudaCopies | None, progress: Progress) -> None:
     in_flight = ByteBudget(budget)
-    place = copies.place if copies is not None else copy_into
+    copy = copies.place if copies is not None else copy_into
+
+    def place(item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
+        progress.writing(item)
+        copy(dests[item.target], item, source)
 
     def pread_task(item: ReadItem, buf: torch.Tensor, staged: bool) -> None:
         try:
+            if not staged:
+                progress.writing(item)  # the file's bytes land in the destination itself
             source = reader.read_into(item, buf)
             if staged:
-                place(dests[item.target], item, source)
+                place(item, source)
+        except (ReadError, OSError) as exc:
+            raise ItemFailed(item, exc) from exc
         finally:
             if staged:
                 arena.free(buf)
+        progress.placed(item)
         on_bytes(item.nbytes)
 
     def mmap_task(item: ReadItem) -> None:
         try:
             source = reader.read(item)
-            place(dests[item.target], item, source)
+            place(item, source)
             reader.release(item, source)
+        except (ReadError, OSError) as exc:
+            raise ItemFailed(item, exc) from exc
         finally:
             in_flight.release(item.nbytes)
+        progress.placed(item)
         on_bytes(item.nbytes)
 
     def populate_task(item: ReadItem) -> None:
-        reader.populate(item, dests[item.target])
+        try:
+            reader.populate(item, dests[item.target])
+        except (ReadError, OSError) as exc:
+            raise ItemFailed(item, exc) from exc
+        progress.placed(item)
         on_bytes(item.nbytes)
 
     workers = _workers(reader)
@@ -241,3 +323,29 @@ def _run(groups: list[Group], reader: MmapReader | PreadReader, dests: dict[str,
             for future in (*pending, *announced.values()):
                 future.cancel()
             raise
+
+
+def settle_failure(error: ReadError, slots: dict[str, Slot], dests: dict[str, torch.Tensor]) -> ReadError:
+    """After a failed run: assign the targets that were fully read (they are loaded), leave
+    the others as they were (meta, or a real model's previous values), and say so. Only a
+    real tensor filled in place can be left half written: it is named (`partly_written`).
+    Staging every in-place target into fresh memory instead would double a real model's
+    memory for the length of the load."""
+    for name in error.loaded:
+        assign(slots[name], dests[name])
+    in_place = [name for name in error.partly_written if _is_own_storage(slots[name], dests[name])]
+    message = str(error)
+    if in_place:
+        message += (f" Partly written (a real model's tensors filled in place, now a mix of old and new values; "
+                    f"load again): {_names(in_place)}.")
+    message += f" Not loaded, left as they were: {_names(error.not_loaded)}."
+    return ReadError(message, error.loaded, error.not_loaded, in_place)
+
+
+def _is_own_storage(slot: Slot, dest: torch.Tensor) -> bool:
+    own = local_tensor(current_tensor(slot))
+    return not own.is_meta and own.data_ptr() == dest.data_ptr()
+
+
+def _names(names: list[str], shown: int = 8) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

@@ -55,7 +55,29 @@ class PlanError(LazyLoadError):
 
 
 class ReadError(LazyLoadError):
-    """Reading bytes from a checkpoint file failed (short read, I/O error)."""
+    """Reading bytes from a checkpoint file failed (short read, I/O error, permission
+    denied, a file removed, truncated or replaced since it was indexed).
+
+    Raised from a load, it says what the model holds: `loaded`, the targets fully
+    written (and assigned); `not_loaded`, the others, which keep their previous values
+    (a real model) or stay on meta; among them `partly_written`, targets of a real model
+    filled in place whose bytes were being written when the read failed: their values
+    are a mix of old and new (load them again)."""
+
+    def __init__(self, message: str, loaded: list[str] = (), not_loaded: list[str] = (),
+                 partly_written: list[str] = ()):
+        super().__init__(message)
+        self.loaded, self.not_loaded, self.partly_written = list(loaded), list(not_loaded), list(partly_written)
+
+
+class RankFailedError(LazyLoadError):
+    """Another rank of this torch.distributed load failed (or did not report within
+    `rank_timeout`); this rank stopped before making its model runnable. `ranks`: the
+    failed ranks -> their errors."""
+
+    def __init__(self, message: str, ranks: dict[int, str] | None = None):
+        super().__init__(message)
+        self.ranks = dict(ranks or {})
 
 
 class MetaBufferError(LazyLoadError):

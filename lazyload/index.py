@@ -58,6 +58,22 @@ _CORRUPT = "the file is corrupt or not safetensors; re-download or re-save it."
 
 
 @dataclass(frozen=True)
+class FileIdentity:
+    """What a file was when its header was read (`os.stat`): a reader opening it later
+    compares, so that a file replaced, truncated or rewritten since is refused instead of
+    read as if its header still described it."""
+
+    size: int
+    inode: int
+    device: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> "FileIdentity":
+        return cls(info.st_size, info.st_ino, info.st_dev, info.st_mtime_ns)
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     """One tensor of one file: where its bytes are, and what they are."""
 
@@ -138,10 +154,10 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def read_header(path: str) -> tuple[dict, int, int]:
-    """Return (header dict, data start offset, file size) of one safetensors file."""
+def read_header(path: str) -> tuple[dict, int, FileIdentity]:
+    """Return (header dict, data start offset, identity) of one safetensors file."""
 
-    def read(f: BinaryIO, size: int) -> tuple[bytes, int]:
+    def read(f: BinaryIO, size: int) -> tuple[bytes, FileIdentity]:
         raw = f.read(8)
         if len(raw) != 8:
             raise CheckpointError(f"{path}: too short to be a safetensors file ({len(raw)} bytes); "
@@ -156,21 +172,21 @@ def read_header(path: str) -> tuple[dict, int, int]:
         if len(text) != length:
             raise CheckpointError(f"{path}: truncated header ({len(text)} of {length} bytes); the file changed "
                                   "while being read.")
-        return text, size
+        return text, FileIdentity.of(os.fstat(f.fileno()))
 
-    text, size = _read_regular(path, read)
+    text, identity = _read_regular(path, read)
     header = _load_json(path, text, "header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {_json_type(header)}, not an object; {_CORRUPT}")
-    return header, 8 + len(text), size
+    return header, 8 + len(text), identity
 
 
-def _entries_of_file(path: str) -> tuple[list[TensorEntry], int]:
-    header, data_start, size = read_header(path)
+def _entries_of_file(path: str) -> tuple[list[TensorEntry], int, FileIdentity]:
+    header, data_start, identity = read_header(path)
     _check_metadata(path, header.get("__metadata__"))
     entries = [_entry(path, key, info, data_start) for key, info in header.items() if key != "__metadata__"]
-    _check_layout(path, entries, data_start, size)
-    return entries, data_start
+    _check_layout(path, entries, data_start, identity.size)
+    return entries, data_start, identity
 
 
 def _check_metadata(path: str, metadata: Any) -> None:
@@ -331,7 +347,7 @@ class CheckpointIndex(MappingABC):
     def __init__(self, files: Iterable[str], index_json: str | None = None):
         self._start(files, index_json)
         for path in self.files:
-            entries, data_start = _entries_of_file(path)
+            entries, data_start, self.identities[path] = _entries_of_file(path)
             self.header_bytes_read += data_start
             self._add((entry.key, entry) for entry in entries)
         if index_json is not None:
@@ -339,12 +355,14 @@ class CheckpointIndex(MappingABC):
 
     @classmethod
     def of(cls, files: Iterable[str], entries: Iterable[tuple[str, TensorEntry]], layouts: MappingT[str, Any] | None = None,
-           header_bytes_read: int = 0, description: str | None = None) -> "CheckpointIndex":
+           header_bytes_read: int = 0, description: str | None = None,
+           identities: MappingT[str, FileIdentity] | None = None) -> "CheckpointIndex":
         """An index a format built: stored entries keyed by their unique key (`entry.key` is
         the name inside its file; pairs (key, entry)), and logical tensors `name -> Layout` over those keys."""
         index = cls.__new__(cls)
         index._start(files, description)
         index.header_bytes_read = header_bytes_read
+        index.identities = dict(identities or {})  # files the readers check are unchanged when read
         index._add(entries)
         index._layouts = dict(layouts or {})
         for name, layout in index._layouts.items():
@@ -361,6 +379,7 @@ class CheckpointIndex(MappingABC):
         self.index_json = index_json
         self.header_bytes_read = 0
         self._entries: dict[str, TensorEntry] = {}
+        self.identities: dict[str, FileIdentity] = {}  # path -> the file as indexed
         self._layouts: dict[str, Any] = {}
         self._exprs: dict[str, Expr] = {}
         self._owner: dict[str, str] = {}  # stored key -> the logical name it is a piece of

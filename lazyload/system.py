@@ -8,6 +8,7 @@ behind each use are in docs/architecture.md ("Kernel behaviours").
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -37,12 +38,22 @@ def libc_function(name: str, *argtypes):
 def madvise(address: int, length: int, advice: int) -> None:
     """madvise(advice) over the pages covering [address, address + length); best effort:
     every advice used here only changes what is cached or mapped, never the data."""
+    madvise_checked(address, length, advice)
+
+
+def madvise_checked(address: int, length: int, advice: int) -> int:
+    """madvise(advice) over the pages covering [address, address + length); returns 0 or
+    the errno. With MADV_POPULATE_READ, EFAULT means pages beyond the end of the file (it
+    shrank since it was mapped: touching them would be SIGBUS) and EINVAL a kernel older
+    than 5.14 (or no libc madvise at all: also EINVAL)."""
     function = libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if function is None or length <= 0:
-        return
+    if function is None:
+        return errno.EINVAL
+    if length <= 0:
+        return 0
     start = address // PAGE * PAGE
     stop = -(-(address + length) // PAGE) * PAGE
-    function(start, stop - start, advice)
+    return ctypes.get_errno() if function(start, stop - start, advice) != 0 else 0
 
 
 def fadvise(fd: int, offset: int, length: int, advice: int) -> None:

@@ -83,11 +83,11 @@ def open_index(layout_json: str) -> CheckpointIndex:
     folder = os.path.dirname(layout_json)
     files = [os.path.join(folder, f["name"]) for f in doc["files"]]
     stored: list[dict[str, TensorEntry]] = []
-    header_bytes = 0
+    header_bytes, identities = 0, {}
     for path in files:
         if not os.path.isfile(path):
             raise CheckpointError(f"{layout_json} names {path}, which is missing (or not a regular file).")
-        entries, data_start = _entries_of_file(path)
+        entries, data_start, identities[path] = _entries_of_file(path)
         header_bytes += data_start
         stored.append({e.key: e for e in entries})
     entries: dict[str, TensorEntry] = {}  # piece key (unique over files) -> entry
@@ -122,4 +122,4 @@ def open_index(layout_json: str) -> CheckpointIndex:
                 raise CheckpointError(f"{files[index]} holds {key!r}, which {layout_json} does not place in any "
                                       "tensor; the layout json and its files disagree.")
     # Building the index tiles every tensor: pieces that do not tile it are refused here.
-    return CheckpointIndex.of(files, entries.items(), layouts, header_bytes, layout_json)
+    return CheckpointIndex.of(files, entries.items(), layouts, header_bytes, layout_json, identities)

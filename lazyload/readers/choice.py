@@ -33,10 +33,11 @@ def choose_reader(name: str, device: torch.device, release_pages: bool, items: l
         name = "mmap" if device.type == "cpu" else "pread"
     partial = partially_read_files(items, index)
     if name == "pread":
-        return PreadReader(release_pages, partial)
+        return PreadReader(release_pages, partial, index.identities)
     if name == "mmap":
         warm = resident_fraction(items) >= WARM_FRACTION
-        return MmapReader(release_pages, partial, prefetch=not warm, host_ranks=host_ranks(world))
+        return MmapReader(release_pages, partial, prefetch=not warm, host_ranks=host_ranks(world),
+                           identities=index.identities)
     raise PlanError(f"unknown reader {name!r}; use 'auto', 'mmap' or 'pread'.")
 
 
@@ -69,15 +70,22 @@ def must_release_pages(items: list[ReadItem], dest_bytes: int, world: int) -> bo
     about 21 GB of page cache for 7.3 GB of data, and a 24 GB host then spends the load in
     reclaim (docs/architecture.md). Kept pages are otherwise worth keeping: other ranks of
     the host, and the next load, find them cached."""
-    files = {part.entry.file for item in items for part in item.reads()}
+    files = sum(_size(f) for f in {part.entry.file for item in items for part in item.reads()})
     limit = memory_limit()
-    if limit is not None and limit < sum(os.path.getsize(f) for f in files):
+    if limit is not None and limit < files:
         return True
     sharers = host_ranks(world)
     spare = psutil.virtual_memory().available // sharers - dest_bytes
-    if sum(os.path.getsize(f) for f in files) <= spare:  # cheap bound: every page of every file
+    if files <= spare:  # cheap bound: every page of every file
         return False
     return touched_bytes(items) > spare
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # gone or unreadable: the reader says so, naming the file, when it opens it
+        return 0
 
 
 def touched_bytes(items: list[ReadItem]) -> int:

@@ -16,16 +16,20 @@ it other ranks' slices.
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
+from typing import Mapping
 
 import torch
 
 from ..errors import ReadError
+from ..index import FileIdentity
 from ..plan import ReadItem
 from ..quant.dequant import QuantizedBox
 from ..system import (FAULT_AROUND, MADV_DONTNEED, MADV_POPULATE_READ, MADV_RANDOM, fadvise, file_mappings,
-                      madvise, readahead_window)
+                      madvise, madvise_checked, readahead_window)
+from .identity import RERUN, check_size, open_checked
 from .runs import byte_runs, is_one_range, span_is_cheaper
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format is a zip archive; safetensors starts with a length
@@ -35,8 +39,9 @@ class MmapReader:
     name = "mmap"
 
     def __init__(self, release_pages: bool = False, partial_files: set[str] = frozenset(),
-                 prefetch: bool = False, host_ranks: int = 1):
+                 prefetch: bool = False, host_ranks: int = 1, identities: Mapping[str, FileIdentity] | None = None):
         self.release_pages = release_pages
+        self._identities = identities or {}  # path -> the file as indexed, checked on open
         self.prefetching = prefetch
         # Ranks of this load on this host, which share the page cache: a strided span that
         # they read together costs each of them a share (not when pages are released:
@@ -59,7 +64,7 @@ class MmapReader:
         with self._lock:
             handle = self._files.get(path)
             if handle is None:
-                if os.pread(self._fd(path), 4, 0) == ZIP_MAGIC:
+                if os.pread(self._fd(path), 4, 0) == ZIP_MAGIC:  # _fd: the file as indexed, or a ReadError
                     try:
                         handle = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
                     except (OSError, RuntimeError) as exc:
@@ -80,7 +85,7 @@ class MmapReader:
     def _fd(self, path: str) -> int:  # callers hold self._lock
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            fd = self._fds[path] = open_checked(path, self._identities.get(path))
             self._windows[path] = readahead_window(path)
             fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # reads fetch what they ask, no more
         return fd
@@ -95,8 +100,13 @@ class MmapReader:
             os.pread(fd, int.from_bytes(raw, "little"), 8)
 
     def read(self, item: ReadItem) -> torch.Tensor | QuantizedBox:
+        """The item's bytes as a view of the mapping, once the file is checked to still
+        hold them: a page beyond the end of a file truncated since would be SIGBUS when
+        copied (a ReadError instead; only a truncation during this one item's copy, after
+        the check, is not caught)."""
         if item.scales is not None:  # a dequantized weight: its box, its scale blocks
             return QuantizedBox(*(self.read(part) for part in item.reads()))
+        self._check_size(item)
         handle = self._open(item.entry.file)
         tensor = self.view(item) if item.src_box or isinstance(handle, torch.Tensor) else handle.get_tensor(item.entry.key)
         with self._lock:
@@ -136,8 +146,20 @@ class MmapReader:
     def populate(self, item: ReadItem, view: torch.Tensor) -> None:
         """Fault a mapped view's pages in now (MADV_POPULATE_READ: read from storage if
         needed, then mapped), so that the loaded model reads nothing from storage later.
-        On a kernel without it (< 5.14) the pages were at least announced by `prefetch`."""
-        madvise(view.data_ptr(), view.nbytes, MADV_POPULATE_READ)
+        On a kernel without it (< 5.14) the pages were at least announced by `prefetch`.
+        Pages beyond the end of a file truncated since it was mapped are EFAULT here (not
+        SIGBUS): a ReadError."""
+        self._check_size(item)
+        if madvise_checked(view.data_ptr(), view.nbytes, MADV_POPULATE_READ) == errno.EFAULT:
+            raise ReadError(f"{item.entry.file}: changed since it was indexed (its mapped pages end before tensor "
+                            f"{item.entry.key!r}); {RERUN}")
+
+    def _check_size(self, item: ReadItem) -> None:
+        path = item.entry.file
+        self._open(path)
+        with self._lock:
+            fd = self._fd(path)
+        check_size(fd, path, self._identities.get(path), item.entry.end)
 
     def release(self, item: ReadItem, tensor: torch.Tensor | QuantizedBox) -> None:
         """Drop the item's pages: from this process's mapping (RSS), then from the page
@@ -162,6 +184,15 @@ class MmapReader:
         with self._lock:
             fd = self._fd(item.entry.file)
         fadvise(fd, int(offsets[0]), span, os.POSIX_FADV_DONTNEED)
+
+    def check_mapped(self) -> None:
+        """Every file mapped here still has its indexed size: targets left as views of a
+        mapping would otherwise be SIGBUS when the model reads a page the file lost."""
+        with self._lock:
+            fds = {path: self._fds[path] for path in self._files}
+        for path, fd in fds.items():
+            expected = self._identities.get(path)
+            check_size(fd, path, expected, expected.size if expected is not None else 0)
 
     def _mappings(self, path: str) -> list[tuple[int, int]]:
         ranges = self._maps.get(path)

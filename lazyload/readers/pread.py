@@ -13,15 +13,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Mapping
 
 import numpy as np
 import torch
 
 from ..errors import ReadError
 from ..expr import box_shape
+from ..index import FileIdentity
 from ..plan import STAGE_ALIGN, ReadItem
 from ..quant.dequant import QuantizedBox
 from ..system import PAGE, fadvise
+from .identity import RERUN, open_checked
 from .runs import byte_runs, is_one_range, span_is_cheaper
 
 IOV_MAX = 1024
@@ -101,8 +104,10 @@ class PreadReader:
     name = "pread"
     prefetching = False  # it reads exact ranges itself
 
-    def __init__(self, release_pages: bool = False, partial_files: set[str] = frozenset()):
+    def __init__(self, release_pages: bool = False, partial_files: set[str] = frozenset(),
+                 identities: Mapping[str, FileIdentity] | None = None):
         self.release_pages = release_pages
+        self._identities = identities or {}  # path -> the file as indexed, checked on open
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._partial = partial_files  # files this rank reads only part of: no readahead
@@ -113,10 +118,7 @@ class PreadReader:
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except OSError as exc:
-                    raise ReadError(f"{path}: cannot open ({exc.strerror}).") from exc
+                fd = open_checked(path, self._identities.get(path))
                 fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if path in self._partial else os.POSIX_FADV_SEQUENTIAL)
                 self._fds[path] = fd
             return fd
@@ -163,7 +165,8 @@ def _pread_exact(fd: int, memory: memoryview, offset: int, path: str) -> None:
     while done < len(memory):
         n = os.preadv(fd, [memory[done:]], offset + done)
         if n <= 0:
-            raise ReadError(f"{path}: short read at byte {offset + done} (file truncated or I/O error).")
+            raise ReadError(f"{path}: short read at byte {offset + done} (the file was truncated since it was "
+                            f"indexed); {RERUN}")
         done += n
 
 

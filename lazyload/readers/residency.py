@@ -21,7 +21,10 @@ def resident_fraction(items: list[ReadItem]) -> float:
         spans[item.entry.file].append((int(offsets[0]), int(offsets[-1]) + run))
     wanted = present = 0
     for path, ranges in spans.items():
-        pages = resident_pages(path)
+        try:
+            pages = resident_pages(path)
+        except OSError:  # gone or unreadable: the reader says so, naming the file, when it opens it
+            pages = None
         if pages is None:
             return 1.0
         counts = np.concatenate([[0], np.cumsum(pages, dtype=np.int64)])
