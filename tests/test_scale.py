@@ -1,0 +1,87 @@
+"""Published shapes at reduced depth: sparse checkpoints (real headers, key names, dtypes;
+data regions are holes that read as zeros, benchmarks/sparse_checkpoint.py) index from
+their headers alone, plan per rank with byte totals that add up, and load one rank's share.
+The full-depth runs are benchmarks/bench_scale.py."""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def _index(directory):
+    from lazyload.index import CheckpointIndex, resolve_files
+
+    return CheckpointIndex(*resolve_files(directory))
+
+
+@pytest.fixture(scope="module")
+def scale():
+    return _module("bench_scale")
+
+
+@pytest.fixture(scope="module")
+def llama405b(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama-405b-L2")
+    summary = _module("sparse_checkpoint").write("llama-405b", str(directory), layers=2)
+    assert summary["files"] >= 2
+    return str(directory), summary
+
+
+def test_405b_shaped_checkpoint_indexes_from_headers_and_ranks_add_up(scale, llama405b):
+    directory, summary = llama405b
+    index = scale.measure_index(directory)
+    assert index["tensors"] == summary["tensors"] and index["checkpoint_bytes"] == summary["bytes"]
+    assert index["header_bytes"] < 1 << 20  # headers only: no tensor byte is read to index
+    model = scale.meta_model(directory)
+    for world in (8, 128):
+        plan = scale.measure_plan(directory, model, world)
+        assert plan["adds_up"], plan
+        assert plan["min_bytes"] == plan["max_bytes"]  # every rank reads an equal share
+
+
+def test_rank_0_of_128_loads_its_share_of_a_405b_shaped_checkpoint(scale, llama405b):
+    from lazyload import LazyCheckpoint
+
+    directory, _ = llama405b
+    model = scale.meta_model(directory)
+    report = LazyCheckpoint(directory).load_into(model, 0, 128, progress=False)
+    assert report.ok and report.world == 128
+    q = model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+    assert tuple(q.shape) == (16384 // 128, 16384)  # 128 heads: one per rank
+    k = model.get_parameter("model.layers.0.self_attn.k_proj.weight")
+    assert tuple(k.shape) == (128, 16384)  # 8 KV heads replicated over groups of 16 ranks
+    share = sum(math.prod(p.shape) * p.element_size() for p in model.parameters())
+    assert report.bytes_read + report.bytes_mapped == share
+    assert all(not torch.count_nonzero(p) for p in model.parameters())  # the holes read as zeros
+
+
+def test_deepseek_v3_shaped_fp8_checkpoint_plans_whole_experts_per_rank(scale, tmp_path):
+    directory = str(tmp_path / "deepseek")
+    summary = _module("sparse_checkpoint").write("deepseek-v3", directory, layers=4)
+    assert summary["tensors"] > 1000  # per-expert FP8 weights with their block scales
+    model = scale.meta_model(directory)
+    # The published multi-token-prediction layer (61 at full depth, which transformers ignores
+    # by name; 4 here) is the only thing the model does not use (its scales go with its weights).
+    mtp = [k for k in _index(directory) if k.startswith("model.layers.4.") and not k.endswith("_scale_inv")]
+    for plan in (None, "ep"):
+        result = scale.measure_plan(directory, model, 8, plan)
+        assert result["adds_up"] and result["unexpected"] == len(mtp), result
