@@ -231,8 +231,6 @@ def case_whole_file(args, meter):
 def case_pread_pages(args, meter):
     """The physical reference: this rank's exact page-granular ranges, 8 threads of pread
     into reused 16 MiB buffers (nothing kept). What the storage and page cache can deliver."""
-    import threading
-
     from lazyload.readers import byte_runs
     from lazyload.system import PAGE
 
@@ -252,32 +250,11 @@ def case_pread_pages(args, meter):
     chunk = 16 << 20
     work = [(path, off, min(chunk, (b + 1) * PAGE - off)) for path, a, b in merged
             for off in range(a * PAGE, (b + 1) * PAGE, chunk)]
-    lock, total = threading.Lock(), [0]
     meter.start()
-
-    def worker():
-        view = memoryview(bytearray(chunk))
-        fds = {}
-        while True:
-            with lock:
-                if not work:
-                    break
-                path, off, n = work.pop()
-            fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
-            got = os.preadv(fd, [view[:n]], off)
-            with lock:
-                total[0] += got
-        for fd in fds.values():
-            os.close(fd)
-
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    total = common.pread_ranges(work, 8, chunk)
     result = _Dests([])
     meter.record("load", result)
-    meter.records["load"]["rank_bytes"] = total[0]
+    meter.records["load"]["rank_bytes"] = total
     return result
 
 

@@ -28,7 +28,6 @@ Usage: python benchmarks/bench_stream.py [--layers 44] [--dtype bf16] [--cache w
 import argparse
 import os
 import sys
-import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_load  # noqa: E402  (the peers' cases)
@@ -95,33 +94,9 @@ def case_pread8(args, meter):
     """8 threads, each pread-ing 16 MiB chunks of the files into its own reused buffer."""
     files = common.shard_files(args["ckpt_dir"])
     chunk = 16 * MiB
-    work = [(f, off) for f in files for off in range(0, os.path.getsize(f), chunk)]
-    lock = threading.Lock()
-    total = [0]
+    work = [(f, off, chunk) for f in files for off in range(0, os.path.getsize(f), chunk)]
     meter.start()
-
-    def worker():
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        fds = {}
-        while True:
-            with lock:
-                if not work:
-                    break
-                path, off = work.pop()
-            fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
-            n = os.preadv(fd, [view], off)
-            with lock:
-                total[0] += n
-        for fd in fds.values():
-            os.close(fd)
-
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    result = _Bytes(None, total[0])
+    result = _Bytes(None, common.pread_ranges(work, 8, chunk))
     meter.record("load", result)
     return result
 

@@ -2,6 +2,7 @@
 naming the file (and key), raised while indexing, with no large allocation."""
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -494,6 +495,7 @@ def safetensors_opens(path: str) -> bool:
 
 
 _FUZZ_DIR = tempfile.mkdtemp(prefix="lazyload-fuzz-")
+atexit.register(shutil.rmtree, _FUZZ_DIR, ignore_errors=True)  # one scratch file for every case, gone after the run
 
 
 def fuzz_one(raw: bytes, compare: bool) -> None:

@@ -6,15 +6,12 @@ changes, the tensor-parallel quantized model (gloo, world 2 and 4) equals world 
 quantized load's peak anonymous memory stays within destination + one layer."""
 from __future__ import annotations
 
-import os
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from checkpoints import build_model, fixed_input, reference_model
+from gloo import spawn_cases
 
 import lazyload
 from lazyload import LazyCheckpoint, PlanError, Quantization
@@ -165,38 +162,15 @@ def _dtensor_bits(p):
                               shape=p.shape, stride=p.stride())
 
 
-def _worker(rank, world, init_file, cases, errors):
-    os.environ["LAZYLOAD_PROGRESS"] = "0"
-    torch.set_num_threads(1)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for case in cases:
-            try:
-                _case_tp(*case, rank, world)
-                dist.barrier()
-            except Exception:
-                errors.put((rank, repr(case), traceback.format_exc()))
-                raise
-    finally:
-        dist.destroy_process_group()
+def _run_case(case, rank, world):
+    _case_tp(*case, rank, world)
 
 
 @pytest.mark.parametrize("world,arch,qdtype", [(2, "mixtral", "fp8"), (4, "llama", "int8")])
 def test_tensor_parallel_quantized_model_equals_world1(checkpoint, tmp_path, world, arch, qdtype):
     """One spawn per world (spawning is the cost on 2 cores): Mixtral fp8 at world 2, Llama
     int8 at world 4 (KV heads replicated over pairs of ranks, row shards of 16 columns)."""
-    cases = [(arch, str(checkpoint(arch)[0]), qdtype)]
-    errors = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(_worker, args=(world, str(tmp_path / "pg"), cases, errors), nprocs=world, join=True)
-    except Exception:
-        failures = []
-        while not errors.empty():
-            failures.append("rank {}, case {}:\n{}".format(*errors.get()))
-        pytest.fail("\n".join(failures) or "a rank failed")
+    spawn_cases(world, [(arch, str(checkpoint(arch)[0]), qdtype)], tmp_path, _run_case)
 
 
 # --------------------------------------------------------------- memory

@@ -5,15 +5,12 @@ One spawned job per world size runs every case on one process group (spawning is
 expensive part on 2 cores); a failing case raises in its rank and fails the job."""
 from __future__ import annotations
 
-import os
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from checkpoints import build_model, fixed_input
+from gloo import spawn_cases
 
 ATOL = RTOL = 1e-5
 
@@ -144,44 +141,20 @@ def _case_strict_error_leaves_model_untouched(directory, rank, world):
     assert all(type(p) is torch.nn.Parameter and p.is_meta for p in model.parameters())
 
 
-def _worker(rank, world, init_file, cases, errors):
-    os.environ["LAZYLOAD_PROGRESS"] = "0"
-    torch.set_num_threads(1)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for case in cases:
-            kind, args = case[0], case[1:]
-            try:
-                if kind == "forward":
-                    _case_forward(*args[:2], rank, world, *args[2:])
-                elif kind == "torch_styles":
-                    _case_torch_styles(args[0], rank, world)
-                elif kind == "fsdp2":
-                    _case_fsdp2(args[0], rank, world, args[1])
-                elif kind == "strict_error":
-                    _case_strict_error_leaves_model_untouched(args[0], rank, world)
-                dist.barrier()
-            except Exception:
-                errors.put((rank, repr(case), traceback.format_exc()))
-                raise
-    finally:
-        dist.destroy_process_group()
+def _run_case(case, rank, world):
+    kind, args = case[0], case[1:]
+    if kind == "forward":
+        _case_forward(*args[:2], rank, world, *args[2:])
+    elif kind == "torch_styles":
+        _case_torch_styles(args[0], rank, world)
+    elif kind == "fsdp2":
+        _case_fsdp2(args[0], rank, world, args[1])
+    elif kind == "strict_error":
+        _case_strict_error_leaves_model_untouched(args[0], rank, world)
 
 
 def _spawn(world, cases, tmp_path):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.spawn(_worker, args=(world, str(tmp_path / "pg"), cases, errors), nprocs=world, join=True)
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            rank, case, tb = errors.get()
-            msgs.append(f"rank {rank}, case {case}:\n{tb}")
-        pytest.fail("\n".join(msgs) or "a rank failed")
+    spawn_cases(world, cases, tmp_path, _run_case)
 
 
 def test_world2_all_architectures(checkpoint, tmp_path):
