@@ -35,11 +35,18 @@ def _worker(rank, world, init_file, run_case, cases, errors):
 def spawn_cases(world: int, cases: list, tmp_path, run_case: Callable) -> None:
     """Run `run_case(case, rank, world)` (a module-level function) for every case on every
     rank of a fresh gloo job of `world` processes."""
+    spawn_collecting(_worker, (world, str(tmp_path / "pg"), run_case, cases), world)
+
+
+def spawn_collecting(worker: Callable, args: tuple, nprocs: int) -> None:
+    """`mp.spawn(worker, args + (errors,))`, where a failing rank puts (rank, ..., traceback)
+    on `errors`; the test then fails with every failing rank's traceback."""
     errors = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.spawn(_worker, args=(world, str(tmp_path / "pg"), run_case, cases, errors), nprocs=world, join=True)
+        mp.spawn(worker, args=(*args, errors), nprocs=nprocs, join=True)
     except Exception:
         failures = []
         while not errors.empty():
-            failures.append("rank {}, case {}:\n{}".format(*errors.get()))
+            rank, *what, tb = errors.get()
+            failures.append(f"rank {rank}" + "".join(f", case {w}" for w in what) + f":\n{tb}")
         pytest.fail("\n".join(failures) or "a rank failed")

@@ -11,7 +11,8 @@ import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from gloo import spawn_collecting
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is the optional 'deepspeed' test extra")
 
@@ -68,13 +69,4 @@ def _worker(rank, world, directory, init_file, errors):
 
 def test_deepspeed_autotp_model_filled_by_load_into_gives_world1_logits(checkpoint, tmp_path):
     directory, _ = checkpoint("llama", **CONFIG)
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.spawn(_worker, args=(WORLD, str(directory), str(tmp_path / "pg"), errors), nprocs=WORLD, join=True)
-    except Exception:
-        messages = []
-        while not errors.empty():
-            rank, tb = errors.get()
-            messages.append(f"rank {rank}:\n{tb}")
-        pytest.fail("\n".join(messages) or "a rank failed")
+    spawn_collecting(_worker, (WORLD, str(directory), str(tmp_path / "pg")), WORLD)

@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 import lazyload.checkpoint
 from checkpoints import (build_model, copy_checkpoint, fixed_input, meta_tensors, outputs, reference_model,
                          rewrite_tensor_in_checkpoint, shard_files)
+from gloo import spawn_collecting
 from lazyload import (ArgumentError, DtypeError, LazyCheckpoint, LazyLoadError, LoadReport, MissingKeysError,
-                      Placement, PlanError, UnexpectedKeysError)
+                      Placement, PlanError)
 from lazyload.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -454,12 +454,4 @@ def _dist_worker(rank, world, init_file, args, errors):
 
 def test_world2_tied_embeddings_and_process_group_checks(checkpoint, llama, tmp_path):
     tied = [(arch, str(checkpoint(arch, tie_word_embeddings=True)[0])) for arch in ("qwen2", "llama")]
-    errors = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(_dist_worker, args=(2, str(tmp_path / "pg"), (tied, str(llama[0])), errors), nprocs=2, join=True)
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            rank, tb = errors.get()
-            msgs.append(f"rank {rank}:\n{tb}")
-        pytest.fail("\n".join(msgs) or "a rank failed")
+    spawn_collecting(_dist_worker, (2, str(tmp_path / "pg"), (tied, str(llama[0]))), 2)
