@@ -20,7 +20,6 @@ from .devices import target_device, use_device
 from .agreement import Agreement, NoAgreement, agreement
 from .engine import run_schedule, settle_failure
 from .errors import ArgumentError, DtypeError, PlanError, ReadError
-from .expr import Dequant
 from .hub import local_path
 from .formats import CheckpointSource, open_index, resolve
 from .index import CheckpointIndex, TensorEntry
@@ -31,8 +30,9 @@ from .placements import model_tp_plan, resolve_placements
 from .placer import allocate, allocate_quantized, assign, mapped_views
 from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, read_quantization_config
-from .quant.linear import quantizable_linears, swap_linears, to_torchao
-from .quant.onload import Quantization, QuantizedDest, check_groups, group_size, kept, kept_group
+from .quant.linear import to_torchao
+from .quant.onload import Quantization, QuantizedDest
+from .quant.targets import quantized_targets, swap_quantized
 from .readers import MmapReader, choose_reader, must_release_pages
 from .report import LoadReport, MemorySampler, size
 from .schedule import default_budget, schedule
@@ -161,8 +161,9 @@ class LazyCheckpoint:
           structure alone, even under torch.distributed with another (rank, world).
         - `quantize`: None (default) loads full precision; "int8", "fp8" or a
           `lazyload.Quantization(dtype, group_size=128, skip=())` quantizes the Linear layers
-          on load (weight-only: `lazyload.quant.linear.QuantizedLinear`, 8-bit weight and
-          float32 scales per output row and group of 128 input columns), each rank quantizing
+          and fused 3-D MoE experts on load (weight-only: `lazyload.quant.linear.QuantizedLinear`,
+          `lazyload.quant.experts.QuantizedExperts`, 8-bit weights and float32 scales per output
+          row and group of 128 input columns), each rank quantizing
           the slice it reads; `lm_head`, MoE routers and the config's
           `modules_to_not_convert` stay in full precision. A TP split that cuts a group is a
           PlanError.
@@ -225,14 +226,14 @@ class LazyCheckpoint:
             {n: local_regions(n, specs[n].shape, placements.placements.get(n, REPLICATE), rank, world)[0]
              for n in unfilled},
             {n: _target_dtype(specs[n].dtype, specs[n].dtype, dtype) for n in unfilled}, device)
-        quantized = _quantized_groups(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
+        quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
         if quantized and not shards_only:
             _check_runnable_quantized(model, quantized, placements.placements, world)
         agree.reached("planned")  # every rank's input is good: only now may any model change
         # Only now, with the input checked, may the model change: Linear layers quantized,
         # made tensor parallel.
         if quantized:
-            swap_linears(model, {name.rpartition(".")[0]: group for name, group in quantized.items()}, qconfig)
+            swap_quantized(model, quantized, qconfig)
             slots, _ = model_slots(model)
         use_device(device)  # before any mesh is made: DeviceMesh then agrees
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
@@ -296,7 +297,7 @@ class LazyCheckpoint:
                 assign(slots[name], value)
             recomputed = fill_meta_buffers(recompute)
         if quantized and qconfig.torchao and world == 1:
-            to_torchao(model, [name.rpartition(".")[0] for name in quantized])
+            to_torchao(model, [name.rpartition(".")[0] for name in quantized if name.endswith(".weight")])
 
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
@@ -336,26 +337,6 @@ def _check_arguments(model: Any, dtype: Any, missing: str, reader: str) -> None:
     check_choice(missing)
     if reader not in ("auto", "mmap", "pread"):
         raise ArgumentError(f"reader={reader!r}: use 'auto' (mmap for CPU, pread for GPU), 'mmap' or 'pread'.")
-
-
-def _quantized_groups(model: nn.Module, qconfig: Quantization | None, exprs: dict, specs: dict, placements: dict,
-                      index: CheckpointIndex, rank: int, world: int) -> dict[str, int]:
-    """Weight name -> scale group size of each Linear weight `qconfig` quantizes; a TP split
-    that would cut a group is refused here, before the model changes."""
-    if qconfig is None:
-        return {}
-    groups = {}
-    for module in quantizable_linears(model, qconfig):
-        name = f"{module}.weight"
-        if name not in exprs:  # not filled from the checkpoint: left as it is
-            continue
-        shape, expr, placement = specs[name].shape, exprs[name], placements.get(name, REPLICATE)
-        if isinstance(expr, Dequant) and kept(index[expr.weight].dtype, qconfig.torch_dtype, expr.zero is not None):
-            groups[name] = kept_group(expr, shape, placement, world)  # stored values, scales re-gridded
-        else:
-            groups[name] = group_size(qconfig, shape[-1])
-        check_groups(name, expr, shape, placement, rank, world, groups[name], lambda key: index[key].shape)
-    return groups
 
 
 def _check_runnable_quantized(model: nn.Module, quantized: dict[str, int], placements: dict, world: int) -> None:

@@ -99,7 +99,7 @@ def _expanded_plan(model: nn.Module, plan: Any, experts: str) -> dict[str, str]:
         return {}
     expanded = model._expand_parallel_plan(model_tp_plan(model, experts))
     if not isinstance(plan, dict):
-        return expanded
+        return _scales_follow_weights(model, expanded)
     user = StylePlan(plan, getattr(model, "base_model_prefix", "") or "")
     for module_name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
@@ -110,6 +110,17 @@ def _expanded_plan(model: nn.Module, plan: Any, experts: str) -> dict[str, str]:
         style = user.lookup(module_name) if module_name else None
         if style is not None:
             expanded[module_name] = style
+    return _scales_follow_weights(model, expanded)
+
+
+def _scales_follow_weights(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
+    """A quantized tensor's scale grid (`X_scale` beside `X`) is split as `X` is: a fused
+    expert tensor's scale would otherwise get its module's style (`moe_tp_experts`), which
+    leaves it whole."""
+    params = dict(model.named_parameters())
+    for name, style in list(expanded.items()):
+        if name + "_scale" in params and name in params:
+            expanded[name + "_scale"] = style
     return expanded
 
 

@@ -13,15 +13,15 @@ from torch import nn
 from .expr import apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
-from .quant.onload import QuantizedDest, keep_into, kept, quantize_into, scale_shape
+from .quant.onload import Grid, QuantizedDest, keep_into, quantize_into, scale_shape
 from .readers import MmapReader, byte_runs
 from .targets import Slot, current_tensor, is_dtensor, local_tensor
 
 
-def allocate_quantized(target: TargetPlan, group: int, device: torch.device) -> QuantizedDest:
+def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device) -> QuantizedDest:
     """8-bit data and float32 scales for a target quantized on load."""
-    scale = torch.empty(scale_shape(target.local_shape, group), dtype=torch.float32, device=device)
-    return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, group)
+    scale = torch.empty(scale_shape(target.local_shape, grid.group, grid.axis), dtype=torch.float32, device=device)
+    return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, *grid)
 
 
 def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> torch.Tensor:
@@ -65,7 +65,7 @@ def copy_into(dest: torch.Tensor | QuantizedDest, item: ReadItem, source: torch.
     quantized (the quantize-on-load stage). `source` is on dest's device (host-to-device
     copies are the engine's)."""
     if isinstance(dest, QuantizedDest):
-        if item.scales is not None and kept(item.entry.dtype, dest.dtype, item.scales.zero is not None):
+        if dest.keep:
             return keep_into(dest, item, source)
         return quantize_into(dest, item.dst_box, full_precision(item, source, dest.device))
     if item.scales is not None:

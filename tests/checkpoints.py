@@ -49,6 +49,12 @@ def make_config(arch: str, **overrides):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
         cls = tf.MixtralConfig
+    elif arch == "qwen3_moe":  # not in ARCHS: the quantization tests' second fused-experts model
+        kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=128, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                  tie_word_embeddings=False)
+        cls = tf.Qwen3MoeConfig
     elif arch == "llama4_text":
         kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, intermediate_size_mlp=96,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

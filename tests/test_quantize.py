@@ -15,6 +15,7 @@ from gloo import spawn_cases
 
 import lazyload
 from lazyload import LazyCheckpoint, PlanError, Quantization
+from lazyload.quant.experts import QuantizedExperts
 from lazyload.quant.linear import QuantizedLinear
 
 GROUP = 16  # tiny models: hidden 32/64, so that groups are smaller than a row
@@ -28,12 +29,16 @@ def _logits(model, config, seed=0):
 
 
 def _step(module: QuantizedLinear) -> torch.Tensor:
+    return _step_of(module.weight, module.weight_scale, module.group)
+
+
+def _step_of(weight: torch.Tensor, scale: torch.Tensor, group: int, axis: int = -1) -> torch.Tensor:
     """One quantization step at each weight element: the scale for int8; for fp8 the
     spacing of float8_e4m3fn values around the stored value (3 mantissa bits, subnormal
-    spacing 2**-9), times the scale."""
-    q = module.weight.float()
-    scale = module.weight_scale.repeat_interleave(module.group, 1)[:, :q.shape[1]]
-    if module.weight.dtype == torch.int8:
+    spacing 2**-9), times the scale. `group` elements of dim `axis` share a scale."""
+    q = weight.float()
+    scale = scale.repeat_interleave(group, axis).narrow(axis, 0, q.shape[axis])
+    if weight.dtype == torch.int8:
         return scale
     exponent = torch.floor(torch.log2(q.abs().clamp(min=2.0 ** -6)))
     return scale * torch.exp2(exponent - 3)
@@ -75,6 +80,84 @@ def test_quantized_load_runs_and_agrees_with_full_precision(checkpoint, arch, qd
         assert rel < max_err and top1 >= min_top1, f"{qdtype}: logits error {rel:.3f}, top-1 agreement {top1:.2f}"
 
 
+def _experts(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedExperts)}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+def test_fused_experts_quantized_on_load(checkpoint, arch, qdtype):
+    """transformers' fused 3-D experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) are
+    quantized per (expert, row, group of the contracted last dim); routers stay full
+    precision; every implementation of the model's own experts forward (eager, batched_mm,
+    grouped_mm) runs on the dequantized tensors: the full-precision model given those
+    values gives the same logits."""
+    model, config, _ = _load(checkpoint, arch, Quantization(qdtype, group_size=GROUP))
+    ref = reference_model(arch, checkpoint(arch)[0], torch.float32)
+    experts = _experts(model)
+    assert len(experts) == config.num_hidden_layers
+    for name, module in experts.items():
+        assert set(module._lazyload_quantized) == {"gate_up_proj", "down_proj"}
+        for attr in module._lazyload_quantized:
+            weight, scale = getattr(module, attr), getattr(module, attr + "_scale")
+            assert weight.dtype == lazyload.quant.onload.QDTYPES[qdtype] and scale.dtype == torch.float32
+            assert scale.shape == weight.shape[:2] + (-(-weight.shape[2] // GROUP),)
+            full = ref.get_parameter(f"{name}.{attr}").detach()
+            error = (module.dequantized(attr, torch.float32) - full).abs()
+            assert (error <= _step_of(weight, scale, GROUP) * (1 + 1e-6)).all(), f"{name}.{attr}: more than a step off"
+        router = model.get_submodule(name.rpartition(".")[0]).gate
+        assert all(p.dtype == torch.float32 for p in router.parameters())
+    with torch.no_grad():  # the reference given the dequantized values of every quantized tensor
+        for name, module in model.named_modules():
+            if isinstance(module, QuantizedLinear):
+                ref.get_submodule(name).weight.copy_(module.dequantized_weight(torch.float32))
+            elif isinstance(module, QuantizedExperts):
+                for attr in module._lazyload_quantized:
+                    ref.get_parameter(f"{name}.{attr}").copy_(module.dequantized(attr, torch.float32))
+    want = _logits(ref, config)
+    for implementation in ("eager", "batched_mm", "grouped_mm"):
+        model.config._experts_implementation = ref.config._experts_implementation = implementation
+        torch.testing.assert_close(_logits(model, config), want, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{implementation}: {m}")
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == lazyload.quant.onload.QDTYPES[qdtype]  # restored
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp8_per_expert_checkpoint_kept_quantized_in_fused_experts(checkpoint, tmp_path, world):
+    """Per-expert FP8 weights (Mixtral's w1/w2/w3, 128x128 blocks over 32/64-wide tensors:
+    tail blocks) that transformers fuses into 3-D experts, loaded with quantize="fp8": the
+    stored bytes are kept, stacked and concatenated, and every rank's experts dequantize
+    exactly to the dequantized load's slice (at world 2 the down_proj slices start inside a
+    block: scales re-gridded to groups of 32)."""
+    from quant_checkpoints import QUANTIZED, write_fp8_checkpoint
+
+    src, config = checkpoint("mixtral", "bf16")
+    directory = str(write_fp8_checkpoint(src, tmp_path / "fp8", names=QUANTIZED + ("w1", "w2", "w3")))
+    full = build_model("mixtral", config, torch.bfloat16)
+    LazyCheckpoint(directory).load_into(full, progress=False)
+    inter = config.intermediate_size
+    for rank in range(world):
+        model = build_model("mixtral", config, torch.bfloat16)
+        LazyCheckpoint(directory).load_into(model, rank, world, quantize="fp8", progress=False)
+        for name, module in _experts(model).items():
+            want = full.get_submodule(name)
+            rows = [r for part in (0, inter) for r in range(part + rank * inter // world,
+                                                           part + (rank + 1) * inter // world)]
+            cols = slice(rank * inter // world, (rank + 1) * inter // world)
+            assert module._lazyload_quantized["down_proj"][0] == inter // world  # whole rows, or each half
+            assert torch.equal(module.dequantized("gate_up_proj", torch.bfloat16), want.gate_up_proj[:, rows])
+            assert torch.equal(module.dequantized("down_proj", torch.bfloat16), want.down_proj[:, :, cols])
+            layer = name.split(".")[2]
+            stored = read_file_key(directory, f"model.layers.{layer}.block_sparse_moe.experts.1.w2.weight")
+            assert torch.equal(module.down_proj[1].view(torch.int8), stored.view(torch.int8)[:, cols])
+
+
+def read_file_key(directory, key):
+    from test_dequant import read_all
+
+    return read_all(directory)[key]
+
+
 def test_skipped_modules_stay_full_precision(checkpoint):
     model, config, _ = _load(checkpoint, "mixtral", Quantization("int8", group_size=GROUP, skip=[r"\.v_proj$"]))
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
@@ -82,8 +165,9 @@ def test_skipped_modules_stay_full_precision(checkpoint):
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert kinds["model.layers.0.self_attn.v_proj"] == "Linear"  # skip=
     assert kinds["model.layers.0.self_attn.q_proj"] == "QuantizedLinear"
-    for name, param in model.named_parameters():  # routers, norms, fused experts
-        if not name.endswith(("proj.weight", "proj.weight_scale")) or ".v_proj." in name:
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.int8  # fused experts: quantized
+    for name, param in model.named_parameters():  # routers, norms
+        if not name.endswith(("proj.weight", "proj.weight_scale", "proj", "proj_scale")) or ".v_proj." in name:
             assert param.dtype == torch.float32, name
 
 
@@ -134,6 +218,10 @@ def _case_tp(arch, directory, qdtype, rank, world):
     assert report.ok
     label = f"{arch} {qdtype} world={world}"
     assert any(isinstance(m, QuantizedLinear) for m in model.modules()), label
+    if arch != "llama":  # fused experts quantized too, weight and scale split alike
+        experts = model.model.layers[0].mlp.experts
+        assert isinstance(experts, QuantizedExperts) and experts.down_proj_scale.to_local().shape[-1] == \
+            ref.model.layers[0].mlp.experts.down_proj_scale.shape[-1] // world, label
     # Weights and scales (DTensors gathered, plain KV shards as their share) equal world 1's.
     _check_shards(_BitView(model), _BitView(ref), rank, world, config.num_key_value_heads, label)
     ids = fixed_input(config)
@@ -166,11 +254,13 @@ def _run_case(case, rank, world):
     _case_tp(*case, rank, world)
 
 
-@pytest.mark.parametrize("world,arch,qdtype", [(2, "mixtral", "fp8"), (4, "llama", "int8")])
-def test_tensor_parallel_quantized_model_equals_world1(checkpoint, tmp_path, world, arch, qdtype):
-    """One spawn per world (spawning is the cost on 2 cores): Mixtral fp8 at world 2, Llama
-    int8 at world 4 (KV heads replicated over pairs of ranks, row shards of 16 columns)."""
-    spawn_cases(world, [(arch, str(checkpoint(arch)[0]), qdtype)], tmp_path, _run_case)
+@pytest.mark.parametrize("world,cases", [(2, [("mixtral", "fp8"), ("qwen3_moe", "int8")]), (4, [("llama", "int8")])])
+def test_tensor_parallel_quantized_model_equals_world1(checkpoint, tmp_path, world, cases):
+    """One spawn per world (spawning is the cost on 2 cores): at world 2 Mixtral fp8 and
+    Qwen3-MoE int8 (fused experts: gate_up_proj packed, down_proj row-parallel, with their
+    scales), Llama int8 at world 4 (KV heads replicated over pairs of ranks, row shards of
+    16 columns)."""
+    spawn_cases(world, [(arch, str(checkpoint(arch)[0]), qdtype) for arch, qdtype in cases], tmp_path, _run_case)
 
 
 # --------------------------------------------------------------- memory

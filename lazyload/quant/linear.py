@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dequant import QuantizedBox, dequantize_into
-from .onload import Quantization, scale_shape
+from .onload import Quantization, not_converted, scale_shape
 
 
 class QuantizedLinear(nn.Linear):
@@ -63,11 +63,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def quantizable_linears(model: nn.Module, config: Quantization) -> list[str]:
     """Names of the Linear layers `config` quantizes: every plain `nn.Linear` not skipped
     by its patterns or the model config's `modules_to_not_convert`."""
-    qconfig = getattr(getattr(model, "config", None), "quantization_config", None)
-    not_convert = (qconfig.get("modules_to_not_convert") if isinstance(qconfig, dict)
-                   else getattr(qconfig, "modules_to_not_convert", None)) or ()
+    skipped = not_converted(model)
     return [name for name, module in model.named_modules()
-            if type(module) is nn.Linear and name and not config.skips(name, tuple(not_convert))]
+            if type(module) is nn.Linear and name and not config.skips(name, skipped)]
 
 
 def swap_linears(model: nn.Module, groups: dict[str, int], config: Quantization) -> dict[str, QuantizedLinear]:

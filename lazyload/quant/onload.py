@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import ArgumentError, PlanError
-from ..expr import Dequant, Expr, ShapeOf
+from ..expr import Expr, ShapeOf, apply_ops, box_shape
 from ..plan import Placement, ReadItem, local_regions
 from .dequant import QuantizedBox
 
@@ -38,9 +38,9 @@ class Quantization:
     - `group_size`: input-dim elements per scale, per output row (default 128; the last
       group of a row may be shorter). None: one scale per row of what the rank reads (under
       row-parallel TP a rank sees only part of a row, so its scales differ from world 1's).
-    - `skip`: regexes (`re.search` on module names) of Linear layers kept in full
-      precision, on top of the defaults (`lm_head`, MoE routers `gate` / `router`) and the
-      model config's `modules_to_not_convert`.
+    - `skip`: regexes (`re.search` on module names) of Linear layers (and fused experts
+      modules, `mlp.experts`) kept in full precision, on top of the defaults (`lm_head`, MoE
+      routers `gate` / `router`) and the model config's `modules_to_not_convert`.
     - `torchao`: True holds each quantized weight, where torchao 0.18 takes it (world 1, no
       short last group), as torchao's `Int8Tensor` / `Float8Tensor` in a plain `nn.Linear`
       (torchao must be installed: `pip install lazyload[torchao]`); the others stay
@@ -86,13 +86,24 @@ class Quantization:
                    for n in not_convert)
 
 
+def not_converted(model: torch.nn.Module) -> tuple[str, ...]:
+    """The model config's `quantization_config.modules_to_not_convert` (transformers')."""
+    qconfig = getattr(getattr(model, "config", None), "quantization_config", None)
+    names = (qconfig.get("modules_to_not_convert") if isinstance(qconfig, dict)
+             else getattr(qconfig, "modules_to_not_convert", None))
+    return tuple(names or ())
+
+
 class QuantizedDest(NamedTuple):
-    """The destination of a quantized target: its 8-bit data and its scale grid
-    (rows, ceil(columns / group)); `group` input elements per scale."""
+    """The destination of a quantized target: its 8-bit data and its scale grid (the data's
+    shape with the input dim `axis` divided by `group`, rounded up); `group` input elements
+    per scale. `keep`: a pre-quantized source kept as stored (`keep_into`)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     group: int
+    axis: int = -1
+    keep: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -103,14 +114,31 @@ class QuantizedDest(NamedTuple):
         return self.data.dtype
 
 
-def scale_shape(shape: tuple[int, ...], group: int) -> tuple[int, ...]:
-    return tuple(shape[:-1]) + (-(-shape[-1] // group),)
+class Grid(NamedTuple):
+    """How one target is quantized: `group` elements of its input dim `axis` (-1; -2 for
+    transposed experts [E, in, out]) per scale, and whether its pre-quantized source is
+    kept as stored (`keep`) rather than dequantized and quantized again."""
+
+    group: int
+    axis: int = -1
+    keep: bool = False
+
+
+def scale_shape(shape: tuple[int, ...], group: int, axis: int = -1) -> tuple[int, ...]:
+    axis %= len(shape)
+    return tuple(-(-n // group) if d == axis else n for d, n in enumerate(shape))
 
 
 def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values: torch.Tensor) -> None:
     """Quantize `values` (the full-precision `box` of the local tensor, on dest's device)
-    into `dest`. The box's last dim starts on a group boundary and ends on one or at the
-    end of the row (the plan checks it), so its groups are whole groups of the local tensor."""
+    into `dest`. The box's input dim starts on a group boundary and ends on one or at the
+    end of the row (the plan checks it), so its groups are whole groups of the local tensor.
+    A transposed destination (input dim -2) is quantized through transposed views."""
+    if dest.axis % dest.data.ndim != dest.data.ndim - 1:
+        flipped = QuantizedDest(dest.data.transpose(dest.axis, -1), dest.scale.transpose(dest.axis, -1), dest.group)
+        axis = dest.axis % len(box)
+        return quantize_into(flipped, box[:axis] + (box[-1],) + box[axis + 1:-1] + (box[axis],),
+                             values.transpose(dest.axis, -1))
     (c0, c1) = box[-1]
     g = dest.group
     qmax = QMAX[dest.data.dtype]
@@ -119,7 +147,7 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
     cols = c1 - c0
     groups = -(-cols // g)
     rows_of = values.reshape(-1, cols)
-    data2, scale2 = data.reshape(-1, cols), scale.reshape(-1, groups)
+    data2, scale2 = data.reshape(-1, cols), scale.reshape(-1, groups)  # copies of non-contiguous views
     step = max(1, CHUNK // (groups * g))
     for r in range(0, rows_of.shape[0], step):
         w = rows_of[r:r + step]
@@ -135,65 +163,76 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
         blocks.clamp_(-qmax, qmax)
         data2[r:r + step] = scratch[:, :cols]
         scale2[r:r + step] = s
-    if data2.data_ptr() != data.data_ptr() or not data.is_contiguous():  # reshape made copies: write back
+    if data2.data_ptr() != data.data_ptr() or not data.is_contiguous():  # reshape made a copy: write back
         data.copy_(data2.view(data.shape))
+    if scale2.data_ptr() != scale.data_ptr() or not scale.is_contiguous():
         scale.copy_(scale2.view(scale.shape))
 
 
-def group_size(config: Quantization, columns: int) -> int:
-    return config.group_size if config.group_size is not None else max(1, columns)
+def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement, rank: int, world: int,
+             config: Quantization, axis: int, dtype_of, shape_of: ShapeOf) -> Grid:
+    """The scale grid of target `name` quantized on load, checked before any byte is read.
+    A pre-quantized source already in the asked dtype (symmetric, contracted over its last
+    dim) is kept (`kept_group`); otherwise groups of `config.group_size`, or with None one
+    scale per row of what this rank holds (a row-parallel rank: its own columns only)."""
+    full = expr.pieces(tuple((0, n) for n in shape), shape_of)
+    keep = axis % len(shape) == len(shape) - 1 and bool(full) and all(
+        p.scales is not None and p.scales.zero is None and dtype_of(p.key) == config.torch_dtype
+        and not any(op[0] == "transpose" for op in p.ops) for p in full)
+    if keep:
+        group = kept_group(expr, shape, placement, world, shape_of)
+    elif config.group_size is not None:
+        group = config.group_size
+    else:
+        group = max(1, local_regions(name, shape, placement, rank, world)[0][axis])
+    check_groups(name, expr, shape, placement, rank, world, group, shape_of, axis)
+    return Grid(group, axis, keep)
 
 
-def kept(weight_dtype: torch.dtype, qdtype: torch.dtype, has_zero: bool) -> bool:
-    """A pre-quantized weight stays as stored when it already is what was asked for
-    (symmetric, same 8-bit dtype); any other is dequantized and quantized again."""
-    return weight_dtype == qdtype and not has_zero
-
-
-def kept_group(expr: Dequant, shape: tuple[int, ...], placement: Placement, world: int) -> int:
-    """The scale group of a weight kept as stored: its checkpoint's column block, narrowed
-    (gcd) to the column offsets where ranks' slices start, so that each group of every
-    rank's local tensor lies inside one checkpoint block and its re-gridded scale is exact."""
-    group = expr.block[-1]
+def kept_group(expr: Expr, shape: tuple[int, ...], placement: Placement, world: int, shape_of: ShapeOf) -> int:
+    """The scale group of a weight kept as stored: its checkpoint's column blocks, narrowed
+    (gcd) to the column offsets where each source piece starts, in the checkpoint tensor and
+    in every rank's local tensor, so that each local group lies inside one checkpoint block
+    of one source and its re-gridded scale is exact."""
+    group = 0
     for rank in range(world):
-        for region in local_regions(expr.weight, shape, placement, rank, world)[1]:
-            group = math.gcd(group, region.global_box[-1][0], region.local_start[-1])
-    return group
+        for region in local_regions("", shape, placement, rank, world)[1]:
+            for piece in expr.pieces(region.global_box, shape_of):
+                local = region.local_start[-1] + piece.dst_box[-1][0] - region.global_box[-1][0]
+                group = math.gcd(group, piece.scales.block[-1], piece.src_box[-1][0], local)
+    return max(1, group)
 
 
 def keep_into(dest: QuantizedDest, item: ReadItem, source: QuantizedBox) -> None:
     """A pre-quantized weight box as stored, and its scales re-gridded from the checkpoint's
     blocks to the destination's (row, group) grid: each local group lies in one block
-    (`kept_group`), whose scale it takes."""
-    data = dest.data[tuple(slice(a, b) for a, b in item.dst_box)]
-    data.copy_(source.weight)
-    (r0, r1), (c0, c1) = item.src_box
-    (d0, _), (e0, e1) = item.dst_box
-    block_r, block_c = item.scales.block
-    g = dest.group
-    rows = torch.arange(r0, r1, device=data.device) // block_r - r0 // block_r
-    cols = torch.arange(c0, c1, g, device=data.device) // block_c - c0 // block_c
+    (`kept_group`), whose scale it takes. The item's ops (a per-expert weight stacked into
+    3-D experts) apply to both."""
+    dest.data[tuple(slice(a, b) for a, b in item.dst_box)].copy_(apply_ops(source.weight, item.ops))
+    g, block, src = dest.group, item.scales.block, item.src_box
     scale = source.scale.float()
-    if scale.numel() == 1:  # one scale for the whole weight
-        scale, rows, cols = scale.reshape(1, 1), rows * 0, cols * 0
-    else:
-        scale = scale.reshape(item.scales.box[0][1] - item.scales.box[0][0], -1)
-    dest.scale[d0:d0 + r1 - r0, e0 // g:-(-e1 // g)] = scale[rows][:, cols]
+    scale = scale.reshape(box_shape(item.scales.box)) if scale.numel() > 1 else scale.reshape((1,) * len(src))
+    for d, ((a, b), size) in enumerate(zip(src, block)):  # the block of each row, and of each group's start
+        at = torch.arange(a, b, g if d == len(src) - 1 else 1, device=scale.device)
+        scale = scale.index_select(d, at // size - a // size if scale.shape[d] > 1 else at * 0)
+    (e0, e1) = item.dst_box[-1]
+    dest.scale[tuple(slice(a, b) for a, b in item.dst_box[:-1]) + (slice(e0 // g, -(-e1 // g)),)] = \
+        apply_ops(scale, item.ops)
 
 
 def check_groups(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement, rank: int, world: int,
-                 group: int, shape_of: ShapeOf) -> None:
+                 group: int, shape_of: ShapeOf, axis: int = -1) -> None:
     """Refuse, before any byte is read, a split that cuts a scale group of `name`: every
     group a rank quantizes must be a whole group of the world=1 weight, so that its scale
-    comes from the same bytes."""
-    cols = shape[-1]
+    comes from the same bytes. `axis`: the input dim."""
+    cols = shape[axis]
     _, regions = local_regions(name, shape, placement, rank, world)
     for region in regions:
-        a, b = region.global_box[-1]
-        local = region.local_start[-1]
+        a, b = region.global_box[axis]
+        local = region.local_start[axis]
         ok = a % group == 0 and local % group == 0 and ((b - a) % group == 0 or b == cols)
         for piece in expr.pieces(region.global_box, shape_of) if ok else ():  # fused sources along columns
-            c0, c1 = piece.dst_box[-1]
+            c0, c1 = piece.dst_box[axis]
             ok = ok and c0 % group == 0 and (c1 % group == 0 or c1 == cols)
         if not ok:
             worlds = [w for w in range(1, 65) if cols % w == 0 and (cols // w) % group == 0]

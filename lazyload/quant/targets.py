@@ -1,0 +1,34 @@
+"""Which model tensors a load quantizes, with their scale grids (checked before any byte is
+read), and the swap of their modules for quantized ones once every input check has passed:
+Linear weights become `QuantizedLinear`, fused 3-D expert tensors a quantized experts module."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..index import CheckpointIndex
+from ..plan import REPLICATE
+from .experts import quantizable_experts, swap_experts
+from .linear import quantizable_linears, swap_linears
+from .onload import Grid, Quantization, grid_for
+
+
+def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict, specs: dict, placements: dict,
+                      index: CheckpointIndex, rank: int, world: int) -> dict[str, Grid]:
+    """Target name -> scale grid of each tensor `config` quantizes and the checkpoint fills;
+    a TP split that would cut a scale group is refused here, before the model changes."""
+    if config is None:
+        return {}
+    axes = {f"{module}.weight": -1 for module in quantizable_linears(model, config)}
+    axes.update(quantizable_experts(model, config))
+    return {name: grid_for(name, exprs[name], specs[name].shape, placements.get(name, REPLICATE), rank, world,
+                           config, axis, lambda key: index[key].dtype, lambda key: index[key].shape)
+            for name, axis in axes.items() if name in exprs}  # a tensor not filled is left as it is
+
+
+def swap_quantized(model: nn.Module, grids: dict[str, Grid], config: Quantization) -> None:
+    """Swap the modules of the quantized targets (on meta; the load fills them)."""
+    linears = {name.rpartition(".")[0]: grid.group for name, grid in grids.items()
+               if isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)}
+    swap_linears(model, linears, config)
+    swap_experts(model, {name: (grid.group, grid.axis) for name, grid in grids.items()
+                         if name.rpartition(".")[0] not in linears}, config)
