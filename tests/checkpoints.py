@@ -55,6 +55,11 @@ def make_config(arch: str, **overrides):
                   max_position_embeddings=128, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                   tie_word_embeddings=False)
         cls = tf.Qwen3MoeConfig
+    elif arch == "gpt_oss":  # not in ARCHS: fused experts stored transposed ([E, in, out]), with biases
+        kw = dict(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                  max_position_embeddings=128, layer_types=["full_attention"] * 2, tie_word_embeddings=False)
+        cls = tf.GptOssConfig
     elif arch == "llama4_text":
         kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, intermediate_size_mlp=96,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -84,14 +84,14 @@ def _experts(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedExperts)}
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("qdtype", ["int8", "fp8"])
 def test_fused_experts_quantized_on_load(checkpoint, arch, qdtype):
-    """transformers' fused 3-D experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) are
-    quantized per (expert, row, group of the contracted last dim); routers stay full
-    precision; every implementation of the model's own experts forward (eager, batched_mm,
-    grouped_mm) runs on the dequantized tensors: the full-precision model given those
-    values gives the same logits."""
+    """transformers' fused 3-D experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]; GPT-OSS
+    transposed, [E, in, out]) are quantized per (expert, output row, group of the contracted
+    input dim); routers stay full precision; every implementation of the model's own experts
+    forward (eager, batched_mm, grouped_mm) runs on the dequantized tensors: the
+    full-precision model given those values gives the same logits."""
     model, config, _ = _load(checkpoint, arch, Quantization(qdtype, group_size=GROUP))
     ref = reference_model(arch, checkpoint(arch)[0], torch.float32)
     experts = _experts(model)
@@ -100,12 +100,17 @@ def test_fused_experts_quantized_on_load(checkpoint, arch, qdtype):
         assert set(module._lazyload_quantized) == {"gate_up_proj", "down_proj"}
         for attr in module._lazyload_quantized:
             weight, scale = getattr(module, attr), getattr(module, attr + "_scale")
+            axis = -2 if arch == "gpt_oss" else -1  # the dim the experts forward contracts
+            assert module._lazyload_quantized[attr][:2] == (GROUP, axis)
             assert weight.dtype == lazyload.quant.onload.QDTYPES[qdtype] and scale.dtype == torch.float32
-            assert scale.shape == weight.shape[:2] + (-(-weight.shape[2] // GROUP),)
+            want = list(weight.shape)
+            want[axis] = -(-want[axis] // GROUP)
+            assert list(scale.shape) == want
             full = ref.get_parameter(f"{name}.{attr}").detach()
             error = (module.dequantized(attr, torch.float32) - full).abs()
-            assert (error <= _step_of(weight, scale, GROUP) * (1 + 1e-6)).all(), f"{name}.{attr}: more than a step off"
-        router = model.get_submodule(name.rpartition(".")[0]).gate
+            assert (error <= _step_of(weight, scale, GROUP, axis) * (1 + 1e-6)).all(), f"{name}.{attr}: > a step off"
+        mlp = model.get_submodule(name.rpartition(".")[0])
+        router = mlp.router if arch == "gpt_oss" else mlp.gate
         assert all(p.dtype == torch.float32 for p in router.parameters())
     with torch.no_grad():  # the reference given the dequantized values of every quantized tensor
         for name, module in model.named_modules():
