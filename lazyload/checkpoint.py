@@ -26,7 +26,7 @@ from .index import CheckpointIndex, TensorEntry
 from .mapping import KeyMap, check_casts, check_mapping, held_by, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
 from .parallel import auto_parallelize, check_process_group
-from .placements import model_tp_plan, resolve_placements
+from .placements import resolve_placements
 from .placer import allocate, allocate_quantized, assign, mapped_views
 from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, read_quantization_config
@@ -227,8 +227,6 @@ class LazyCheckpoint:
              for n in unfilled},
             {n: _target_dtype(specs[n].dtype, specs[n].dtype, dtype) for n in unfilled}, device)
         quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
-        if quantized and not shards_only:
-            _check_runnable_quantized(model, quantized, placements.placements, world)
         agree.reached("planned")  # every rank's input is good: only now may any model change
         # Only now, with the input checked, may the model change: Linear layers quantized,
         # made tensor parallel.
@@ -337,21 +335,6 @@ def _check_arguments(model: Any, dtype: Any, missing: str, reader: str) -> None:
     check_choice(missing)
     if reader not in ("auto", "mmap", "pread"):
         raise ArgumentError(f"reader={reader!r}: use 'auto' (mmap for CPU, pread for GPU), 'mmap' or 'pread'.")
-
-
-def _check_runnable_quantized(model: nn.Module, quantized: dict[str, int], placements: dict, world: int) -> None:
-    """`parallelize`'s structural rule (models without a transformers TP plan) runs
-    row-parallel layers with their raw weight, which a quantized layer does not hold:
-    refused under torch.distributed, before the model changes."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if world == 1 or not distributed or torch.distributed.get_world_size() != world or model_tp_plan(model):
-        return
-    rows = [n for n in quantized if placements.get(n, REPLICATE).kind == "shard" and placements[n].dim in (1, -1)]
-    if rows:
-        raise PlanError(f"{rows[0]}: a row-parallel quantized layer of a model without a transformers TP plan cannot "
-                        "run under lazyload's parallelize yet; keep these layers in full precision "
-                        f"(Quantization(skip=[...]) for {len(rows)} layers), or load only the shards with "
-                        "shards_only=True.")
 
 
 def _emptied_buffers(model: nn.Module, loaded: set[str]) -> set[str]:

@@ -87,6 +87,9 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
             weight = static.get(f"{module_name}.weight" if module_name else "weight")
             if weight is not None and weight.kind == "shard" and weight.dim == (0 if is_conv1d(module) else 1):
                 _install_rowwise(module, mesh)
+            query = static.get(f"{module_name}.q_proj.weight")
+            if query is not None and query.kind == "shard" and isinstance(getattr(module, "num_heads", None), int):
+                module.num_heads //= world  # OPT-style attention: views its projections with num_heads
     _set_local_heads(model, heads, world)
     model._lazyload_placements = {**getattr(model, "_lazyload_placements", {}), **recorded}
     return model
@@ -197,13 +200,14 @@ def _set_local_heads(model: nn.Module, heads: Heads, world: int) -> None:
 
 def _install_rowwise(module: nn.Module, mesh: Any) -> None:
     """Row-parallel Linear/Conv1D with a plain local weight: partial product, summed over
-    the mesh by DTensor (Partial -> Replicate), then the (replicated) bias added once."""
+    the mesh by DTensor (Partial -> Replicate), then the (replicated) bias added once. A
+    quantized layer computes with its dequantized local weight."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     conv1d = is_conv1d(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        weight = module.weight
+        weight = module.dequantized_weight(x.dtype) if hasattr(module, "dequantized_weight") else module.weight
         y = x @ weight if conv1d else nn.functional.linear(x, weight)
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
         return y if module.bias is None else y + module.bias

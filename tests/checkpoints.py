@@ -60,6 +60,10 @@ def make_config(arch: str, **overrides):
                   num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                   max_position_embeddings=128, layer_types=["full_attention"] * 2, tie_word_embeddings=False)
         cls = tf.GptOssConfig
+    elif arch == "opt":  # not in ARCHS: Linear layers and no transformers TP plan (lazyload's structural rule)
+        kw = dict(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128, word_embed_proj_dim=64)
+        cls = tf.OPTConfig
     elif arch == "llama4_text":
         kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, intermediate_size_mlp=96,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

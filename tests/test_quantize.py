@@ -210,25 +210,49 @@ def test_quantize_argument_errors(checkpoint):
 TP_GROUP = 8  # row-parallel shards of the tiny models: 32 / 4 columns
 
 
-def _case_tp(arch, directory, qdtype, rank, world):
-    from test_tp_dist import RTOL, ATOL, _check_shards
+ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", "fc2")
+
+
+def _plain_share(name, full, rank, world):
+    """This rank's share of a plain parameter of a model without a TP plan (OPT), by the
+    structural rule: row-parallel weights and scales split on columns, their bias replicated,
+    the other Linear layers split on rows."""
+    module, attr = name.split(".")[-2:]
+    if module in ROW_PARALLEL:
+        return full if attr == "bias" else full.chunk(world, 1)[rank]
+    return full.chunk(world, 0)[rank]
+
+
+def _quantized_pair(arch, directory, rank, world, quantize):
+    """(the world-1 quantized model, this rank's quantized model) and the config."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(directory)
-    quantize = Quantization(qdtype, group_size=TP_GROUP)
     ref = build_model(arch, config, torch.float32)
     LazyCheckpoint(directory).load_into(ref, quantize=quantize, progress=False)
     model = build_model(arch, config, torch.float32)
     report = LazyCheckpoint(directory).load_into(model, rank, world, quantize=quantize, progress=False)
     assert report.ok
+    return ref, model, config
+
+
+def _case_tp(arch, directory, qdtype, rank, world):
+    from test_tp_dist import RTOL, ATOL, _check_shards
+
+    ref, model, config = _quantized_pair(arch, directory, rank, world, Quantization(qdtype, group_size=TP_GROUP))
     label = f"{arch} {qdtype} world={world}"
     assert any(isinstance(m, QuantizedLinear) for m in model.modules()), label
-    if arch != "llama":  # fused experts quantized too, weight and scale split alike
+    if arch in ("mixtral", "qwen3_moe"):  # fused experts quantized too, weight and scale split alike
         experts = model.model.layers[0].mlp.experts
         assert isinstance(experts, QuantizedExperts) and experts.down_proj_scale.to_local().shape[-1] == \
             ref.model.layers[0].mlp.experts.down_proj_scale.shape[-1] // world, label
-    # Weights and scales (DTensors gathered, plain KV shards as their share) equal world 1's.
-    _check_shards(_BitView(model), _BitView(ref), rank, world, config.num_key_value_heads, label)
+    if arch == "opt":  # no TP plan: plain local shards, row-parallel layers all-reduced by lazyload
+        params = dict(_BitView(ref).named_parameters())
+        for name, param in _BitView(model).named_parameters():
+            want = params[name] if param.shape == params[name].shape else _plain_share(name, params[name], rank, world)
+            assert torch.equal(param, want), f"{label}: {name} is not world 1's share"
+    else:  # weights and scales (DTensors gathered, plain KV shards as their share) equal world 1's
+        _check_shards(_BitView(model), _BitView(ref), rank, world, config.num_key_value_heads, label)
     ids = fixed_input(config)
     with torch.no_grad():
         got, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
@@ -255,17 +279,57 @@ def _dtensor_bits(p):
                               shape=p.shape, stride=p.stride())
 
 
+def _case_per_row(arch, directory, qdtype, rank, world):
+    """group_size=None at world 2: one scale per row of what each rank holds, so a
+    row-parallel rank's scales cover its own columns (not world 1's rows): each rank's
+    weights are within one step of the checkpoint's share, and the model runs and agrees
+    with full precision."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    full = build_model(arch, config, torch.float32)
+    LazyCheckpoint(directory).load_into(full, progress=False)
+    model = build_model(arch, config, torch.float32)
+    LazyCheckpoint(directory).load_into(model, rank, world, quantize=Quantization(qdtype, group_size=None),
+                                        progress=False)
+    label = f"{arch} {qdtype} per-row world={world}"
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert layers, label
+    for name, module in layers.items():
+        weight, scale = module.weight, module.weight_scale
+        weight, scale = (weight.to_local(), scale.to_local()) if hasattr(weight, "to_local") else (weight, scale)
+        want = full.get_parameter(f"{name}.weight").detach()
+        if name.rpartition(".")[2] in ROW_PARALLEL:
+            want = want.chunk(world, 1)[rank]
+        elif weight.shape != want.shape:
+            want = want.chunk(world, 0)[rank]
+        assert scale.shape == (weight.shape[0], 1) and module.group == weight.shape[1], f"{label}: {name}"
+        error = (module.dequantized_weight(torch.float32) - want).abs()
+        assert (error <= _step_of(weight, scale, module.group) * (1 + 1e-6)).all(), f"{label}: {name}"
+    ids = fixed_input(config)
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, full(input_ids=ids).logits
+    assert ((got - want).norm() / want.norm()).item() < BOUNDS[qdtype][0], label
+
+
 def _run_case(case, rank, world):
-    _case_tp(*case, rank, world)
+    kind, *args = case
+    (_case_per_row if kind == "per_row" else _case_tp)(*args, rank, world)
 
 
-@pytest.mark.parametrize("world,cases", [(2, [("mixtral", "fp8"), ("qwen3_moe", "int8")]), (4, [("llama", "int8")])])
+@pytest.mark.parametrize("world,cases", [
+    (2, [("tp", "mixtral", "fp8"), ("tp", "qwen3_moe", "int8"), ("tp", "opt", "int8"),
+         ("per_row", "opt", "int8"), ("per_row", "llama", "int8")]),
+    (4, [("tp", "llama", "int8")])])
 def test_tensor_parallel_quantized_model_equals_world1(checkpoint, tmp_path, world, cases):
     """One spawn per world (spawning is the cost on 2 cores): at world 2 Mixtral fp8 and
     Qwen3-MoE int8 (fused experts: gate_up_proj packed, down_proj row-parallel, with their
-    scales), Llama int8 at world 4 (KV heads replicated over pairs of ranks, row shards of
-    16 columns)."""
-    spawn_cases(world, [(arch, str(checkpoint(arch)[0]), qdtype) for arch, qdtype in cases], tmp_path, _run_case)
+    scales), OPT int8 (no transformers TP plan: lazyload's row-parallel layers all-reduce
+    their dequantized partial products), and per-row scales (group_size=None) on OPT and
+    Llama; Llama int8 at world 4 (KV heads replicated over pairs of ranks, row shards of 16
+    columns)."""
+    spawn_cases(world, [(kind, arch, str(checkpoint(arch)[0]), qdtype) for kind, arch, qdtype in cases], tmp_path,
+                _run_case)
 
 
 # --------------------------------------------------------------- memory

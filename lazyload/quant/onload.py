@@ -36,8 +36,10 @@ class Quantization:
 
     - `dtype`: "int8" (symmetric, ±127) or "fp8" (`torch.float8_e4m3fn`).
     - `group_size`: input-dim elements per scale, per output row (default 128; the last
-      group of a row may be shorter). None: one scale per row of what the rank reads (under
-      row-parallel TP a rank sees only part of a row, so its scales differ from world 1's).
+      group of a row may be shorter). None: one scale per row of what the rank holds. A
+      row-parallel rank (world > 1) sees only its own columns of each row, so its scales
+      cover those columns: they, the quantized values and the logits differ from world
+      1's, unlike with groups, where every rank holds world 1's values.
     - `skip`: regexes (`re.search` on module names) of Linear layers (and fused experts
       modules, `mlp.experts`) kept in full precision, on top of the defaults (`lm_head`, MoE
       routers `gate` / `router`) and the model config's `modules_to_not_convert`.
