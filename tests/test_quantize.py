@@ -53,7 +53,9 @@ def _load(checkpoint, arch, quantize, **kw):
 
 # Measured on these random tiny models (3 layers): int8 ~1-2 % logits error, top-1 ~96-100 %.
 # float8_e4m3fn keeps 3 mantissa bits: ~2.2 % RMS error per weight, which these random
-# models (near-tied logits) amplify to ~7-8 % and 80-85 % top-1; the fp8 bounds say so.
+# models (near-tied logits) amplify to ~7-8 % and 80-85 % top-1; the fp8 bounds say so. The
+# issue's bound (< 5 %, >= 95 % for both) is asserted on trained models, whose logits are
+# peaked as a published model's (test_quantized_trained_model_meets_the_accuracy_bound).
 BOUNDS = {"int8": (0.05, 0.95), "fp8": (0.12, 0.75)}
 
 
@@ -78,6 +80,88 @@ def test_quantized_load_runs_and_agrees_with_full_precision(checkpoint, arch, qd
         rel = ((a - b).norm() / b.norm()).item()
         top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
         assert rel < max_err and top1 >= min_top1, f"{qdtype}: logits error {rel:.3f}, top-1 agreement {top1:.2f}"
+
+
+# --------------------------------------------------------------- accuracy on a trained model
+
+
+def markov_corpus(vocab: int, rows: int, length: int, seed: int) -> torch.Tensor:
+    """Token sequences of a small synthetic language: each token is followed by its own
+    successor 80 % of the time, a second one 15 %, any token 5 % (fixed tables), so that a
+    model trained on it predicts the next token as peakedly as a published LM does on text
+    (top-1 probability ~0.8), unlike a random model's near-tied logits."""
+    first = torch.randperm(vocab, generator=torch.Generator().manual_seed(1234))
+    second = torch.randperm(vocab, generator=torch.Generator().manual_seed(4321))
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.empty(rows, length, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (rows,), generator=g)
+    for t in range(1, length):
+        r = torch.rand(rows, generator=g)
+        nxt = torch.where(r < 0.8, first[tokens[:, t - 1]], second[tokens[:, t - 1]])
+        tokens[:, t] = torch.where(r >= 0.95, torch.randint(0, vocab, (rows,), generator=g), nxt)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """trained(arch) -> (directory, config): the tiny model trained for 80 AdamW steps on
+    `markov_corpus` (about a second each on one thread), saved by save_pretrained in shards."""
+    from checkpoints import ATTN, make_config, model_class
+
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            config = make_config(arch)
+            config._attn_implementation = ATTN
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # tiny matmuls: threads only contend
+            try:
+                torch.manual_seed(0)
+                model = model_class(arch, config)(config)
+                data = markov_corpus(config.vocab_size, 1024, 16, seed=0)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+                g = torch.Generator().manual_seed(0)
+                for _ in range(80):
+                    batch = data[torch.randint(0, len(data), (16,), generator=g)]
+                    loss = model(input_ids=batch, labels=batch).loss
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+            finally:
+                torch.set_num_threads(threads)
+            assert loss.item() < 1.5, f"{arch}: training did not converge (loss {loss.item():.2f})"
+            directory = tmp_path_factory.mktemp(f"trained-{arch}")
+            model.eval().save_pretrained(directory, max_shard_size=200_000)
+            cache[arch] = directory, type(config).from_pretrained(directory)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_quantized_trained_model_meets_the_accuracy_bound(trained, arch):
+    """The issue's bound, on models whose logits are peaked as a published model's: int8
+    and fp8 loads (default groups of 128) agree with full precision on the top-1 token for
+    >= 95 % of the positions of held-out prompts, with relative logits error < 5 %
+    (measured: int8 0.1-0.4 %, fp8 0.5-1.7 %, top-1 100 %)."""
+    directory, config = trained(arch)
+    full = build_model(arch, config, torch.float32)
+    LazyCheckpoint(directory).load_into(full, progress=False)
+    prompts = markov_corpus(config.vocab_size, 8, 32, seed=99)
+    with torch.no_grad():
+        want = full(input_ids=prompts).logits
+    assert want.softmax(-1).amax(-1).mean() > 0.6  # peaked, as intended
+    for qdtype in ("int8", "fp8"):
+        model = build_model(arch, config, torch.float32)
+        LazyCheckpoint(directory).load_into(model, quantize=qdtype, progress=False)
+        assert all(p.dtype == lazyload.quant.onload.QDTYPES[qdtype]
+                   for n, p in model.named_parameters() if n.endswith(("proj.weight", "experts.down_proj")))
+        with torch.no_grad():
+            got = model(input_ids=prompts).logits
+        rel = ((got - want).norm() / want.norm()).item()
+        top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        assert rel < 0.05 and top1 >= 0.95, f"{arch} {qdtype}: logits error {rel:.4f}, top-1 agreement {top1:.3f}"
 
 
 def _experts(model):
