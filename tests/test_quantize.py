@@ -307,7 +307,7 @@ def _plain_share(name, full, rank, world):
     return full.chunk(world, 0)[rank]
 
 
-def _quantized_pair(arch, directory, rank, world, quantize):
+def _quantized_pair(arch, directory, rank, world, quantize, plan=None):
     """(the world-1 quantized model, this rank's quantized model) and the config."""
     from transformers import AutoConfig
 
@@ -315,21 +315,22 @@ def _quantized_pair(arch, directory, rank, world, quantize):
     ref = build_model(arch, config, torch.float32)
     LazyCheckpoint(directory).load_into(ref, quantize=quantize, progress=False)
     model = build_model(arch, config, torch.float32)
-    report = LazyCheckpoint(directory).load_into(model, rank, world, quantize=quantize, progress=False)
+    report = LazyCheckpoint(directory).load_into(model, rank, world, quantize=quantize, plan=plan, progress=False)
     assert report.ok
     return ref, model, config
 
 
-def _case_tp(arch, directory, qdtype, rank, world):
+def _case_tp(arch, directory, qdtype, rank, world, plan=None):
     from test_tp_dist import RTOL, ATOL, _check_shards
 
-    ref, model, config = _quantized_pair(arch, directory, rank, world, Quantization(qdtype, group_size=TP_GROUP))
-    label = f"{arch} {qdtype} world={world}"
+    ref, model, config = _quantized_pair(arch, directory, rank, world, Quantization(qdtype, group_size=TP_GROUP),
+                                         plan)
+    label = f"{arch} {qdtype} world={world} plan={plan}"
     assert any(isinstance(m, QuantizedLinear) for m in model.modules()), label
     if arch in ("mixtral", "qwen3_moe"):  # fused experts quantized too, weight and scale split alike
-        experts = model.model.layers[0].mlp.experts
-        assert isinstance(experts, QuantizedExperts) and experts.down_proj_scale.to_local().shape[-1] == \
-            ref.model.layers[0].mlp.experts.down_proj_scale.shape[-1] // world, label
+        experts, dim = model.model.layers[0].mlp.experts, (0 if plan == "ep" else -1)  # by expert, or columns
+        assert isinstance(experts, QuantizedExperts) and experts.down_proj_scale.to_local().shape[dim] == \
+            ref.model.layers[0].mlp.experts.down_proj_scale.shape[dim] // world, label
     if arch == "opt":  # no TP plan: plain local shards, row-parallel layers all-reduced by lazyload
         params = dict(_BitView(ref).named_parameters())
         for name, param in _BitView(model).named_parameters():
@@ -398,19 +399,23 @@ def _case_per_row(arch, directory, qdtype, rank, world):
 
 def _run_case(case, rank, world):
     kind, *args = case
-    (_case_per_row if kind == "per_row" else _case_tp)(*args, rank, world)
+    if kind == "per_row":
+        _case_per_row(*args, rank, world)
+    else:
+        _case_tp(*args, rank, world, plan="ep" if kind == "ep" else None)
 
 
 @pytest.mark.parametrize("world,cases", [
-    (2, [("tp", "mixtral", "fp8"), ("tp", "qwen3_moe", "int8"), ("tp", "opt", "int8"),
+    (2, [("tp", "mixtral", "fp8"), ("ep", "mixtral", "int8"), ("tp", "qwen3_moe", "int8"), ("tp", "opt", "int8"),
          ("per_row", "opt", "int8"), ("per_row", "llama", "int8")]),
     (4, [("tp", "llama", "int8")])])
 def test_tensor_parallel_quantized_model_equals_world1(checkpoint, tmp_path, world, cases):
     """One spawn per world (spawning is the cost on 2 cores): at world 2 Mixtral fp8 and
     Qwen3-MoE int8 (fused experts: gate_up_proj packed, down_proj row-parallel, with their
-    scales), OPT int8 (no transformers TP plan: lazyload's row-parallel layers all-reduce
-    their dequantized partial products), and per-row scales (group_size=None) on OPT and
-    Llama; Llama int8 at world 4 (KV heads replicated over pairs of ranks, row shards of 16
+    scales), Mixtral int8 expert-parallel (plan="ep": experts and scales split by expert),
+    OPT int8 (no transformers TP plan: lazyload's row-parallel layers all-reduce their
+    dequantized partial products), and per-row scales (group_size=None) on OPT and Llama;
+    Llama int8 at world 4 (KV heads replicated over pairs of ranks, row shards of 16
     columns)."""
     spawn_cases(world, [(kind, arch, str(checkpoint(arch)[0]), qdtype) for kind, arch, qdtype in cases], tmp_path,
                 _run_case)
