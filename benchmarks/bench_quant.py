@@ -56,13 +56,14 @@ def weight_bytes(model):
     those weights' bytes in bf16); torchao tensors count as their 8-bit data and scales."""
     import torch
     total = quantized = as_bf16 = 0
-    for name, p in model.named_parameters():
-        if name.endswith("weight_scale"):  # counted with its weight
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if name.endswith("_scale") and name.removesuffix("_scale") in params:  # counted with its weight
             continue
         if hasattr(p, "qdata"):  # torchao
             data, scale = p.qdata, p.scale
-        elif p.dtype in (torch.int8, torch.float8_e4m3fn):  # lazyload's QuantizedLinear
-            data, scale = p, model.get_submodule(name.rpartition(".")[0]).weight_scale
+        elif p.dtype in (torch.int8, torch.float8_e4m3fn):  # lazyload's QuantizedLinear, QuantizedExperts: X, X_scale
+            data, scale = p, params[name + "_scale"]
         else:
             total += p.numel() * p.element_size()
             continue
