@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import ArgumentError, PlanError
-from ..expr import Expr, ShapeOf, apply_ops, box_shape
+from ..expr import Expr, Piece, ShapeOf, apply_ops, box_shape
 from ..plan import Placement, ReadItem, local_regions
 from .dequant import QuantizedBox
 
@@ -182,7 +182,7 @@ def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement
         p.scales is not None and p.scales.zero is None and dtype_of(p.key) == config.torch_dtype
         and not any(op[0] == "transpose" for op in p.ops) for p in full)
     if keep:
-        group = kept_group(expr, shape, placement, world, shape_of)
+        group = kept_group(full, shape, placement, world)
     elif config.group_size is not None:
         group = config.group_size
     else:
@@ -191,17 +191,24 @@ def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement
     return Grid(group, axis, keep)
 
 
-def kept_group(expr: Expr, shape: tuple[int, ...], placement: Placement, world: int, shape_of: ShapeOf) -> int:
+def kept_group(full: list[Piece], shape: tuple[int, ...], placement: Placement, world: int) -> int:
     """The scale group of a weight kept as stored: its checkpoint's column blocks, narrowed
     (gcd) to the column offsets where each source piece starts, in the checkpoint tensor and
     in every rank's local tensor, so that each local group lies inside one checkpoint block
-    of one source and its re-gridded scale is exact."""
+    of one source and its re-gridded scale is exact. `full`: the pieces of the whole weight;
+    a rank's column slice of a piece starts as far into its source as into the piece (no
+    transposes), so the pieces are intersected with each rank's column spans here instead of
+    being pushed down again per rank (per-expert weights: thousands of pieces per tensor)."""
+    columns = {(p.scales.block[-1], p.src_box[-1][0]) + p.dst_box[-1] for p in full}
+    spans = {(region.global_box[-1], region.local_start[-1]) for rank in range(world)
+             for region in local_regions("", shape, placement, rank, world)[1]}
     group = 0
-    for rank in range(world):
-        for region in local_regions("", shape, placement, rank, world)[1]:
-            for piece in expr.pieces(region.global_box, shape_of):
-                local = region.local_start[-1] + piece.dst_box[-1][0] - region.global_box[-1][0]
-                group = math.gcd(group, piece.scales.block[-1], piece.src_box[-1][0], local)
+    for block, source, c0, c1 in columns:
+        group = math.gcd(group, block)
+        for (a, b), local in spans:
+            lo = max(a, c0)
+            if lo < min(b, c1):
+                group = math.gcd(group, source + lo - c0, local + lo - a)
     return max(1, group)
 
 
