@@ -46,7 +46,8 @@ def quantizable_experts(model: nn.Module, config: Quantization) -> dict[str, int
     not_convert, out = not_converted(model), {}
     for module_name, module in model.named_modules():
         axis = input_axis(module)
-        if axis is None or not module_name or config.skips(module_name, not_convert):
+        quantized_already = isinstance(module, QuantizedExperts)  # as a QuantizedLinear is no plain Linear
+        if axis is None or quantized_already or not module_name or config.skips(module_name, not_convert):
             continue
         for attr, param in module.named_parameters(recurse=False):
             if param.ndim == 3 and param.is_floating_point():
