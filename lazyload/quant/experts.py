@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dequant import QuantizedBox, dequantize_into
 from ..targets import local_tensor
+from .dequant import QuantizedBox, dequantize_into
 from .onload import Quantization, not_converted, scale_shape
 
 SCALE = "_scale"  # `X_scale` holds the scales of the quantized tensor `X`
@@ -111,4 +111,3 @@ def swap_experts(model: nn.Module, grids: dict[str, tuple[int, int]], config: Qu
                                                 requires_grad=False)
         module.register_parameter(attr + SCALE, nn.Parameter(
             torch.empty(scale_shape(shape, group, axis), dtype=torch.float32, device="meta"), requires_grad=False))
-
