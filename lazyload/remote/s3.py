@@ -18,7 +18,7 @@ import os
 from datetime import timedelta
 
 from ..errors import RemoteError
-from .store import ObjectIdentity, RemoteOptions, Response, Store, Transient
+from .store import ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
 
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
 
@@ -57,9 +57,9 @@ class S3Store(Store):
         try:
             result = self._obstore.get(self._store, key, options=options)
             data = result.bytes()
-        except ex.NotFoundError:
+        except (ex.NotFoundError, FileNotFoundError):  # obstore raises the builtin one for a 404
             raise self.not_found(key) from None
-        except (ex.PermissionDeniedError, ex.UnauthenticatedError) as exc:
+        except (ex.PermissionDeniedError, ex.UnauthenticatedError, PermissionError) as exc:
             raise self.denied(key, type(exc).__name__) from None
         except ex.PreconditionError:
             raise self.changed(key, identity) from None
@@ -77,15 +77,13 @@ class S3Store(Store):
 
         try:
             listed = self._obstore.list_with_delimiter(self._store, prefix or None)
-        except ex.NotFoundError:
+        except (ex.NotFoundError, FileNotFoundError):
             return []
-        except (ex.PermissionDeniedError, ex.UnauthenticatedError) as exc:
+        except (ex.PermissionDeniedError, ex.UnauthenticatedError, PermissionError) as exc:
             raise self.denied(prefix, type(exc).__name__) from None
         except Exception as exc:  # obstore's errors after its (disabled) retries
             raise RemoteError(f"{self.url(prefix)}: cannot list ({self._say(exc)}).") from None
         return [meta["path"] for meta in listed["objects"]]
 
     def _say(self, exc: BaseException) -> str:
-        from .store import redact
-
         return redact(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", self.secrets)
