@@ -163,7 +163,8 @@ class LazyCheckpoint:
           transformers TP plan (else the structural rule); "ep" whole experts per rank; a
           dict overrides entries of it, glob -> transformers style or name ->
           `lazyload.Placement`; {} shards nothing. A glob that matches nothing is a PlanError.
-        - `reader`: "auto" (mmap for CPU, pread for GPU), "mmap" or "pread".
+        - `reader`: "auto" (mmap for CPU, pread for GPU; a remote checkpoint's GETs), "mmap" or
+          "pread" (local files only).
         - `max_host_bytes`: bytes read but not yet placed (default about one layer).
         - `release_pages`: drop consumed file pages (on by itself under a tight cgroup).
         - `shards_only`: fill this rank's shards into plain tensors and leave the model's
