@@ -284,7 +284,7 @@ class LazyCheckpoint:
         # Read and place; from here on the model changes. The bar counts every byte a
         # target gets: copied, and mapped (paged in by the schedule, or already cached).
         bar = tqdm(total=(copied + mapped) / 2**20, unit="MiB", desc="lazyload", disable=not _show_progress(progress, rank),
-                   bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}]")
+                   bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
         with MemorySampler() as memory, bar:
             if not chosen.prefetching:
                 bar.update(mapped / 2**20)

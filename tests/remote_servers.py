@@ -5,7 +5,9 @@ every request and can inject faults, and moto's standalone S3 server (ThreadedMo
 request, ETag from the file's inode, size and mtime, `If-Match` honoured with 412). Faults:
 `fail(n, status)` answers the next n requests with that status, `drop(n)` sends the headers
 and part of the body of the next n requests and then closes the connection.
-`token`: when set, requests without `Authorization: Bearer <token>` get 401.
+`token`: when set, requests without `Authorization: Bearer <token>` get 401. `redirect`:
+when set, every GET is answered 302 to that base URL + the same path (as the Hub sends
+file downloads to its CDN). Each logged request says whether it carried an Authorization.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class Logged:
     status: int
     start: int  # first byte served (0 without a range)
     sent: int  # body bytes written
+    authorized: bool = False  # the request carried an Authorization header
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -49,6 +52,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._status(fault)
         if self.server.token is not None and self.headers.get("Authorization") != f"Bearer {self.server.token}":
             return self._status(401)
+        if self.server.redirect is not None:
+            self.send_response(302)
+            self.send_header("Location", self.server.redirect + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return self.server.record(Logged(self.command, self.path, 302, 0, 0, self._authorized()))
         path = os.path.join(self.server.root, self.path.split("?")[0].lstrip("/"))
         if not os.path.isfile(path):
             return self._status(404)
@@ -77,7 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
             data = data[:len(data) // 2]
             self.close_connection = True
         self.wfile.write(data)
-        self.server.record(Logged(self.command, self.path, 206 if match else 200, start, len(data)))
+        self.server.record(Logged(self.command, self.path, 206 if match else 200, start, len(data),
+                                  self._authorized()))
         if fault == "drop":
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_RDWR)
@@ -86,15 +96,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Length", "0")
         self.end_headers()
-        self.server.record(Logged(self.command, self.path, status, 0, 0))
+        self.server.record(Logged(self.command, self.path, status, 0, 0, self._authorized()))
+
+    def _authorized(self) -> bool:
+        return "Authorization" in self.headers
 
 
 class RangeServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, root: str, token: str | None = None):
+    def __init__(self, root: str, token: str | None = None, redirect: str | None = None):
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.root, self.token = root, token
+        self.root, self.token, self.redirect = root, token, redirect
         self.log: list[Logged] = []
         self._faults: list = []
         self._lock = threading.Lock()

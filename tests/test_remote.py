@@ -174,6 +174,28 @@ def test_hf_url_reads_through_the_endpoint_with_the_token(checkpoint, tmp_path, 
         assert "hf_wrong-token" not in str(err.value) and SECRET not in str(err.value)
 
 
+def test_hf_token_goes_to_the_endpoint_only_not_to_where_it_redirects(checkpoint, tmp_path, monkeypatch):
+    directory, config = checkpoint("llama", "bf16")
+    copy_checkpoint(directory, tmp_path / "org" / "tiny" / "resolve" / "main")
+    with RangeServer(str(tmp_path)) as cdn, RangeServer(str(tmp_path), token=SECRET, redirect=cdn.url) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url.replace("127.0.0.1", "localhost"))  # another host than the CDN's
+        monkeypatch.setenv("HF_TOKEN", SECRET)
+        model, report = remote_load("hf://org/tiny", config)
+        assert_same_state(_state(model), local_state(directory, config))
+        assert hub.log and all(e.authorized and e.status == 302 for e in hub.log)
+        assert cdn.log and not any(e.authorized for e in cdn.log)
+        assert report.bytes_served == report.bytes_read
+
+
+def test_progress_bar_shows_the_requests(served, capsys):
+    from lazyload import LazyCheckpoint
+
+    server, url, directory, config = served
+    model = build_model("llama", config, torch.bfloat16)
+    report = LazyCheckpoint(url).load_into(model, progress=True)
+    assert f"{report.requests} GETs, 0 retries" in capsys.readouterr().err
+
+
 def test_transient_failures_are_retried(served):
     from lazyload.remote import RemoteOptions
 
