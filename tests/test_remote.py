@@ -196,6 +196,23 @@ def test_progress_bar_shows_the_requests(served, capsys):
     assert f"{report.requests} GETs, 0 retries" in capsys.readouterr().err
 
 
+def test_cache_dir_serves_a_repeated_load_and_never_a_changed_object(served, tmp_path):
+    from lazyload.remote import RemoteOptions
+
+    server, url, directory, config = served
+    options = RemoteOptions(cache_dir=str(tmp_path / "cache"))
+    first, report = remote_load(url, config, options)
+    assert report.bytes_served == report.bytes_read and report.bytes_cached == 0
+    second, report = remote_load(url, config, options)
+    assert report.requests == 0 and report.bytes_cached == report.bytes_read
+    assert_same_state(_state(second), local_state(directory, config))
+    for path in shard_files(directory):  # new versions of every object: other ETags, nothing cached for them
+        replace_file(str(path))
+    third, report = remote_load(url, config, options)
+    assert report.bytes_cached == 0 and report.bytes_served == report.bytes_read
+    assert_same_state(_state(third), local_state(directory, config))
+
+
 def test_transient_failures_are_retried(served):
     from lazyload.remote import RemoteOptions
 

@@ -111,4 +111,5 @@ class RemoteReader:
         scatter(response.data, get, offsets, run, out)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # after a failure: no GET left to start
+        self._remote.store.close()

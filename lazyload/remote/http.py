@@ -34,6 +34,8 @@ class HttpStore(Store):
         self.secrets = (token,) if token else ()
         self.credentials_hint = credentials_hint
         self._local = threading.local()
+        self._open: set[http.client.HTTPConnection] = set()  # every thread's, to close
+        self._lock = threading.Lock()
 
     def url(self, key: str) -> str:
         return self.display + key
@@ -86,6 +88,8 @@ class HttpStore(Store):
             raise self.not_found(key)
         if status in (401, 403):
             raise self.denied(key, f"HTTP {status}")
+        if status == 416 and identity is None and start == 0:  # an empty object, while indexing
+            return Response(b"", 0, response.getheader("ETag"))
         if status in (412, 416):
             raise self.changed(key, identity)
         if status in _TRANSIENT:
@@ -99,11 +103,21 @@ class HttpStore(Store):
         if conn is None:
             cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
             conn = conns[(scheme, netloc)] = cls(netloc, timeout=self.options.timeout)
+        with self._lock:  # again after a close: a closed connection reconnects on its next request
+            self._open.add(conn)
         return conn
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._open = self._open, set()
+        for conn in conns:
+            conn.close()
 
     def _drop(self, scheme: str, netloc: str) -> None:
         conn = self._local.__dict__.get("conns", {}).pop((scheme, netloc), None)
         if conn is not None:
+            with self._lock:
+                self._open.discard(conn)
             conn.close()
 
 
@@ -119,8 +133,9 @@ def hf_store(url: str, options: RemoteOptions) -> tuple[HttpStore, str]:
     or `hf auth login`) when it is installed, else HF_TOKEN."""
     rest = url[len("hf://"):]
     parts = rest.split("/")
-    if len(parts) < 2 or not parts[0] or not parts[1]:
-        raise RemoteError(f"{url}: an hf:// URL names a model repo, hf://org/name[@revision][/path].")
+    if len(parts) < 2 or not parts[0] or not parts[1] or parts[0] in ("datasets", "spaces"):
+        raise RemoteError(f"{url}: an hf:// URL names a model repo, hf://org/name[@revision][/path] (datasets "
+                          "and spaces are not supported).")
     name, _, revision = parts[1].partition("@")
     repo, path = f"{parts[0]}/{name}", "/".join(parts[2:])
     revision = revision or "main"

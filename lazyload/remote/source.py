@@ -88,8 +88,11 @@ class RemoteCheckpoint:
 
     def index(self) -> CheckpointIndex:
         """The Index, every file's header read concurrently."""
-        with ThreadPoolExecutor(min(self.options.concurrency, len(self.files)) or 1) as pool:
-            headers = list(pool.map(self._header, self.files))
+        try:
+            with ThreadPoolExecutor(min(self.options.concurrency, len(self.files)) or 1) as pool:
+                headers = list(pool.map(self._header, self.files))
+        finally:
+            self.store.close()
         entries = [(e.key, e) for file_entries, _ in headers for e in file_entries]
         identities = {url: identity for url, (_, identity) in zip(self.files, headers)}
         index = CheckpointIndex.of(self.files, entries, header_bytes_read=self.stats.bytes_served,

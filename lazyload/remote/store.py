@@ -34,7 +34,10 @@ class RemoteOptions:
     - `header_bytes`: the first GET of each file while indexing; a header that fits is read
       in one request, a longer one costs a second.
     - `retries`, `backoff`: attempts after a transient failure, the first wait in seconds
-      (doubled each time, with jitter). `timeout`: seconds per request."""
+      (doubled each time, with jitter). `timeout`: seconds per request.
+    - `cache_dir`: keep every fetched range of tensor bytes in this directory (`cache.py`),
+      so that loading again at the same rank and world fetches none of them; None (the
+      default) writes nothing to disk."""
 
     concurrency: int = 16
     merge_gap: int = 1 << 20
@@ -43,6 +46,7 @@ class RemoteOptions:
     retries: int = 5
     backoff: float = 0.2
     timeout: float = 60.0
+    cache_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Stats:
     retries: int = 0
     bytes_requested: int = 0
     bytes_served: int = 0
+    bytes_cached: int = 0  # read from the local cache instead of the store
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, requested: int, served: int, retried: bool) -> None:
@@ -88,10 +93,14 @@ class Stats:
             self.bytes_requested += requested
             self.bytes_served += served
 
+    def cached(self, n: int) -> None:
+        with self._lock:
+            self.bytes_cached += n
+
     def fields(self) -> dict[str, int]:
         """The LoadReport fields."""
         return dict(requests=self.requests, retries=self.retries, bytes_requested=self.bytes_requested,
-                    bytes_served=self.bytes_served)
+                    bytes_served=self.bytes_served, bytes_cached=self.bytes_cached)
 
 
 _SECRET_FIELDS = re.compile(r"(?i)(authorization|x-amz-security-token|x-amz-credential|x-amz-signature|signature|"
@@ -112,8 +121,11 @@ class Store:
     can list). `secrets`: credential values that must never appear in a message."""
 
     def __init__(self, options: RemoteOptions):
+        from .cache import RangeCache
+
         self.options = options
         self.secrets: tuple[str, ...] = ()
+        self.cache = RangeCache(options.cache_dir) if options.cache_dir else None
 
     def url(self, key: str) -> str:
         raise NotImplementedError
@@ -125,9 +137,25 @@ class Store:
         """Keys directly under `prefix` (a store that cannot list returns None)."""
         return None
 
+    def close(self) -> None:
+        """Close idle connections (they are opened again when needed)."""
+
     def get(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None = None) -> Response:
         """Bytes [start, end) of the object (fewer when it ends first, while indexing),
-        retried on transient failures; checked against `identity` when given."""
+        retried on transient failures; checked against `identity` when given. With a cache,
+        ranges of an object of known identity come from it when they are there."""
+        cache = self.cache if identity is not None and identity.etag else None
+        if cache is not None:
+            data = cache.get(self.url(key), identity, start, end)
+            if data is not None:
+                stats.cached(len(data))
+                return Response(data, identity.size, identity.etag, identity.version)
+        response = self._fetch(key, start, end, stats, identity)
+        if cache is not None:
+            cache.put(self.url(key), identity, start, end, response.data)
+        return response
+
+    def _fetch(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None) -> Response:
         wait = self.options.backoff
         for attempt in range(self.options.retries + 1):
             try:
