@@ -110,7 +110,8 @@ def lazyload_case(path, ckpt_dir, rank, world):
     model = meta_model(ckpt_dir)
     report = LazyCheckpoint(path).load_into(model, rank, world, progress=False)
     seconds = time.perf_counter() - t
-    return dict(requested=report.bytes_requested if report.requests else None, share=report.bytes_read + report.bytes_mapped, requests=report.requests,
+    return dict(requested=report.bytes_requested if report.requests else None,
+                share=report.bytes_read + report.bytes_mapped, requests=report.requests,
                 retries=report.retries, seconds=seconds)
 
 

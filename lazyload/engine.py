@@ -1,8 +1,8 @@
 """Engine: run the schedule: read items in order, a few in flight, each placed as it lands.
 
 Reads run in a small thread pool (file reads and tensor copies release the GIL). What is
-read but not yet placed is bounded by the byte budget: the pread reader stages into an
-arena of exactly that size; the mmap reader counts the bytes of its slices in flight.
+read but not yet placed is bounded by the byte budget: the pread and remote readers stage
+into an arena of exactly that size; the mmap reader counts the bytes of its slices in flight.
 With a GPU destination (`CudaCopies`), the workers copy their staged (pinned) bytes to the
 device on one side stream, cast there, and free a staging range only once its copy is done,
 so that the copy of one item overlaps the read of the next. Every worker thread first makes
@@ -244,9 +244,9 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader | RemoteR
     return EngineStats(pinned, *h2d)
 
 
-def _run(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, dests: dict[str, torch.Tensor], budget: int,
-         on_bytes: Callable[[int], None], mapped: frozenset[str], device: torch.device, arena: Arena | None,
-         copies: CudaCopies | None, progress: Progress) -> None:
+def _run(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, dests: dict[str, torch.Tensor],
+         budget: int, on_bytes: Callable[[int], None], mapped: frozenset[str], device: torch.device,
+         arena: Arena | None, copies: CudaCopies | None, progress: Progress) -> None:
     in_flight = ByteBudget(budget)
     copy = copies.place if copies is not None else copy_into
 

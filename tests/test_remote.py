@@ -318,6 +318,17 @@ def test_gets_coalesce_near_runs_and_split_long_ones():
     assert len(plan_gets(offsets, 50, 50, 1 << 20)) == 1
 
 
+def test_redact_removes_secret_values_and_credential_fields():
+    from lazyload.remote.store import redact
+
+    text = (f"GET https://h/o?X-Amz-Signature=abc123&X-Amz-Credential=AKIA/2026 failed; {SECRET}; "
+            "Authorization: Bearer hf_other; aws_secret_access_key=wJalr; key 'model.x' at byte 4")
+    out = redact(text, (SECRET,))
+    for secret in (SECRET, "abc123", "AKIA", "hf_other", "wJalr"):
+        assert secret not in out
+    assert "https://h/o" in out and "key 'model.x' at byte 4" in out
+
+
 def test_importing_lazyload_imports_no_remote_client():
     code = ("import sys, lazyload; bad = [m for m in ('obstore', 'boto3', 's3fs', 'fsspec', 'http.client') "
             "if m in sys.modules]; print(bad)")
@@ -353,7 +364,8 @@ def test_world2_ranks_request_only_their_ranges(checkpoint, tmp_path):
     files = shard_files(directory)
     total = sum(p.stat().st_size for p in files)
     # Indexing: each file's length and header (and what else its first GET covers), the index json.
-    indexing = header_bytes(files) + HEADER_GET * len(files) + (directory / "model.safetensors.index.json").stat().st_size
+    index_json = (directory / "model.safetensors.index.json").stat().st_size
+    indexing = header_bytes(files) + HEADER_GET * len(files) + index_json
     cases, servers = [], []
     for merge_gap in (0, 1 << 20):
         pair = [RangeServer(str(directory)).__enter__() for _ in range(2)]

@@ -8,28 +8,29 @@ import hashlib
 import os
 import tempfile
 
-from .store import ObjectIdentity
-
 
 class RangeCache:
+    """Ranges of objects; `version`: what identifies the object's content (its ETag,
+    version id and size), part of every name."""
+
     def __init__(self, directory: str):
         self.directory = directory
 
-    def _path(self, url: str, identity: ObjectIdentity, start: int, end: int) -> str:
-        name = hashlib.sha256(f"{url}\0{identity.etag}\0{identity.version}\0{identity.size}".encode()).hexdigest()
+    def _path(self, url: str, version: str, start: int, end: int) -> str:
+        name = hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()
         return os.path.join(self.directory, name[:32], f"{start}-{end}")
 
-    def get(self, url: str, identity: ObjectIdentity, start: int, end: int) -> bytes | None:
+    def get(self, url: str, version: str, start: int, end: int) -> bytes | None:
         try:
-            with open(self._path(url, identity, start, end), "rb") as f:
+            with open(self._path(url, version, start, end), "rb") as f:
                 data = f.read()
         except OSError:
             return None
         return data if len(data) == end - start else None
 
-    def put(self, url: str, identity: ObjectIdentity, start: int, end: int, data) -> None:
+    def put(self, url: str, version: str, start: int, end: int, data) -> None:
         """Best effort: a cache that cannot be written (full, read-only) is only a slower load."""
-        path = self._path(url, identity, start, end)
+        path = self._path(url, version, start, end)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError, RemoteError
+from .cache import RangeCache
 
 RERUN = "re-run the load (and re-index: a new LazyCheckpoint) once the checkpoint is complete and stable."
 
@@ -103,8 +104,10 @@ class Stats:
                     bytes_served=self.bytes_served, bytes_cached=self.bytes_cached)
 
 
-_SECRET_FIELDS = re.compile(r"(?i)(authorization|x-amz-security-token|x-amz-credential|x-amz-signature|signature|"
-                            r"token|secret|password|access_key_id|key)(\"?\s*[:=]\s*)([^\s,&;\"]+)")
+# A field whose name holds one of these words (`X-Amz-Signature=`, `aws_secret_access_key: `,
+# `Authorization: Bearer ...`), up to the end of its value.
+_SECRET_FIELDS = re.compile(r"(?i)([\w-]*(?:authorization|token|secret|password|signature|credential|access_key)"
+                            r"[\w-]*)(\"?\s*[:=]\s*)((?:Bearer |AWS4-HMAC-SHA256 )?[^\s,&;\"]+)")
 
 
 def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
@@ -121,8 +124,6 @@ class Store:
     can list). `secrets`: credential values that must never appear in a message."""
 
     def __init__(self, options: RemoteOptions):
-        from .cache import RangeCache
-
         self.options = options
         self.secrets: tuple[str, ...] = ()
         self.cache = RangeCache(options.cache_dir) if options.cache_dir else None
@@ -145,14 +146,15 @@ class Store:
         retried on transient failures; checked against `identity` when given. With a cache,
         ranges of an object of known identity come from it when they are there."""
         cache = self.cache if identity is not None and identity.etag else None
+        version = f"{identity.etag}\0{identity.version}\0{identity.size}" if cache is not None else ""
         if cache is not None:
-            data = cache.get(self.url(key), identity, start, end)
+            data = cache.get(self.url(key), version, start, end)
             if data is not None:
                 stats.cached(len(data))
                 return Response(data, identity.size, identity.etag, identity.version)
         response = self._fetch(key, start, end, stats, identity)
         if cache is not None:
-            cache.put(self.url(key), identity, start, end, response.data)
+            cache.put(self.url(key), version, start, end, response.data)
         return response
 
     def _fetch(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None) -> Response:
