@@ -25,7 +25,7 @@ GETs lose to a few whole-object downloads, unlike on a real store. Compare rows,
 real store.
 
 Usage: python benchmarks/bench_remote.py [--quick] [--worlds 1,2,4] [--ckpt-dir DIR] [--index-files 191]
-Needs: pip install -e '.[remote,test]' runai-model-streamer runai-model-streamer-s3
+Needs: pip install -e '.[remote-bench]'
 """
 
 import argparse

@@ -1,10 +1,12 @@
 """S3 and S3-compatible objects (`s3://bucket/key`), through obstore (`pip install
 'lazyload[remote]'`).
 
-Client choice, measured against moto's S3 server (300 ranged 4 KiB GETs of an 8 MiB object,
-one thread): obstore 1.7 s, boto3 3.3 s, s3fs 4.5 s (8 threads: 1.2, 2.1, 3.7 s); eight 1 MiB
-GETs 50, 65, 178 ms. Much of it is the server's own time, so the gap in the client is
-larger than this: obstore signs and parses in Rust, without botocore's per-request Python.
+Client choice, measured against moto's S3 server (`benchmarks/bench_clients.py`: 300 ranged
+4 KiB GETs of an 8 MiB object, one thread): obstore 1.7-1.8 s, boto3 2.9-3.3 s, s3fs 4.5-4.9 s;
+eight 1 MiB GETs 50-64, 65-90, 146-178 ms (two runs). Much of it is the server's own time,
+so the gap in the clients is larger than this: obstore signs and parses in Rust, without
+botocore's per-request Python. (The s3fs that pip pairs with this boto3 is 0.4.2, which
+wraps boto3; a newer, aiobotocore-based one was not measured.)
 
 Credentials and endpoint come from the standard AWS environment, as obstore (object_store)
 reads it: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_REGION or
