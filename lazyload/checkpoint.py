@@ -34,6 +34,7 @@ from .quant.linear import to_torchao
 from .quant.onload import Quantization, QuantizedDest
 from .quant.targets import quantized_targets, swap_quantized
 from .readers import MmapReader, choose_reader, must_release_pages
+from .remote import RemoteCheckpoint, RemoteOptions, is_remote
 from .report import LoadReport, MemorySampler, size
 from .schedule import default_budget, schedule
 from .targets import model_slots, model_specs
@@ -58,20 +59,28 @@ class LazyCheckpoint:
     path that leads to no checkpoint is a CheckpointError here.
 
     `trust_pickle`: True lets a pickled file (`.bin`, `.pt`) run the code it names (classes,
-    functions): only for files from a trusted source; without it such a file is refused."""
+    functions): only for files from a trusted source; without it such a file is refused.
 
-    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *, trust_pickle: bool = False):
+    A URL reads the checkpoint from where it is stored, each rank fetching only its byte
+    ranges (`lazyload.remote`): `s3://bucket/prefix/`, `https://host/path/`,
+    `hf://org/repo[@revision]`; `remote`: a `RemoteOptions` (requests in flight, merge
+    gap, retries, timeout)."""
+
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *, trust_pickle: bool = False,
+                 remote: RemoteOptions | None = None):
         self._paths = paths
         self.trust_pickle = trust_pickle
         self._index: CheckpointIndex | None = None
         self._quantization: PreQuantized | None = None
-        self.source: CheckpointSource = resolve(local_path(paths))
+        self.remote = RemoteCheckpoint(paths, remote) if is_remote(paths) else None
+        self.source: CheckpointSource = (CheckpointSource("safetensors", self.remote.files, self.remote.index_json)
+                                         if self.remote else resolve(local_path(paths)))
         self.files = self.source.files
 
     @property
     def index(self) -> CheckpointIndex:
         if self._index is None:
-            self._index = open_index(self.source, self.trust_pickle)
+            self._index = self.remote.index() if self.remote else open_index(self.source, self.trust_pickle)
         return self._index
 
     @property
@@ -154,7 +163,8 @@ class LazyCheckpoint:
           transformers TP plan (else the structural rule); "ep" whole experts per rank; a
           dict overrides entries of it, glob -> transformers style or name ->
           `lazyload.Placement`; {} shards nothing. A glob that matches nothing is a PlanError.
-        - `reader`: "auto" (mmap for CPU, pread for GPU), "mmap" or "pread".
+        - `reader`: "auto" (mmap for CPU, pread for GPU; a remote checkpoint's GETs), "mmap" or
+          "pread" (local files only).
         - `max_host_bytes`: bytes read but not yet placed (default about one layer).
         - `release_pages`: drop consumed file pages (on by itself under a tight cgroup).
         - `shards_only`: fill this rank's shards into plain tensors and leave the model's
@@ -192,6 +202,9 @@ class LazyCheckpoint:
               quantize: str | Quantization | None) -> LoadReport:
         start = time.perf_counter()
         _check_arguments(model, dtype, missing, reader)
+        if self.remote is not None and reader != "auto":
+            raise ArgumentError(f"reader={reader!r} reads local files; a remote checkpoint ({self._paths}) is read "
+                                "with reader='auto'.")
         qconfig = Quantization.of(quantize)
         check_rank(rank, world)
         index = self.index.for_rank(rank, world)  # copies of a replicated piece: this rank's own file
@@ -249,7 +262,7 @@ class LazyCheckpoint:
                                               also=_emptied_buffers(model, set(mapping.exprs)))
         dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
         release_pages = release_pages or must_release_pages(items, dest_bytes, world)
-        chosen = choose_reader(reader, device, release_pages, items, index, world)
+        chosen = choose_reader(reader, device, release_pages, items, index, world, self.remote)
         views: dict[str, torch.Tensor] = {}
         copies = items
         if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
@@ -270,7 +283,7 @@ class LazyCheckpoint:
         # Read and place; from here on the model changes. The bar counts every byte a
         # target gets: copied, and mapped (paged in by the schedule, or already cached).
         bar = tqdm(total=(copied + mapped) / 2**20, unit="MiB", desc="lazyload", disable=not _show_progress(progress, rank),
-                   bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}]")
+                   bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
         with MemorySampler() as memory, bar:
             if not chosen.prefetching:
                 bar.update(mapped / 2**20)
@@ -278,7 +291,7 @@ class LazyCheckpoint:
                      allocate_quantized(t, quantized[t.name], device) if t.name in quantized else
                      allocate(t, slots[t.name], device) for t in targets}
             try:
-                engine = run_schedule(groups, chosen, dests, budget, on_bytes=lambda n: bar.update(n / 2**20),
+                engine = run_schedule(groups, chosen, dests, budget, on_bytes=_progress(bar, chosen),
                                       mapped=frozenset(views))
             except ReadError as exc:  # what was fully read is assigned; the rest left as it was
                 raise settle_failure(exc, {t.name: slots[t.name] for t in targets}, dests) from exc
@@ -306,11 +319,25 @@ class LazyCheckpoint:
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
                             reader=chosen.name, prefetched=chosen.prefetching, released_pages=release_pages,
                             pinned_bytes=engine.pinned_bytes,
-                            h2d_bytes=engine.h2d_bytes, h2d_seconds=engine.h2d_seconds)
+                            h2d_bytes=engine.h2d_bytes, h2d_seconds=engine.h2d_seconds,
+                            **(chosen.stats.fields() if hasattr(chosen, "stats") else {}))
         logger.info("%s", report)
         if not report.ok:
             logger.warning("lazyload: rank %d: %s (strict=False); see the report", rank, _problems(report, missing))
         return report
+
+
+def _progress(bar: tqdm, reader: Any) -> Any:
+    """The bar's update per placed item; a remote reader's requests and retries beside it."""
+    stats = getattr(reader, "stats", None)
+
+    def update(n: int) -> None:
+        if stats is not None:
+            bar.set_postfix_str(f"{stats.requests} GETs, {stats.retries} retries, {size(stats.bytes_served)} served",
+                                refresh=False)
+        bar.update(n / 2**20)
+
+    return update
 
 
 def _problems(report: LoadReport, missing: str) -> str:

@@ -1,8 +1,8 @@
 """Engine: run the schedule: read items in order, a few in flight, each placed as it lands.
 
 Reads run in a small thread pool (file reads and tensor copies release the GIL). What is
-read but not yet placed is bounded by the byte budget: the pread reader stages into an
-arena of exactly that size; the mmap reader counts the bytes of its slices in flight.
+read but not yet placed is bounded by the byte budget: the pread and remote readers stage
+into an arena of exactly that size; the mmap reader counts the bytes of its slices in flight.
 With a GPU destination (`CudaCopies`), the workers copy their staged (pinned) bytes to the
 device on one side stream, cast there, and free a staging range only once its copy is done,
 so that the copy of one item overlaps the read of the next. Every worker thread first makes
@@ -40,7 +40,7 @@ from .expr import apply_ops
 from .placer import assign, box_of, copy_into
 from .plan import ReadItem
 from .quant.dequant import QuantizedBox
-from .readers import Arena, MmapReader, PreadReader, byte_runs
+from .readers import Arena, MmapReader, PreadReader, RemoteReader, byte_runs
 from .schedule import Group
 from .targets import Slot, current_tensor, local_tensor
 
@@ -202,12 +202,13 @@ def direct_target(dest: torch.Tensor, item: ReadItem) -> torch.Tensor | None:
 
 def _workers(reader: object) -> int:
     # pread threads mostly wait on the storage (the GIL is released): as many as the
-    # storage queue likes; mmap threads fault pages and copy: about one per core.
+    # storage queue likes (the remote reader's GETs run in its own pool); mmap threads
+    # fault pages and copy: about one per core.
     cores = os.cpu_count() or 2
-    return 8 if isinstance(reader, PreadReader) else min(4, cores)
+    return 8 if isinstance(reader, (PreadReader, RemoteReader)) else min(4, cores)
 
 
-def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: dict[str, torch.Tensor],
+def run_schedule(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, dests: dict[str, torch.Tensor],
                  budget: int, on_bytes: Callable[[int], None] = lambda n: None,
                  mapped: frozenset[str] = frozenset()) -> EngineStats:
     """Read and place every item. `mapped`: targets whose destination is already a view of
@@ -216,7 +217,7 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
     cuda = device.type == "cuda"
     # This thread's CUDA calls (stream, pinning) go to the destination's context, not GPU 0's.
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
-        arena = Arena(budget, pin=cuda) if isinstance(reader, PreadReader) else None
+        arena = Arena(budget, pin=cuda) if isinstance(reader, (PreadReader, RemoteReader)) else None  # staged reads
         copies = CudaCopies(device) if cuda else None
         h2d = (0, 0.0)
         progress = Progress(groups, dests)
@@ -243,9 +244,9 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader, dests: d
     return EngineStats(pinned, *h2d)
 
 
-def _run(groups: list[Group], reader: MmapReader | PreadReader, dests: dict[str, torch.Tensor], budget: int,
-         on_bytes: Callable[[int], None], mapped: frozenset[str], device: torch.device, arena: Arena | None,
-         copies: CudaCopies | None, progress: Progress) -> None:
+def _run(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, dests: dict[str, torch.Tensor],
+         budget: int, on_bytes: Callable[[int], None], mapped: frozenset[str], device: torch.device,
+         arena: Arena | None, copies: CudaCopies | None, progress: Progress) -> None:
     in_flight = ByteBudget(budget)
     copy = copies.place if copies is not None else copy_into
 

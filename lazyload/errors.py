@@ -87,3 +87,22 @@ class MetaBufferError(LazyLoadError):
 class DeviceError(ArgumentError):
     """The device to load onto does not exist here: CUDA asked for where there is none, a
     device index beyond the visible devices, or a LOCAL_RANK with no device of its own."""
+
+
+class RemoteError(CheckpointError):
+    """A remote checkpoint (s3://, https://, hf://) cannot be read: the store kept failing
+    after its retries, or answered something lazyload cannot use. The message names the URL,
+    never the credentials. During a load every such failure is a ReadError."""
+
+
+class ObjectNotFoundError(RemoteError):
+    """No object at a URL (or no checkpoint under a prefix)."""
+
+
+class AccessDeniedError(RemoteError):
+    """The store refused the request (401/403): the credentials of its standard
+    configuration are missing, wrong, or do not grant read access."""
+
+
+class ObjectChangedError(RemoteError):
+    """An object changed (another ETag, version or size) since its header was indexed."""

@@ -154,20 +154,26 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
+def header_length(path: str, raw: bytes, size: int) -> int:
+    """The header length the first 8 bytes `raw` of a `size`-byte file announce, checked
+    before the header is read: a tiny file may claim a 99 MB header."""
+    if len(raw) != 8:
+        raise CheckpointError(f"{path}: too short to be a safetensors file ({len(raw)} bytes); "
+                              "re-download or re-save it.")
+    (length,) = struct.unpack("<Q", raw)
+    if not 2 <= length <= _MAX_HEADER:  # "{}" is the smallest header
+        raise CheckpointError(f"{path}: header length {length} is implausible; {_CORRUPT}")
+    if 8 + length > size:
+        raise CheckpointError(f"{path}: header length {length} runs past the end of the file ({size} bytes); "
+                              "the file is truncated or not safetensors.")
+    return length
+
+
 def read_header(path: str) -> tuple[dict, int, FileIdentity]:
     """Return (header dict, data start offset, identity) of one safetensors file."""
 
     def read(f: BinaryIO, size: int) -> tuple[bytes, FileIdentity]:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointError(f"{path}: too short to be a safetensors file ({len(raw)} bytes); "
-                                  "re-download or re-save it.")
-        (length,) = struct.unpack("<Q", raw)
-        if not 2 <= length <= _MAX_HEADER:  # "{}" is the smallest header
-            raise CheckpointError(f"{path}: header length {length} is implausible; {_CORRUPT}")
-        if 8 + length > size:  # checked before reading: a tiny file may claim a 99 MB header
-            raise CheckpointError(f"{path}: header length {length} runs past the end of the file ({size} bytes); "
-                                  "the file is truncated or not safetensors.")
+        length = header_length(path, f.read(8), size)
         text = f.read(length)
         if len(text) != length:
             raise CheckpointError(f"{path}: truncated header ({len(text)} of {length} bytes); the file changed "
@@ -175,18 +181,29 @@ def read_header(path: str) -> tuple[dict, int, FileIdentity]:
         return text, FileIdentity.of(os.fstat(f.fileno()))
 
     text, identity = _read_regular(path, read)
+    return _parse_header(path, text), 8 + len(text), identity
+
+
+def _parse_header(path: str, text: bytes) -> dict:
     header = _load_json(path, text, "header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {_json_type(header)}, not an object; {_CORRUPT}")
-    return header, 8 + len(text), identity
+    return header
 
 
 def _entries_of_file(path: str) -> tuple[list[TensorEntry], int, FileIdentity]:
     header, data_start, identity = read_header(path)
+    return entries_of_header(path, header, data_start, identity.size), data_start, identity
+
+
+def entries_of_header(path: str, header: dict | bytes, data_start: int, size: int) -> list[TensorEntry]:
+    """The checked entries of a header (its dict, or its JSON bytes) of a `size`-byte file."""
+    if isinstance(header, bytes):
+        header = _parse_header(path, header)
     _check_metadata(path, header.get("__metadata__"))
     entries = [_entry(path, key, info, data_start) for key, info in header.items() if key != "__metadata__"]
-    _check_layout(path, entries, data_start, identity.size)
-    return entries, data_start, identity
+    _check_layout(path, entries, data_start, size)
+    return entries
 
 
 def _check_metadata(path: str, metadata: Any) -> None:
@@ -317,8 +334,11 @@ def read_json(path: str, what: str) -> Any:
 def _weight_map(index_json: str) -> dict[str, str]:
     """The index json's weight_map, key -> shard name, each name normalized and inside the
     index json's directory (the name only: the file may be a symlink to anywhere)."""
+    return weight_map_of(index_json, read_json(index_json, "index json"))
 
-    doc = read_json(index_json, "index json")
+
+def weight_map_of(index_json: str, doc: Any) -> dict[str, str]:
+    """The checked weight_map of a parsed index json `doc`."""
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_json}: no 'weight_map' object (found {_short(weight_map)}); this is not a "
@@ -335,6 +355,19 @@ def _shard_name(index_json: str, key: str, name: Any) -> str:
                               "file inside the index json's directory; shard names must be relative and stay "
                               "inside it (fix or re-download the index json).")
     return norm
+
+
+def check_weight_map(index_json: str, files: MappingT[str, str], entries: MappingT[str, TensorEntry],
+                     same_file: Callable[[str, str], bool]) -> None:
+    """Every key of the index json (key -> the file it names) is stored in that file."""
+    for key, expected in files.items():
+        entry = entries.get(key)
+        if entry is None:
+            raise CheckpointError(f"{index_json} lists {key!r} in {expected}, but that file has no such "
+                                  "tensor; the index json and the shards disagree (re-save the checkpoint).")
+        if not same_file(entry.file, expected):
+            raise CheckpointError(f"{index_json} lists {key!r} in {expected}, but it is stored in "
+                                  f"{entry.file}; the index json and the shards disagree.")
 
 
 class CheckpointIndex(MappingABC):
@@ -394,15 +427,8 @@ class CheckpointIndex(MappingABC):
 
     def _check_against_index_json(self, index_json: str) -> None:
         folder = os.path.dirname(index_json)
-        for key, name in _weight_map(index_json).items():
-            entry = self._entries.get(key)
-            expected = os.path.join(folder, name)
-            if entry is None:
-                raise CheckpointError(f"{index_json} lists {key!r} in {expected}, but that file has no such "
-                                      "tensor; the index json and the shards disagree (re-save the checkpoint).")
-            if os.path.abspath(entry.file) != os.path.abspath(expected):
-                raise CheckpointError(f"{index_json} lists {key!r} in {expected}, but it is stored in "
-                                      f"{entry.file}; the index json and the shards disagree.")
+        check_weight_map(index_json, {key: os.path.join(folder, name) for key, name in _weight_map(index_json).items()},
+                         self._entries, lambda a, b: os.path.abspath(a) == os.path.abspath(b))
 
     def __getitem__(self, key: str) -> TensorEntry:
         return self._entries[key]

@@ -126,6 +126,10 @@ class LoadReport:
       during the load only, then unlocked); 0 on CPU.
     - `h2d_bytes`, `h2d_seconds`: the host-to-device copies of a GPU load and their GPU time
       (CUDA events): bytes / seconds is their rate.
+    - `requests`, `retries`, `bytes_requested`, `bytes_served`: a remote checkpoint's ranged
+      GETs for this rank (every attempt, retries among them), the bytes they asked for and
+      the bytes that arrived (gaps merged into a GET included); 0 for local files.
+      `bytes_cached`: bytes taken from `RemoteOptions.cache_dir` instead.
     - `ok` (property): True when nothing was missing, unexpected or mismatched."""
 
     loaded: list[str] = field(default_factory=list)
@@ -151,6 +155,11 @@ class LoadReport:
     pinned_bytes: int = 0
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0
+    requests: int = 0
+    retries: int = 0
+    bytes_requested: int = 0
+    bytes_served: int = 0
+    bytes_cached: int = 0
 
     @property
     def ok(self) -> bool:
@@ -161,7 +170,10 @@ class LoadReport:
                  f"{size(self.bytes_read)} read" + (f", {size(self.bytes_mapped)} mapped" if self.bytes_mapped else "")
                  + f" in {self.seconds:.2f} s ({self.reader} reader{', prefetched' if self.prefetched else ''}); "
                  f"peak RSS {size(self.peak_rss)}, peak anonymous {size(self.peak_anon)}"
-                 + (f", pinned {size(self.pinned_bytes)}" if self.pinned_bytes else "")]
+                 + (f", pinned {size(self.pinned_bytes)}" if self.pinned_bytes else "")
+                 + (f"; {self.requests} GETs ({self.retries} retries), {size(self.bytes_requested)} requested, "
+                    f"{size(self.bytes_served)} served" if self.requests else "")
+                 + (f", {size(self.bytes_cached)} from the cache" if self.bytes_cached else "")]
         initialized = set(self.initialized)
         sections = [("loaded", self.loaded),
                     ("missing, given the model's own initialisation", [n for n in self.missing if n in initialized]),

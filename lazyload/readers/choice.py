@@ -12,8 +12,10 @@ from ..errors import PlanError
 from ..index import CheckpointIndex
 from ..plan import ReadItem
 from ..system import PAGE, memory_limit
+from ..remote import RemoteCheckpoint
 from .mmap import MmapReader
 from .pread import PreadReader
+from .remote import RemoteReader
 from .residency import resident_fraction
 from .runs import byte_runs, pages_touched
 
@@ -22,13 +24,17 @@ WARM_FRACTION = 0.9
 
 
 def choose_reader(name: str, device: torch.device, release_pages: bool, items: list[ReadItem],
-                  index: CheckpointIndex, world: int) -> MmapReader | PreadReader:
+                  index: CheckpointIndex, world: int,
+                  remote: RemoteCheckpoint | None = None) -> MmapReader | PreadReader | RemoteReader:
     """"auto": mmap for a CPU destination, pread (pinned staging) for a GPU. The mmap
     reader casts straight from the page cache, where pread pays one more copy (into its
     staging) and, for same-dtype targets, cannot keep views of the mapping: measured on
     cold storage too (benchmarks/bench_stream.py), mapping with exact prefetch wins. Its
     prefetch is on when this rank's pages are not in the page cache (asked only for mmap:
-    announcing cached pages costs a page-cache lookup each)."""
+    announcing cached pages costs a page-cache lookup each). A remote checkpoint is read by
+    ranged GETs (`remote.py`), whatever `name` says (the loader refuses any but "auto")."""
+    if remote is not None:
+        return RemoteReader(remote, index.identities)
     if name == "auto":
         name = "mmap" if device.type == "cpu" else "pread"
     partial = partially_read_files(items, index)

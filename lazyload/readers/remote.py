@@ -1,0 +1,115 @@
+"""The remote reader: a read item's bytes as ranged GETs of its object (S3, HTTP, the Hub),
+many in flight, straight into the staging arena or the destination (no local copy).
+
+An item's contiguous runs (`byte_runs`) are coalesced: two runs at most `merge_gap` bytes
+apart are fetched by one GET and the gap dropped, since on object storage a request costs
+about as much as a megabyte of transfer; a range longer than `part_bytes` is split, so that
+one large tensor is fetched over several connections. The engine treats it as it treats
+the pread reader: staged under the same byte budget, or written in place when no cast is
+needed. Every GET is checked against the object's identity from the index (ETag, version,
+size); any failure is a ReadError naming the URL.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from ..errors import ReadError, RemoteError
+from ..expr import box_shape
+from ..plan import ReadItem
+from ..quant.dequant import QuantizedBox
+from ..remote.source import RemoteCheckpoint
+from ..remote.store import ObjectIdentity, Stats
+from .runs import byte_runs
+
+
+@dataclass(frozen=True)
+class Get:
+    """One ranged GET [start, end) and where its bytes go: runs `first..last` (exclusive) of
+    the item, each clipped to the range."""
+
+    start: int
+    end: int
+    first: int
+    last: int
+
+
+def plan_gets(offsets: np.ndarray, run: int, merge_gap: int, part_bytes: int) -> list[Get]:
+    """The GETs for runs of `run` bytes at sorted `offsets`: neighbours at most `merge_gap`
+    apart share one, none longer than `part_bytes` unless a single run is (then split)."""
+    ends = offsets + run
+    breaks = np.flatnonzero(offsets[1:] - ends[:-1] > merge_gap) + 1
+    gets = []
+    for lo, hi in zip([0, *breaks.tolist()], [*breaks.tolist(), len(offsets)]):
+        start, stop = int(offsets[lo]), int(ends[hi - 1])
+        for a in range(start, stop, part_bytes):
+            b = min(a + part_bytes, stop)
+            first = lo + int(np.searchsorted(ends[lo:hi], a, side="right"))
+            last = lo + int(np.searchsorted(offsets[lo:hi], b, side="left"))
+            if first < last:  # a part wholly inside a gap carries nothing
+                gets.append(Get(max(a, int(offsets[first])), min(b, int(ends[last - 1])), first, last))
+    return gets
+
+
+def scatter(data: memoryview, get: Get, offsets: np.ndarray, run: int, out: np.ndarray) -> None:
+    """Copy the runs a GET covers from its bytes into their places in `out` (run k at k * run)."""
+    src = np.frombuffer(data, dtype=np.uint8)
+    first, last = get.first, get.last
+    rel = offsets[first:last] - get.start
+    inside = (rel >= 0) & (rel + run <= len(src))
+    if inside.all() and last - first > 1 and np.all(np.diff(rel) == rel[1] - rel[0]):  # evenly strided: one copy
+        stride = int(rel[1] - rel[0])
+        rows = np.lib.stride_tricks.as_strided(src[int(rel[0]):], shape=(last - first, run), strides=(stride, 1))
+        out[first * run:last * run].reshape(last - first, run)[:] = rows
+        return
+    for k, r in zip(range(first, last), rel.tolist()):
+        a, b = max(r, 0), min(r + run, len(src))  # a run split across parts: its share here
+        out[k * run + a - r:k * run + b - r] = src[a:b]
+
+
+class RemoteReader:
+    name = "remote"
+    prefetching = False  # it fetches exact ranges itself
+    release_pages = False  # no page cache: nothing is kept
+
+    def __init__(self, remote: RemoteCheckpoint, identities: Mapping[str, ObjectIdentity]):
+        self._remote = remote
+        self._options = remote.options
+        self._identities = identities
+        self.stats = Stats()  # this load's requests, per rank
+        self._pool = ThreadPoolExecutor(self._options.concurrency, thread_name_prefix="lazyload-get")
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def read_into(self, item: ReadItem, out: torch.Tensor) -> torch.Tensor | QuantizedBox:
+        """Fetch the item's bytes into `out` (a contiguous uint8 CPU tensor of item.nbytes);
+        returns `out` viewed as the source box (a dequantized item: its parts' views)."""
+        if item.scales is not None:
+            return QuantizedBox(*(self.read_into(part, view) for part, view in item.staging(out)))
+        offsets, run = byte_runs(item)
+        memory = out.numpy().reshape(-1)
+        gets = plan_gets(offsets, run, self._options.merge_gap, self._options.part_bytes)
+        futures = [self._pool.submit(self._fetch, item.entry.file, get, offsets, run, memory) for get in gets]
+        errors = [f.exception() for f in futures]  # every GET done: none writes into `out` any more
+        failed = next((e for e in errors if e is not None), None)
+        if isinstance(failed, RemoteError):
+            raise ReadError(str(failed)) from failed
+        if failed is not None:
+            raise failed
+        with self._lock:
+            self.bytes_read += item.nbytes
+        return out.view(item.entry.dtype).view(box_shape(item.src_box))
+
+    def _fetch(self, url: str, get: Get, offsets: np.ndarray, run: int, out: np.ndarray) -> None:
+        identity = self._identities.get(url)
+        response = self._remote.store.get(self._remote.keys[url], get.start, get.end, self.stats, identity)
+        scatter(response.data, get, offsets, run, out)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)  # after a failure: no GET left to start
+        self._remote.store.close()

@@ -1,0 +1,201 @@
+"""Ranged GETs of remote objects, with what every store shares: the options of a remote
+load, the identity of an object (ETag, version, size), retries with backoff on transient
+failures, and the per-rank counts (requests, retries, bytes requested and served).
+
+A store (`http.py`, `s3.py`) answers one attempt: `attempt(key, start, end, identity)`
+returns a `Response` or raises `Transient` (timeouts, 5xx, 429, dropped connections) or a
+`RemoteError` subclass (missing, denied, changed). `Store.get` retries the transient ones,
+checks each answer against the identity the index recorded, and counts.
+"""
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError, RemoteError
+from .cache import RangeCache
+
+RERUN = "re-run the load (and re-index: a new LazyCheckpoint) once the checkpoint is complete and stable."
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How a remote checkpoint is read (`LazyCheckpoint(url, remote=RemoteOptions(...))`).
+
+    - `concurrency`: GETs in flight per rank.
+    - `merge_gap`: two ranges of one read item at most this many bytes apart are fetched by
+      one GET, the gap read and dropped. A request costs about its latency times the
+      connection's bandwidth (30 ms at 100 MB/s is 3 MB), so short gaps are cheaper read
+      than asked for separately; 0 asks for exact ranges only.
+    - `part_bytes`: the largest single GET; longer ranges are split, so that one large
+      tensor is fetched over several connections.
+    - `header_bytes`: the first GET of each file while indexing; a header that fits is read
+      in one request, a longer one costs a second.
+    - `retries`, `backoff`: attempts after a transient failure, the first wait in seconds
+      (doubled each time, with jitter). `timeout`: seconds per request.
+    - `cache_dir`: keep every fetched range of tensor bytes in this directory (`cache.py`),
+      so that loading again at the same rank and world fetches none of them; None (the
+      default) writes nothing to disk."""
+
+    concurrency: int = 16
+    merge_gap: int = 1 << 20
+    part_bytes: int = 8 << 20
+    header_bytes: int = 64 << 10
+    retries: int = 5
+    backoff: float = 0.2
+    timeout: float = 60.0
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class ObjectIdentity:
+    """What an object was when its header was read: a later GET that finds another ETag,
+    version or size is refused (as a local file replaced since it was indexed is)."""
+
+    size: int
+    etag: str | None
+    version: str | None = None
+
+
+@dataclass(frozen=True)
+class Response:
+    data: bytes | memoryview
+    size: int  # the whole object's
+    etag: str | None
+    version: str | None = None
+
+
+class Transient(Exception):
+    """A failure worth retrying; `served`: body bytes that arrived before it."""
+
+    def __init__(self, reason: str, served: int = 0):
+        super().__init__(reason)
+        self.served = served
+
+
+@dataclass
+class Stats:
+    """Per-rank counts of one load (or of indexing): every attempt is a request."""
+
+    requests: int = 0
+    retries: int = 0
+    bytes_requested: int = 0
+    bytes_served: int = 0
+    bytes_cached: int = 0  # read from the local cache instead of the store
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, requested: int, served: int, retried: bool) -> None:
+        with self._lock:
+            self.requests += 1
+            self.retries += retried
+            self.bytes_requested += requested
+            self.bytes_served += served
+
+    def cached(self, n: int) -> None:
+        with self._lock:
+            self.bytes_cached += n
+
+    def fields(self) -> dict[str, int]:
+        """The LoadReport fields."""
+        return dict(requests=self.requests, retries=self.retries, bytes_requested=self.bytes_requested,
+                    bytes_served=self.bytes_served, bytes_cached=self.bytes_cached)
+
+
+# A field whose name holds one of these words (`X-Amz-Signature=`, `aws_secret_access_key: `,
+# `Authorization: Bearer ...`), up to the end of its value.
+_SECRET_FIELDS = re.compile(r"(?i)([\w-]*(?:authorization|token|secret|password|signature|credential|access_key)"
+                            r"[\w-]*)(\"?\s*[:=]\s*)((?:Bearer |AWS4-HMAC-SHA256 )?[^\s,&;\"]+)")
+
+
+def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """`text` without the given secret values and without anything that reads like a
+    credential field (`token=...`, `Authorization: ...`): library messages may quote requests."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return _SECRET_FIELDS.sub(lambda m: m.group(1) + m.group(2) + "***", text)
+
+
+class Store:
+    """One kind of object store; subclasses implement `attempt` (and `list` where the store
+    can list). `secrets`: credential values that must never appear in a message."""
+
+    def __init__(self, options: RemoteOptions):
+        self.options = options
+        self.secrets: tuple[str, ...] = ()
+        self.cache = RangeCache(options.cache_dir) if options.cache_dir else None
+
+    def url(self, key: str) -> str:
+        raise NotImplementedError
+
+    def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None) -> Response:
+        raise NotImplementedError
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys directly under `prefix` (a store that cannot list returns None)."""
+        return None
+
+    def close(self) -> None:
+        """Close idle connections (they are opened again when needed)."""
+
+    def get(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None = None) -> Response:
+        """Bytes [start, end) of the object (fewer when it ends first, while indexing),
+        retried on transient failures; checked against `identity` when given. With a cache,
+        ranges of an object of known identity come from it when they are there."""
+        cache = self.cache if identity is not None and identity.etag else None
+        version = f"{identity.etag}\0{identity.version}\0{identity.size}" if cache is not None else ""
+        if cache is not None:
+            data = cache.get(self.url(key), version, start, end)
+            if data is not None:
+                stats.cached(len(data))
+                return Response(data, identity.size, identity.etag, identity.version)
+        response = self._fetch(key, start, end, stats, identity)
+        if cache is not None:
+            cache.put(self.url(key), version, start, end, response.data)
+        return response
+
+    def _fetch(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None) -> Response:
+        wait = self.options.backoff
+        for attempt in range(self.options.retries + 1):
+            try:
+                response = self.attempt(key, start, end, identity)
+            except Transient as exc:
+                stats.add(end - start, exc.served, retried=attempt < self.options.retries)
+                if attempt == self.options.retries:
+                    raise RemoteError(f"{self.url(key)}: bytes {start}..{end} still failing after "
+                                      f"{self.options.retries} retries ({redact(str(exc), self.secrets)}); check "
+                                      "the store and the network, then load again.") from None
+                time.sleep(wait * (0.5 + random.random()))
+                wait *= 2
+                continue
+            stats.add(end - start, len(response.data), retried=False)
+            if identity is not None:
+                self.check(key, identity, response)
+            return response
+        raise AssertionError("unreachable")
+
+    def check(self, key: str, identity: ObjectIdentity, response: Response) -> None:
+        found = ObjectIdentity(response.size, response.etag, response.version)
+        for what, old, new in (("size", identity.size, found.size), ("ETag", identity.etag, found.etag),
+                               ("version", identity.version, found.version)):
+            if old != new:
+                raise ObjectChangedError(f"{self.url(key)}: changed since it was indexed ({what} {old} when "
+                                         f"indexed, {new} now); {RERUN}")
+
+    # The errors of one attempt, each naming the URL and nothing secret.
+
+    def not_found(self, key: str) -> ObjectNotFoundError:
+        return ObjectNotFoundError(f"{self.url(key)}: no such object; check the URL (and the revision or prefix).")
+
+    def denied(self, key: str, status: str) -> AccessDeniedError:
+        return AccessDeniedError(f"{self.url(key)}: access denied ({status}); check the store's credentials "
+                                 f"({self.credentials_hint}) and that they grant read access.")
+
+    def changed(self, key: str, identity: ObjectIdentity | None) -> ObjectChangedError:
+        etag = f" (ETag {identity.etag} when indexed)" if identity is not None else ""
+        return ObjectChangedError(f"{self.url(key)}: changed since it was indexed{etag}; {RERUN}")
+
+    credentials_hint = "its standard configuration"
