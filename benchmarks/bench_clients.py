@@ -72,7 +72,11 @@ def s3_clients(data, small, big):
 
 
 def http_clients(data, small, big):
-    root = tempfile.mkdtemp(prefix="lazyload-bench-clients-")
+    with tempfile.TemporaryDirectory(prefix="lazyload-bench-clients-") as root:
+        _http_clients_in(root, data, small, big)
+
+
+def _http_clients_in(root, data, small, big):
     with open(os.path.join(root, "obj"), "wb") as f:
         f.write(data)
     with RangeServer(root) as server:
@@ -94,8 +98,6 @@ def http_clients(data, small, big):
         from obstore.store import HTTPStore
         store = HTTPStore.from_url(server.url, client_options={"allow_http": True})
         measure("HTTP: obstore", lambda a, b: obstore.get_range(store, "obj", start=a, end=b), data, small, big)
-    os.remove(os.path.join(root, "obj"))
-    os.rmdir(root)
 
 
 def main():
