@@ -396,7 +396,9 @@ def test_prefetch_announces_ranges_longer_than_the_readahead_window(tmp_path):
     deadline = time.monotonic() + 10
     while resident_fraction([item]) < 1.0 and time.monotonic() < deadline:
         time.sleep(0.05)  # the reads were queued, not waited for
-    assert resident_fraction([item]) == 1.0
+    # Without the fix only the first window is read (about a third resident); a page or two
+    # may be reclaimed meanwhile on a host under memory pressure from other work.
+    assert resident_fraction([item]) >= 0.99
 
 
 def test_prefetch_of_a_row_parallel_slice_is_exact_alone_and_whole_span_among_host_ranks(tmp_path, monkeypatch):
