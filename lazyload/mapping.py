@@ -21,7 +21,7 @@ from torch import nn
 
 from .errors import ArgumentError, DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
 from .expr import Cat, Chunk, Expr, Source, Stack, Transpose
-from .index import CheckpointIndex
+from .index import CheckpointIndex, natural_key
 from .quant.formats import Quantization, detect
 from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
 from .targets import TargetSpec
@@ -40,11 +40,6 @@ class Mapping:
     unused_key_map: tuple[str, ...] = ()  # key_map patterns that match no checkpoint key
     # checkpoint keys of buffers the model computes itself (see build_mapping): not loaded
     ignored_buffer_keys: list[str] = field(default_factory=list)
-
-
-def natural_key(key: str) -> list:
-    """Sort 'layers.10' after 'layers.9' (experts must stack in index order)."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
 def check_key_map(key_map: KeyMap | None, keys: Sequence[str]) -> tuple[str, ...]:
@@ -144,7 +139,7 @@ class _Resolver:
 def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: str,
                      leaf: Callable[[str], Expr] = Source) -> dict[str, Expr]:
     """Apply a gathering rule's ops to its checkpoint keys; returns model name -> expr."""
-    values: dict[int, list[Expr]] = {i: [leaf(k) for k in sorted(keys, key=natural_key)]
+    values: dict[int, list[Expr]] = {i: [leaf(k) for k in keys]  # keys come in natural order
                                      for i, keys in sorted(by_source.items())}
     outputs: list[Expr] | None = None
     for op in convert.ops:
@@ -176,8 +171,10 @@ def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: 
 LEGACY_BUFFER_KEYS = {"rotary_emb.inv_freq": r"rotary_emb\.inv_freq", "position_ids": r"(^|\.)position_ids$"}
 
 
-def _matches_any(name: str, patterns: Sequence[str]) -> bool:
-    return any(re.search(p, name) for p in patterns)
+def _matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a name matches any of `patterns` (re.search), each compiled once."""
+    compiled = [re.compile(p) for p in patterns]
+    return lambda name: any(regex.search(name) for regex in compiled)
 
 
 def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *, aliases: MappingT[str, str] = {},
@@ -201,7 +198,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     from_alias: dict[str, Expr] = {}
     groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
     unexpected = []
-    for key in sorted(set(index.names()) - quant.siblings, key=natural_key):  # a tensor split over files is one name
+    for key in index.natural_names():  # a tensor split over files is one name
+        if key in quant.siblings:
+            continue
         hit = resolver.resolve(key)
         if hit is None:
             unexpected.append(key)
@@ -227,11 +226,13 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     for name, expr in from_alias.items():
         exprs.setdefault(name, expr)
 
-    unexpected = [k for k in unexpected if not _matches_any(k, (*ignore_unexpected, *quant.ignored))]
-    legacy = [p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)]
-    ignored_buffer_keys += [k for k in unexpected if _matches_any(k, legacy)]
-    unexpected = [k for k in unexpected if not _matches_any(k, legacy)]
-    missing = [n for n in targets if n not in exprs and not _matches_any(n, ignore_missing)]
+    ignored = _matcher((*ignore_unexpected, *quant.ignored))
+    unexpected = [k for k in unexpected if not ignored(k)]
+    legacy = _matcher([p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)])
+    ignored_buffer_keys += [k for k in unexpected if legacy(k)]
+    unexpected = [k for k in unexpected if not legacy(k)]
+    ignored_missing = _matcher(ignore_missing)
+    missing = [n for n in targets if n not in exprs and not ignored_missing(n)]
     mismatched = []
     shape_of = lambda key: index[key].shape  # noqa: E731
     for name, expr in list(exprs.items()):

@@ -74,10 +74,16 @@ def test_rank_0_of_128_loads_its_share_of_a_405b_shaped_checkpoint(scale, llama4
     assert all(not torch.count_nonzero(p) for p in model.parameters())  # the holes read as zeros
 
 
-def test_deepseek_v3_shaped_fp8_checkpoint_plans_whole_experts_per_rank(scale, tmp_path):
-    directory = str(tmp_path / "deepseek")
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("deepseek-L4"))
     summary = _module("sparse_checkpoint").write("deepseek-v3", directory, layers=4)
     assert summary["tensors"] > 1000  # per-expert FP8 weights with their block scales
+    return directory
+
+
+def test_deepseek_v3_shaped_fp8_checkpoint_plans_whole_experts_per_rank(scale, deepseek):
+    directory = deepseek
     model = scale.meta_model(directory)
     # The published multi-token-prediction layer (61 at full depth, which transformers ignores
     # by name; 4 here) is the only thing the model does not use (its scales go with its weights).
@@ -85,3 +91,30 @@ def test_deepseek_v3_shaped_fp8_checkpoint_plans_whole_experts_per_rank(scale, t
     for plan in (None, "ep"):
         result = scale.measure_plan(directory, model, 8, plan)
         assert result["adds_up"] and result["unexpected"] == len(mtp), result
+
+
+# Rank plans of the 4-layer DeepSeek-V3 checkpoint as they were before the index, mapping and
+# plan hot paths were made fast: (read items, bytes, digest of every item's file name, key,
+# boxes, ops, target and scale blocks, in plan order).
+PLANNED = {(8, None, 0): (821, 2779568384, "d30810b7dd1e6974"), (8, None, 3): (821, 2779568384, "03c7c68508ffdac6"),
+           (8, "ep", 0): (149, 2779568384, "8e97980b1fe812eb"), (8, "ep", 3): (149, 2779568384, "6093e3674722ed7a"),
+           (64, None, 5): (821, 1005969856, "81516dea75dfde96"), (64, "ep", 63): (65, 1005816256, "e9abe19ae19913f1")}
+
+
+def _digest(items):
+    import hashlib
+    import os
+
+    h = hashlib.sha256()
+    for i in items:
+        s = i.scales
+        h.update(repr((os.path.basename(i.entry.file), i.entry.key, i.src_box, i.ops, i.target, i.dst_box,
+                       s and (s.scale.key, s.box, s.zero and s.zero.key, s.block))).encode())
+    return h.hexdigest()[:16]
+
+
+def test_deepseek_v3_rank_plans_are_the_ones_planned_before_the_fast_paths(scale, deepseek):
+    model = scale.meta_model(deepseek)
+    for (world, plan, rank), expected in PLANNED.items():
+        _, items, _, _ = scale.rank_plan(deepseek, model, world, rank, plan)
+        assert (len(items), sum(i.nbytes for i in items), _digest(items)) == expected, (world, plan, rank)
