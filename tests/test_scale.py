@@ -58,6 +58,18 @@ def test_405b_shaped_checkpoint_indexes_from_headers_and_ranks_add_up(scale, lla
         assert plan["min_bytes"] == plan["max_bytes"]  # every rank reads an equal share
 
 
+def test_tp8_x_pp2_stages_of_a_405b_shaped_checkpoint_add_up_to_tp8(scale, llama405b):
+    directory, _ = llama405b
+    model = scale.meta_model(directory)
+    result = scale.measure_pipeline(directory, model, 8, 2)
+    assert result["adds_up"] and result["unexpected"] == 0, result
+    assert all(0 < b < result["whole_bytes"] for b in result["stage_bytes"])
+    stage = scale.pipeline_stage(model, 1, 2)
+    _, _, _, mapping = scale.rank_plan(directory, stage, 8, 0)
+    assert "model.embed_tokens.weight" in mapping.other_stages and "lm_head.weight" in mapping.exprs
+    assert all(".layers.0." in k for k in mapping.other_stages if ".layers." in k)
+
+
 def test_rank_0_of_128_loads_its_share_of_a_405b_shaped_checkpoint(scale, llama405b):
     from lazyload import LazyCheckpoint
 
