@@ -130,3 +130,24 @@ def test_deepseek_v3_rank_plans_are_the_ones_planned_before_the_fast_paths(scale
     for (world, plan, rank), expected in PLANNED.items():
         _, items, _, _ = scale.rank_plan(deepseek, model, world, rank, plan)
         assert (len(items), sum(i.nbytes for i in items), _digest(items)) == expected, (world, plan, rank)
+
+
+def test_llama4_maverick_shaped_checkpoint_plans_expert_parallel_where_heads_do_not_split(scale, tmp_path):
+    """Llama-4 has no ep_plan: plan="ep" derives whole experts per rank on its fused 3-D
+    experts; its 40 heads do not split over 64 ranks, so attention is split over groups of
+    8 ranks (the largest divisor of 64 that 40 heads and 8 KV heads fit)."""
+    directory = str(tmp_path / "maverick")
+    _module("sparse_checkpoint").write("llama4-maverick", directory, layers=2)
+    model = scale.meta_model(directory)
+    for world in (8, 64):
+        result = scale.measure_plan(directory, model, world, "ep")
+        assert "error" not in result and result["adds_up"] and result["unexpected"] == 0, result
+        assert result["min_bytes"] == result["max_bytes"]
+    targets, _, _, _ = scale.rank_plan(directory, model, 64, 9, "ep")
+    local = {t.name: t.local_shape for t in targets}
+    assert local["model.layers.1.feed_forward.experts.gate_up_proj"] == (128 // 64, 5120, 2 * 8192)  # 2 experts
+    assert local["model.layers.0.self_attn.q_proj.weight"] == (40 // 8 * 128, 5120)  # 5 heads: rank 9 in group 1
+    assert local["model.layers.0.self_attn.k_proj.weight"] == (128, 5120)  # its one KV head
+    assert local["model.layers.0.self_attn.o_proj.weight"] == (5120, 40 // 8 * 128)
+    with pytest.raises(Exception, match="attention heads"):  # tensor parallel still refuses 40 heads over 64
+        scale.rank_plan(directory, model, 64, 0, None)
