@@ -115,6 +115,42 @@ def measure_plan(directory, model, world, plan=None, all_ranks=True):
     return out
 
 
+def pipeline_stage(model, stage, stages):
+    """A copy of `model` cut down to pipeline stage `stage` of `stages`, as
+    torch.distributed.pipelining's manual split makes one: its share of the layers (as
+    even as the count allows), the others set to None in the ModuleList; the embedding
+    only on the first stage, the final norm and the head only on the last."""
+    import copy
+
+    stage_model = copy.deepcopy(model)  # on meta: no data is copied
+    inner = stage_model.model
+    n = len(inner.layers)
+    first, last = round(stage * n / stages), round((stage + 1) * n / stages)
+    for i in range(n):
+        if not first <= i < last:
+            inner.layers[i] = None
+    if stage > 0:
+        inner.embed_tokens = None
+    if stage < stages - 1:
+        inner.norm = None
+        stage_model.lm_head = None
+    return stage_model
+
+
+def measure_pipeline(directory, model, tp, stages):
+    """TP x PP: each stage's TP rank 0 plan; the stages' bytes add up to TP rank 0's bytes
+    of the whole model, and each stage reports the others' tensors, none unexpected."""
+    whole = sum(i.nbytes for i in rank_plan(directory, model, tp, 0)[1])
+    per_stage, seconds, unexpected = [], [], 0
+    for stage in range(stages):
+        _, items, secs, mapping = rank_plan(directory, pipeline_stage(model, stage, stages), tp, 0)
+        per_stage.append(sum(i.nbytes for i in items))
+        seconds.append(secs)
+        unexpected += len(mapping.unexpected)
+    return {"tp": tp, "stages": stages, "whole_bytes": whole, "stage_bytes": per_stage, "max_seconds": max(seconds),
+            "unexpected": unexpected, "adds_up": sum(per_stage) == whole}
+
+
 def _weight_bytes(items):
     return sum(item.reads()[0].nbytes for item in items)
 
@@ -332,6 +368,11 @@ def main():
                              f"{r['min_bytes'] / GB:.2f}-{r['max_bytes'] / GB:.2f} | {r['items']:,} | "
                              f"{ {True: 'yes', False: 'NO'}.get(r.get('adds_up'), '-')} |")
         print("\n".join(lines))
+        if not moe:
+            pp = measure_pipeline(directory, model, 8, 16)
+            print(f"\nTP 8 x PP 16: stage rank-0 plans {min(pp['stage_bytes']) / GB:.2f}-{max(pp['stage_bytes']) / GB:.2f} "
+                  f"GB, {pp['max_seconds']:.2f} s at most; sum {sum(pp['stage_bytes']) / GB:.2f} GB = TP 8 rank 0's "
+                  f"{pp['whole_bytes'] / GB:.2f} GB: {'yes' if pp['adds_up'] else 'NO'}; unexpected {pp['unexpected']}")
         if args.skip_load:
             continue
         rows = []

@@ -313,7 +313,7 @@ class LazyCheckpoint:
         report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
                             initialized=list(initialized), recomputed_buffers=recomputed,
-                            ignored_buffer_keys=mapping.ignored_buffer_keys,
+                            ignored_buffer_keys=mapping.ignored_buffer_keys, other_stages=mapping.other_stages,
                             bytes_read=chosen.bytes_read, bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,

@@ -21,7 +21,7 @@ from torch import nn
 
 from .errors import ArgumentError, DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
 from .expr import Cat, Chunk, Expr, Source, Stack, Transpose
-from .index import CheckpointIndex
+from .index import CheckpointIndex, natural_key
 from .quant.formats import Quantization, detect
 from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
 from .targets import TargetSpec
@@ -40,11 +40,8 @@ class Mapping:
     unused_key_map: tuple[str, ...] = ()  # key_map patterns that match no checkpoint key
     # checkpoint keys of buffers the model computes itself (see build_mapping): not loaded
     ignored_buffer_keys: list[str] = field(default_factory=list)
-
-
-def natural_key(key: str) -> list:
-    """Sort 'layers.10' after 'layers.9' (experts must stack in index order)."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+    # checkpoint keys of modules a pipeline stage left out (see other_stages): not loaded
+    other_stages: list[str] = field(default_factory=list)
 
 
 def check_key_map(key_map: KeyMap | None, keys: Sequence[str]) -> tuple[str, ...]:
@@ -144,7 +141,7 @@ class _Resolver:
 def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: str,
                      leaf: Callable[[str], Expr] = Source) -> dict[str, Expr]:
     """Apply a gathering rule's ops to its checkpoint keys; returns model name -> expr."""
-    values: dict[int, list[Expr]] = {i: [leaf(k) for k in sorted(keys, key=natural_key)]
+    values: dict[int, list[Expr]] = {i: [leaf(k) for k in keys]  # keys come in natural order
                                      for i, keys in sorted(by_source.items())}
     outputs: list[Expr] | None = None
     for op in convert.ops:
@@ -176,15 +173,17 @@ def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: 
 LEGACY_BUFFER_KEYS = {"rotary_emb.inv_freq": r"rotary_emb\.inv_freq", "position_ids": r"(^|\.)position_ids$"}
 
 
-def _matches_any(name: str, patterns: Sequence[str]) -> bool:
-    return any(re.search(p, name) for p in patterns)
+def _matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a name matches any of `patterns` (re.search), each compiled once."""
+    compiled = [re.compile(p) for p in patterns]
+    return lambda name: any(regex.search(name) for regex in compiled)
 
 
 def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *, aliases: MappingT[str, str] = {},
                   base_prefix: str = "", key_map: KeyMap | None = None, renames: Sequence = (),
                   converts: Sequence = (), ignore_unexpected: Sequence[str] = (),
                   ignore_missing: Sequence[str] = (), quant: Quantization = Quantization(),
-                  buffers: Collection[str] = ()) -> Mapping:
+                  buffers: Collection[str] = (), other_stage: Callable[[str], bool] | None = None) -> Mapping:
     """Match checkpoint keys to model tensors. `aliases` maps a tied name to the target it
     shares storage with: a key for it fills that target unless the target has its own.
     `quant`: the checkpoint's quantized weights, each matched as its dequantization.
@@ -192,7 +191,10 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     `buffers`: the model's buffer names. A key naming one that is no target (a non-persistent
     buffer, e.g. position_ids that older versions saved), or a legacy key of LEGACY_BUFFER_KEYS,
     goes to `ignored_buffer_keys`, unread, as from_pretrained ignores it: the model computes
-    the buffer."""
+    the buffer.
+
+    `other_stage`: whether a key belongs to a module the model left out as a pipeline stage
+    (`other_stages`): such keys go to `other_stages`, unread, instead of being unexpected."""
     computed = set(buffers) - set(targets) - set(aliases)
     resolver = _Resolver(set(targets) | computed, aliases, base_prefix, key_map, renames, converts)
     ignored_buffer_keys = []
@@ -201,7 +203,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     from_alias: dict[str, Expr] = {}
     groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
     unexpected = []
-    for key in sorted(set(index.names()) - quant.siblings, key=natural_key):  # a tensor split over files is one name
+    for key in index.natural_names():  # a tensor split over files is one name
+        if key in quant.siblings:
+            continue
         hit = resolver.resolve(key)
         if hit is None:
             unexpected.append(key)
@@ -227,11 +231,15 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     for name, expr in from_alias.items():
         exprs.setdefault(name, expr)
 
-    unexpected = [k for k in unexpected if not _matches_any(k, (*ignore_unexpected, *quant.ignored))]
-    legacy = [p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)]
-    ignored_buffer_keys += [k for k in unexpected if _matches_any(k, legacy)]
-    unexpected = [k for k in unexpected if not _matches_any(k, legacy)]
-    missing = [n for n in targets if n not in exprs and not _matches_any(n, ignore_missing)]
+    ignored = _matcher((*ignore_unexpected, *quant.ignored))
+    unexpected = [k for k in unexpected if not ignored(k)]
+    legacy = _matcher([p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)])
+    ignored_buffer_keys += [k for k in unexpected if legacy(k)]
+    unexpected = [k for k in unexpected if not legacy(k)]
+    other_stages = [k for k in unexpected if other_stage is not None and other_stage(k)]
+    unexpected = [k for k in unexpected if other_stage is None or not other_stage(k)]
+    ignored_missing = _matcher(ignore_missing)
+    missing = [n for n in targets if n not in exprs and not ignored_missing(n)]
     mismatched = []
     shape_of = lambda key: index[key].shape  # noqa: E731
     for name, expr in list(exprs.items()):
@@ -247,7 +255,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
             mismatched.append((name, shape, targets[name].shape))
             del exprs[name]
     return Mapping(exprs, missing, unexpected, mismatched,
-                   ignored_buffer_keys=sorted(ignored_buffer_keys, key=natural_key))
+                   ignored_buffer_keys=sorted(ignored_buffer_keys, key=natural_key), other_stages=other_stages)
 
 
 def _prefixes(names: Sequence[str], others: set[str]) -> dict[str, int]:
@@ -354,6 +362,41 @@ def held_by(model: nn.Module, specs: dict) -> Any:
     return held
 
 
+def other_stages(model: nn.Module) -> Callable[[str], bool] | None:
+    """Whether a checkpoint key belongs to a module this model left out as a pipeline stage
+    does (torch.distributed.pipelining's manual split, torchtitan): a registered child set
+    to None (a layer of a ModuleList, `embed_tokens`, `norm`, `lm_head`), or a layer number
+    missing from a ModuleDict of numbered layers (below the config's `num_hidden_layers`
+    when the model has one). Both are traces of a removal that keeps the other layers'
+    numbers; a ModuleList that is only shorter is no stage (its layers are renumbered), and
+    its extra checkpoint layers stay unexpected. None when the model left nothing out."""
+    removed: set[str] = set()
+    numbered: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        removed.update(prefix + child for child, sub in module._modules.items() if sub is None)
+        if isinstance(module, nn.ModuleDict) and module._modules and all(k.isdigit() for k in module._modules):
+            numbered[name] = set(module._modules)
+    if not removed and not numbered:
+        return None
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(config, "num_hidden_layers", None)
+
+    def under(name: str) -> bool:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            head, child = ".".join(parts[:i]), parts[i]
+            if head in removed or (head in numbered and child.isdigit() and child not in numbered[head]
+                                   and (layers is None or int(child) < layers)):
+                return True
+        return False
+
+    base = getattr(model, "base_model_prefix", "") or ""
+    return lambda key: under(key) or bool(base) and (under(f"{base}.{key}") or (
+        key.startswith(base + ".") and under(key[len(base) + 1:])))
+
+
 def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, TargetSpec],
               aliases: MappingT[str, str], key_map: KeyMap | None = None,
               quant: Quantization | None = None) -> Mapping:
@@ -363,6 +406,7 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, Tar
     checkpoint's quantized weights (default: detected from its tensors alone)."""
     unused = check_key_map(key_map, list(index.keys()))
     quant = detect(index, held=held_by(model, specs)) if quant is None else quant
+    stage = other_stages(model)
 
     def with_rules(renames, converts):
         return replace(build_mapping(
@@ -371,7 +415,7 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, Tar
             renames=renames, converts=converts,
             ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
             ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []), quant=quant,
-            buffers=[name for name, _ in model.named_buffers(remove_duplicate=False)]),
+            buffers=[name for name, _ in model.named_buffers(remove_duplicate=False)], other_stage=stage),
             unused_key_map=unused)
 
     mapping = with_rules([], [])

@@ -59,6 +59,13 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
             raise PlanError(f"{type(model).__name__}: {heads.kv_heads} KV heads do not split evenly over {world} "
                             "ranks; use a world that divides the number of KV heads, or a multiple of it.")
         aliases = _tied_aliases(model, expanded)
+        if experts == "ep" and not getattr(model, "ep_plan", None):  # experts without routing (Llama-4)
+            for module_name in _dense_experts(model, expanded):
+                module = model.get_submodule(module_name)
+                for attr, param in module.named_parameters(recurse=False):
+                    name = f"{module_name}.{attr}"
+                    recorded[name] = _box(name, tuple(param.shape), Placement("shard", 0), rank, world)
+                _install_dense_experts(module, mesh, rank, world)
         ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
         tp = {k: v for k, v in expanded.items() if k not in ep}
         apply_tensor_parallelism(model, mesh, tp)
@@ -148,6 +155,34 @@ def _tied_aliases(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
                                 f"{source_style!r}); give both the same split in plan=, or untie them "
                                 "(tie_word_embeddings=False).")
     return aliases
+
+
+def _dense_experts(model: nn.Module, expanded: dict[str, str]) -> list[str]:
+    """The expert modules of a derived expert-parallel plan (`fused_experts_plan`), their
+    entries taken out of `expanded`: `_install_dense_experts` runs them instead."""
+    names = sorted({n.rpartition(".")[0] for n, style in expanded.items() if style == "grouped_gemm"})
+    for name in [n for n in expanded if n in names or n.rpartition(".")[0] in names]:
+        del expanded[name]
+    return names
+
+
+def _install_dense_experts(module: nn.Module, mesh: Any, rank: int, world: int) -> None:
+    """Experts that take every token for every expert, expert-major and pre-scaled by its
+    router score (Llama-4's, which transformers gives no expert-parallel plan): the rank
+    runs its own experts' rows, the others' rows are zeros, and the ranks' outputs are
+    summed (each row comes from one rank, so the sum is exact)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    forward = module.forward
+
+    def ep_forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        rows = hidden_states.shape[0] // world
+        mine = slice(rank * rows, (rank + 1) * rows)
+        out = torch.zeros_like(hidden_states)
+        out[mine] = forward(hidden_states[mine])
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    module.forward = ep_forward
 
 
 def _plain_specs(model: nn.Module) -> dict:

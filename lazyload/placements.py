@@ -133,16 +133,48 @@ def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
             base = {f"{prefix}.{k}": v for k, v in base.items()}
         plan = base
     if experts == "ep":
-        ep = dict(getattr(model, "ep_plan", None) or {})
+        ep = dict(getattr(model, "ep_plan", None) or {}) or fused_experts_plan(model)
         if not ep:
-            raise PlanError(f"{type(model).__name__} has no expert-parallel plan (ep_plan); pass plan= with "
-                            "'grouped_gemm' on the experts' tensors.")
+            raise PlanError(f"{type(model).__name__} has no expert-parallel plan (ep_plan) and no fused 3-D "
+                            "experts; pass plan= with 'grouped_gemm' on the experts' tensors.")
         is_expert = re.compile(rf"(?:{'|'.join(_glob_regex(k).pattern[1:-1] for k in ep)})(?:\..+)?$").match
         plan = {k: v for k, v in plan.items() if not is_expert(k)} | ep
     elif experts != "tp":
         raise PlanError(f"experts must be 'tp' (tensor parallel inside every expert) or 'ep' (whole experts "
                         f"per rank), got {experts!r}.")
     return plan
+
+
+def fused_experts_plan(model: nn.Module) -> dict[str, str]:
+    """An expert-parallel plan for a model that has none (Llama-4): whole experts per rank
+    on its fused 3-D expert tensors (`...experts.gate_up_proj`, dim 0 the expert)."""
+    return {re.sub(r"\.\d+\.", ".*.", name): "grouped_gemm" for name, p in model.named_parameters()
+            if p.ndim == 3 and name.rpartition(".")[0].rpartition(".")[2] == "experts"}
+
+
+def divisor_group(world: int, fits) -> int:
+    """The largest divisor g of `world` for which fits(g) (1 always divides)."""
+    return max(g for g in range(1, world + 1) if world % g == 0 and (g == 1 or fits(g)))
+
+
+def _over_groups(placement: Placement, shape: tuple[int, ...], world: int, group: int | None = None) -> Placement:
+    """Expert parallel: a tensor-parallel placement that does not split over `world` ranks
+    is split over the largest divisor group of ranks it fits (`group` when given: attention
+    heads), each group of world // g consecutive ranks holding the same slice; 1: replicated."""
+    if placement.kind not in ("shard", "packed") or placement.groups:
+        return placement
+    size = shape[placement.dim] // placement.parts
+    g = group if group is not None else divisor_group(world, lambda g: size % g == 0)
+    if g == world:
+        return placement
+    return REPLICATE if g == 1 else Placement(placement.kind, placement.dim, placement.parts, groups=g)
+
+
+def attention_group(heads: Heads, world: int) -> int:
+    """Expert parallel: the ranks attention is split over, the largest divisor of `world`
+    that whole q heads and their KV heads fit (Llama-4-Maverick's 40 heads: 8 at world 64)."""
+    kv = heads.kv_heads or heads.heads
+    return divisor_group(world, lambda g: heads.heads % g == 0 and (kv % g == 0 or g % kv == 0))
 
 
 PLAN_CHOICES = ("None (the model's own TP plan, else the structural rule), 'tp' (the same), 'ep' (whole "
@@ -297,6 +329,9 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
     user = StylePlan(plan if isinstance(plan, dict) else {}, prefix)
     auto = StylePlan(model_tp_plan(model, experts), prefix)
     heads = model_heads(model)
+    # Expert parallel: tensors that do not split over every rank (40 heads at world 64) are
+    # split over a divisor group of ranks instead of refused; attention over one group size.
+    attn = attention_group(heads, world) if experts == "ep" and heads.heads else world
     out = {}
     for name, spec in specs.items():
         module, module_name, attr = owner_of(model, name)
@@ -319,8 +354,19 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
         if style is None:
             continue
         placement = style_placement(style, name, len(spec.shape), conv1d)
-        out[name] = attention_checks(name, last, placement, heads, world)
+        if experts == "ep" and _in_attention(model, module_name):
+            out[name] = _over_groups(attention_checks(name, last, placement, heads, attn), spec.shape, world, attn)
+        elif experts == "ep":
+            out[name] = _over_groups(placement, spec.shape, world)
+        else:
+            out[name] = attention_checks(name, last, placement, heads, world)
     return out
+
+
+def _in_attention(model: nn.Module, module_name: str) -> bool:
+    """A projection of an attention module: its parent has a q projection."""
+    parent = module_name.rpartition(".")[0]
+    return any(hasattr(model.get_submodule(parent), q) for q in Q_NAMES) if parent else False
 
 
 def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan: Any, rank: int,

@@ -107,6 +107,9 @@ class LoadReport:
     - `ignored_buffer_keys`: checkpoint keys of buffers the model computes itself (a
       `position_ids` or rotary `inv_freq` older versions saved): not read, as
       `from_pretrained` ignores them.
+    - `other_stages`: checkpoint tensors of modules this model left out as a pipeline stage
+      (layers set to None or missing from a ModuleDict of numbered layers, `embed_tokens` or
+      `lm_head` set to None): the other stages' share, not read, not unexpected.
     - `bytes_read`: tensor bytes copied out of the files by the reader.
     - `bytes_mapped`: bytes of tensors left as copy-on-write views of the file mapping
       (CPU, checkpoint dtype); with cold pages (`prefetched`) they are paged in during the
@@ -141,6 +144,7 @@ class LoadReport:
     # checkpoint keys of buffers the model computes itself (e.g. a legacy position_ids): not
     # loaded, as from_pretrained ignores them; the buffer is recomputed if it was on meta
     ignored_buffer_keys: list[str] = field(default_factory=list)
+    other_stages: list[str] = field(default_factory=list)
     bytes_read: int = 0
     bytes_mapped: int = 0
     seconds: float = 0.0
@@ -179,7 +183,8 @@ class LoadReport:
                     ("missing, given the model's own initialisation", [n for n in self.missing if n in initialized]),
                     ("missing, left as they were", [n for n in self.missing if n not in initialized]),
                     ("unexpected (not read)", self.unexpected), ("recomputed buffers", self.recomputed_buffers),
-                    ("checkpoint keys of computed buffers, not loaded", self.ignored_buffer_keys)]
+                    ("checkpoint keys of computed buffers, not loaded", self.ignored_buffer_keys),
+                    ("other pipeline stages' (not read)", self.other_stages)]
         for title, names in sections:
             if names:
                 lines.append(f"  {title}:")

@@ -31,6 +31,8 @@ def _expected_local(name: str, full: torch.Tensor, local: torch.Tensor, rank: in
     if last == "c_attn":  # GPT-2 fused qkv, Conv1D weight [in, 3 * out]: each part sliced
         dim = full.dim() - 1
         return torch.cat([part.chunk(world, dim)[rank] for part in full.chunk(3, dim)], dim)
+    if last == "experts":  # Llama-4's fused experts, expert parallel: whole experts per rank
+        return full.chunk(world, 0)[rank]
     if last == "c_fc":
         return full.chunk(world, full.dim() - 1)[rank]
     if last == "c_proj":  # row parallel Conv1D: weight [in, out] split on in
@@ -166,6 +168,7 @@ def test_world2_all_architectures(checkpoint, tmp_path):
         ("forward", "mixtral", str(checkpoint("mixtral")[0])),  # TP inside every expert
         ("forward", "mixtral", str(checkpoint("mixtral")[0]), "ep"),  # whole experts per rank
         ("forward", "llama4_text", str(checkpoint("llama4_text")[0])),
+        ("forward", "llama4_text", str(checkpoint("llama4_text")[0]), "ep"),  # derived: whole experts per rank
         ("forward", "gpt2", str(checkpoint("gpt2")[0])),  # no TP plan: structural rule, fused Conv1D
         ("torch_styles", str(llama)),
         ("fsdp2", str(llama), False),
