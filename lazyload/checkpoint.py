@@ -28,7 +28,7 @@ from .mapping import KeyMap, check_casts, check_mapping, held_by, map_model, pre
 from .missing import check_choice, initial_values, unfilled_on_meta
 from .parallel import auto_parallelize, check_process_group
 from .placements import model_tp_plan, resolve_placements
-from .placer import allocate, allocate_quantized, assign, mapped_views
+from .placer import allocate, allocate_quantized, assign, mapped_views, whole_scratch, with_whole
 from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, read_quantization_config
 from .quant.linear import quantizable_linears, swap_linears, to_torchao
@@ -245,6 +245,8 @@ class LazyCheckpoint:
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
+        shape_of = lambda key: index[key].shape  # noqa: E731
+        whole = whole_scratch(targets, mapping.exprs, shape_of, quantized)  # conversions run on whole sources
         loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
         recompute = meta_buffers_to_recompute(model, loaded_dtypes, device,
                                               also=_emptied_buffers(model, set(mapping.exprs)))
@@ -254,15 +256,19 @@ class LazyCheckpoint:
         views: dict[str, torch.Tensor] = {}
         copies = items
         if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
-            views, copies = mapped_views(targets, items, chosen, slots)
+            views, copies = mapped_views([t for t in targets if t.name not in whole], items, chosen, slots)
         # Views of warm pages need nothing more; cold ones are paged in by the schedule.
         copy_groups = schedule(copies)
         groups = schedule(items) if chosen.prefetching else copy_groups
-        budget = max_host_bytes if max_host_bytes is not None else default_budget(copy_groups)
+        budget = max_host_bytes if max_host_bytes is not None else max([default_budget(copy_groups), *whole.values()])
         largest = max((item.nbytes for item in copies), default=0)
         if budget < largest:
             raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
                             f"({largest} bytes); raise it to at least that.")
+        if whole and budget < max(whole.values()):
+            name = max(whole, key=whole.get)
+            raise PlanError(f"max_host_bytes={budget} is smaller than what {name} needs ({whole[name]} bytes): its "
+                            "conversion runs on its whole source tensors; raise it to at least that.")
         copied = sum(item.nbytes for item in copies)
         mapped = sum(v.nbytes for v in views.values())
         logger.info("lazyload: loading %d tensors (%s to copy, %s mapped) with the %s reader, budget %s",
@@ -279,8 +285,8 @@ class LazyCheckpoint:
                      allocate_quantized(t, quantized[t.name], device) if t.name in quantized else
                      allocate(t, slots[t.name], device) for t in targets}
             try:
-                engine = run_schedule(groups, chosen, dests, budget, on_bytes=lambda n: bar.update(n / 2**20),
-                                      mapped=frozenset(views))
+                engine = run_schedule(groups, chosen, with_whole(dests, targets, mapping.exprs, items, shape_of), budget,
+                                      on_bytes=lambda n: bar.update(n / 2**20), mapped=frozenset(views))
             except ReadError as exc:  # what was fully read is assigned; the rest left as it was
                 raise settle_failure(exc, {t.name: slots[t.name] for t in targets}, dests) from exc
             finally:
@@ -302,6 +308,7 @@ class LazyCheckpoint:
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
                             initialized=list(initialized), recomputed_buffers=recomputed,
                             ignored_buffer_keys=mapping.ignored_buffer_keys,
+                            read_whole={n: sum(i.nbytes for i in items if i.target == n) for n in whole},
                             bytes_read=chosen.bytes_read, bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .errors import ArgumentError, DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
-from .expr import Cat, Chunk, Expr, Source, Stack, Transpose
+from .expr import Cat, Chunk, Expr, ShapeOf, Source, Stack, Transpose, Whole
 from .index import CheckpointIndex
 from .quant.formats import Quantization, detect
 from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
@@ -141,9 +141,33 @@ class _Resolver:
         return None
 
 
+VOCABULARY = (StackOp, CatOp, ChunkOp, TransposeOp)
+
+
+def _build_whole(convert: Any, by_source: dict[int, list[str]], first_name: str, leaf: Callable[[str], Expr],
+                 shape_of: ShapeOf) -> dict[str, Expr]:
+    """A conversion with an operation outside lazyload's vocabulary, as `expr.Whole` nodes:
+    transformers' own conversion (`convert.run`) on the whole sources, one node per output
+    (model name -> expr); the outputs are found by running it on meta tensors."""
+    keyed = sorted(((key, i) for i, keys in by_source.items() for key in keys), key=lambda ki: natural_key(ki[0]))
+    sources = tuple((i, leaf(key)) for key, i in keyed)  # the order from_pretrained collects them in
+    run = lambda tensors: convert.run(first_name, tensors)  # noqa: E731
+    probe = Whole(sources, "", run, repr(convert))
+    try:
+        outputs = run([(i, torch.empty(s.shape(shape_of), device="meta")) for i, s in sources])
+    except Exception as exc:  # transformers' operation, on shapes it does not take
+        raise MappingError(f"{first_name}: the conversion {convert!r} fails on the checkpoint's tensors "
+                           f"{probe} ({type(exc).__name__}: {exc}); check that the model config matches the "
+                           "checkpoint.") from exc
+    return {name: replace(probe, output=name) for name in outputs}
+
+
 def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: str,
-                     leaf: Callable[[str], Expr] = Source) -> dict[str, Expr]:
-    """Apply a gathering rule's ops to its checkpoint keys; returns model name -> expr."""
+                     leaf: Callable[[str], Expr], shape_of: ShapeOf) -> dict[str, Expr]:
+    """Apply a gathering rule's ops to its checkpoint keys; returns model name -> expr. A rule
+    with an operation outside the vocabulary runs whole (`_build_whole`) when it can."""
+    if not all(isinstance(op, VOCABULARY) for op in convert.ops) and hasattr(convert, "run"):
+        return _build_whole(convert, by_source, first_name, leaf, shape_of)
     values: dict[int, list[Expr]] = {i: [leaf(k) for k in sorted(keys, key=natural_key)]
                                      for i, keys in sorted(by_source.items())}
     outputs: list[Expr] | None = None
@@ -218,8 +242,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
                                f"{exprs[name]} and by {key!r}; drop one (key_map can rename it).")
         else:
             exprs[name] = leaf(key)
+    shape_of = lambda key: index[key].shape  # noqa: E731
     for first_name, (convert, by_source) in groups.items():
-        for name, expr in _build_converted(convert, by_source, first_name, leaf).items():
+        for name, expr in _build_converted(convert, by_source, first_name, leaf, shape_of).items():
             if name in aliases:
                 from_alias.setdefault(aliases[name], expr)
             else:
@@ -233,7 +258,6 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     unexpected = [k for k in unexpected if not _matches_any(k, legacy)]
     missing = [n for n in targets if n not in exprs and not _matches_any(n, ignore_missing)]
     mismatched = []
-    shape_of = lambda key: index[key].shape  # noqa: E731
     for name, expr in list(exprs.items()):
         if name not in targets:
             unexpected.extend(dict.fromkeys(index.name_of(k) for k in expr.keys()))

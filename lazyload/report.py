@@ -107,6 +107,10 @@ class LoadReport:
     - `ignored_buffer_keys`: checkpoint keys of buffers the model computes itself (a
       `position_ids` or rotary `inv_freq` older versions saved): not read, as
       `from_pretrained` ignores them.
+    - `read_whole`: targets built by a conversion no box can be pushed through (one of
+      transformers' operations outside lazyload's vocabulary, e.g. an interleave): name ->
+      bytes of its source tensors, read whole by this rank, converted here by transformers'
+      own operation, and sliced to this rank's share.
     - `bytes_read`: tensor bytes copied out of the files by the reader.
     - `bytes_mapped`: bytes of tensors left as copy-on-write views of the file mapping
       (CPU, checkpoint dtype); with cold pages (`prefetched`) they are paged in during the
@@ -137,6 +141,7 @@ class LoadReport:
     # checkpoint keys of buffers the model computes itself (e.g. a legacy position_ids): not
     # loaded, as from_pretrained ignores them; the buffer is recomputed if it was on meta
     ignored_buffer_keys: list[str] = field(default_factory=list)
+    read_whole: dict[str, int] = field(default_factory=dict)
     bytes_read: int = 0
     bytes_mapped: int = 0
     seconds: float = 0.0
@@ -167,7 +172,9 @@ class LoadReport:
                     ("missing, given the model's own initialisation", [n for n in self.missing if n in initialized]),
                     ("missing, left as they were", [n for n in self.missing if n not in initialized]),
                     ("unexpected (not read)", self.unexpected), ("recomputed buffers", self.recomputed_buffers),
-                    ("checkpoint keys of computed buffers, not loaded", self.ignored_buffer_keys)]
+                    ("checkpoint keys of computed buffers, not loaded", self.ignored_buffer_keys),
+                    (f"read whole, converted by transformers' own operation ({size(sum(self.read_whole.values()))})",
+                     list(self.read_whole))]
         for title, names in sections:
             if names:
                 lines.append(f"  {title}:")
