@@ -145,7 +145,9 @@ class LazyCheckpoint:
           does not fill, and that have no values yet (on meta), the model's own
           initialisation, as `from_pretrained` does (`report.initialized`; real tensors keep
           their values); "keep" leaves them as they are (on meta: the forward fails or
-          computes NaN); "error" refuses them as strict=True does.
+          computes NaN); "error" refuses them as strict=True does. Tensors the model expects
+          to be missing (`_keys_to_ignore_on_load_missing`) are no error, and get its init
+          unless "keep".
         - `key_map`: renames checkpoint keys to model names (checkpoint key -> model key),
           tried when the exact and base-prefixed names do not match: {regex: replacement}
           (`re.sub`, the first matching pattern wins) or a callable.
@@ -217,9 +219,11 @@ class LazyCheckpoint:
             logger.warning("lazyload: %s", hint)
         check_casts(mapping, index, {n: s.dtype for n, s in specs.items()})
         # Tensors the checkpoint does not fill, given the model's own init now: a model
-        # whose init cannot is refused before anything changes.
+        # whose init cannot is refused before anything changes. Those the model expects to be
+        # missing (`_keys_to_ignore_on_load_missing`) are no error, but from_pretrained inits them too.
         unfilled = [] if strict or missing != "init" else unfilled_on_meta(
             mapping.missing + [name for name, _, _ in mapping.mismatched], slots)
+        unfilled += [] if missing == "keep" else unfilled_on_meta(mapping.expected_missing, slots)
         initialized = initial_values(
             model, unfilled, slots,
             {n: local_regions(n, specs[n].shape, placements.placements.get(n, REPLICATE), rank, world)[0]

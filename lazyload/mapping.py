@@ -40,6 +40,10 @@ class Mapping:
     unused_key_map: tuple[str, ...] = ()  # key_map patterns that match no checkpoint key
     # checkpoint keys of buffers the model computes itself (see build_mapping): not loaded
     ignored_buffer_keys: list[str] = field(default_factory=list)
+    # model tensors no key reaches that the model expects to be missing (its
+    # `_keys_to_ignore_on_load_missing`, e.g. Marian's sinusoidal positions): no error, but
+    # given the model's own init, as from_pretrained gives them
+    expected_missing: list[str] = field(default_factory=list)
 
 
 def natural_key(key: str) -> list:
@@ -256,7 +260,8 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     legacy = [p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)]
     ignored_buffer_keys += [k for k in unexpected if _matches_any(k, legacy)]
     unexpected = [k for k in unexpected if not _matches_any(k, legacy)]
-    missing = [n for n in targets if n not in exprs and not _matches_any(n, ignore_missing)]
+    unfilled = [n for n in targets if n not in exprs]
+    missing = [n for n in unfilled if not _matches_any(n, ignore_missing)]
     mismatched = []
     for name, expr in list(exprs.items()):
         if name not in targets:
@@ -271,7 +276,8 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
             mismatched.append((name, shape, targets[name].shape))
             del exprs[name]
     return Mapping(exprs, missing, unexpected, mismatched,
-                   ignored_buffer_keys=sorted(ignored_buffer_keys, key=natural_key))
+                   ignored_buffer_keys=sorted(ignored_buffer_keys, key=natural_key),
+                   expected_missing=[n for n in unfilled if n not in set(missing)])
 
 
 def _prefixes(names: Sequence[str], others: set[str]) -> dict[str, int]:

@@ -101,7 +101,9 @@ class LoadReport:
     - `mismatched`: (name, checkpoint shape, model shape) of tensors left unfilled because
       the shapes differ (strict=False).
     - `initialized`: missing or mismatched tensors given the model's own initialisation
-      (strict=False, missing="init"), as `from_pretrained` does.
+      (strict=False, missing="init"), as `from_pretrained` does; also, unless missing="keep",
+      those the model expects to be missing (its `_keys_to_ignore_on_load_missing`, e.g.
+      Marian's sinusoidal positions), which are no error.
     - `recomputed_buffers`: non-persistent buffers left on meta (rotary `inv_freq`, ...)
       that the model's own init computed.
     - `ignored_buffer_keys`: checkpoint keys of buffers the model computes itself (a
@@ -171,6 +173,8 @@ class LoadReport:
         sections = [("loaded", self.loaded),
                     ("missing, given the model's own initialisation", [n for n in self.missing if n in initialized]),
                     ("missing, left as they were", [n for n in self.missing if n not in initialized]),
+                    ("not in the checkpoint, as the model expects; given its own initialisation",
+                     [n for n in self.initialized if n not in set(self.missing) | {m[0] for m in self.mismatched}]),
                     ("unexpected (not read)", self.unexpected), ("recomputed buffers", self.recomputed_buffers),
                     ("checkpoint keys of computed buffers, not loaded", self.ignored_buffer_keys),
                     (f"read whole, converted by transformers' own operation ({size(sum(self.read_whole.values()))})",
