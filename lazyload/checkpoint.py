@@ -232,6 +232,13 @@ class LazyCheckpoint:
         quantized = _quantized_groups(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
         if quantized and not shards_only:
             _check_runnable_quantized(model, quantized, placements.placements, world)
+        dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0], quant), dtype)
+                  for name, expr in mapping.exprs.items()}
+        dtypes.update({name: qconfig.torch_dtype for name in quantized})
+        # Buffers left on meta, computed now: one that cannot be is refused while the model is untouched.
+        loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
+        recompute = meta_buffers_to_recompute(model, loaded_dtypes, device,
+                                              also=_emptied_buffers(model, set(mapping.exprs)))
         agree.reached("planned")  # every rank's input is good: only now may any model change
         # Only now, with the input checked, may the model change: Linear layers quantized,
         # made tensor parallel.
@@ -242,18 +249,12 @@ class LazyCheckpoint:
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
             slots, _ = model_slots(model)  # parameters became DTensors: placements from them
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
-        dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0], quant), dtype)
-                  for name, expr in mapping.exprs.items()}
-        dtypes.update({name: qconfig.torch_dtype for name in quantized})
 
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
         shape_of = lambda key: index[key].shape  # noqa: E731
         whole = whole_scratch(targets, mapping.exprs, shape_of, quantized)  # conversions run on whole sources
-        loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
-        recompute = meta_buffers_to_recompute(model, loaded_dtypes, device,
-                                              also=_emptied_buffers(model, set(mapping.exprs)))
         dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
         release_pages = release_pages or must_release_pages(items, dest_bytes, world)
         chosen = choose_reader(reader, device, release_pages, items, index, world)
