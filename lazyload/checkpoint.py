@@ -235,6 +235,12 @@ class LazyCheckpoint:
         dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0], quant), dtype)
                   for name, expr in mapping.exprs.items()}
         dtypes.update({name: qconfig.torch_dtype for name in quantized})
+        shape_of = lambda key: index[key].shape  # noqa: E731
+        whole = whole_scratch(mapping.exprs, {n: s.shape for n, s in specs.items()}, dtypes, quantized, shape_of)
+        if whole and max_host_bytes is not None and max_host_bytes < max(whole.values()):
+            name = max(whole, key=whole.get)  # conversions run on whole sources: they hold them all
+            raise PlanError(f"max_host_bytes={max_host_bytes} is smaller than what {name} needs ({whole[name]} "
+                            "bytes): its conversion runs on its whole source tensors; raise it to at least that.")
         # Buffers left on meta, computed now: one that cannot be is refused while the model is untouched.
         loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
         recompute = meta_buffers_to_recompute(model, loaded_dtypes, device,
@@ -253,8 +259,6 @@ class LazyCheckpoint:
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
-        shape_of = lambda key: index[key].shape  # noqa: E731
-        whole = whole_scratch(targets, mapping.exprs, shape_of, quantized)  # conversions run on whole sources
         dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
         release_pages = release_pages or must_release_pages(items, dest_bytes, world)
         chosen = choose_reader(reader, device, release_pages, items, index, world)
@@ -270,10 +274,6 @@ class LazyCheckpoint:
         if budget < largest:
             raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
                             f"({largest} bytes); raise it to at least that.")
-        if whole and budget < max(whole.values()):
-            name = max(whole, key=whole.get)
-            raise PlanError(f"max_host_bytes={budget} is smaller than what {name} needs ({whole[name]} bytes): its "
-                            "conversion runs on its whole source tensors; raise it to at least that.")
         copied = sum(item.nbytes for item in copies)
         mapped = sum(v.nbytes for v in views.values())
         logger.info("lazyload: loading %d tensors (%s to copy, %s mapped) with the %s reader, budget %s",

@@ -60,35 +60,28 @@ def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: MmapR
     return views, [item for item in items if item.target not in views]
 
 
-def scratch_dtype(target: TargetPlan, quantized: bool) -> torch.dtype:
-    """The dtype a target computed from whole sources converts in: its own (from_pretrained
-    casts the sources to the parameter's dtype before converting), float32 when it is
-    quantized after."""
-    return torch.float32 if quantized else target.dtype
-
-
-def whole_scratch(targets: list[TargetPlan], exprs: dict, shape_of, quantized: Collection[str]) -> dict[str, int]:
+def whole_scratch(exprs: dict, shapes: dict, dtypes: dict, quantized: Collection[str], shape_of) -> dict[str, int]:
     """Targets computed from whole sources (`expr.Whole`) -> the bytes each holds at most
-    while it is computed: its sources and the full result, in its scratch dtype."""
+    while it is computed: its sources and its full result, in its scratch dtype."""
     out = {}
-    for t in targets:
-        expr = exprs[t.name]
+    for name, expr in exprs.items():
         if isinstance(expr, Whole):
-            numel = sum(math.prod(s.shape(shape_of)) for _, s in expr.sources) + math.prod(t.full_shape)
-            out[t.name] = numel * scratch_dtype(t, t.name in quantized).itemsize
+            numel = sum(math.prod(s.shape(shape_of)) for _, s in expr.sources) + math.prod(shapes[name])
+            out[name] = numel * (torch.float32 if name in quantized else dtypes[name]).itemsize
     return out
 
 
 class WholeDest:
     """The destination of a target computed from whole sources (`expr.Whole`): each read item
-    lands in its source's scratch tensor (`scratch_dtype`); once the last of its `items` has
+    lands in its source's scratch tensor; once the last of its `items` has
     landed, the operation runs on the full tensors, the rank's regions of the result are
     written into `dest`, and the scratch is dropped. Items land from several reader threads."""
 
     def __init__(self, dest: torch.Tensor | QuantizedDest, expr: Whole, target: TargetPlan, items: int, shape_of):
         self.dest, self.expr, self.target = dest, expr, target
         self.device = dest.device
-        self._dtype = scratch_dtype(target, isinstance(dest, QuantizedDest))
+        # from_pretrained casts the sources to the target's dtype before converting
+        self._dtype = torch.float32 if isinstance(dest, QuantizedDest) else target.dtype  # quantized after
         self._shapes = [s.shape(shape_of) for _, s in expr.sources]
         self._scratch: list[torch.Tensor | None] = [None] * len(self._shapes)
         self._left = items
