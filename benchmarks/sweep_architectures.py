@@ -45,6 +45,7 @@ SMALL = {  # field -> value, wherever a config (or a sub-config) has the field a
     **dict.fromkeys(("num_experts_per_tok", "moe_topk"), 2),
     **dict.fromkeys(("n_group", "topk_group", "n_shared_experts"), 1),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 32),
+    "rotary_dim": 16,  # at most the head dim (64 / 4 heads)
     "projection_dim": 32,
     "image_size": 32,
     "patch_size": 8,
@@ -69,12 +70,15 @@ def _shrink(config, seen):
     for name, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):
             _shrink(value, seen)
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     for name, small in SMALL.items():
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > small:
             setattr(config, name, small)
         elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
             setattr(config, name, [min(v, small) for v in value])
+    if isinstance(heads, int) and heads == kv:  # as many KV heads as heads (e.g. DeepSeek's MLA): kept so
+        config.num_key_value_heads = config.num_attention_heads
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
