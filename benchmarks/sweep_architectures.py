@@ -77,7 +77,7 @@ def _shrink(config, seen):
             setattr(config, name, small)
         elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
             setattr(config, name, [min(v, small) for v in value])
-    if isinstance(heads, int) and heads == kv:  # as many KV heads as heads (e.g. DeepSeek's MLA): kept so
+    if isinstance(heads, int) and heads == kv and hasattr(config, "kv_lora_rank"):  # MLA: KV heads are heads
         config.num_key_value_heads = config.num_attention_heads
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
