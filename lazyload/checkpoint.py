@@ -27,7 +27,7 @@ from .mapping import KeyMap, check_casts, check_mapping, held_by, map_model, pre
 from .missing import check_choice, initial_values, unfilled_on_meta
 from .parallel import auto_parallelize, check_process_group
 from .placements import resolve_placements
-from .placer import allocate, allocate_quantized, assign, mapped_views
+from .placer import allocate, allocate_quantized, assign, mapped_views, whole_scratch, with_whole
 from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, read_quantization_config
 from .quant.linear import to_torchao
@@ -154,7 +154,9 @@ class LazyCheckpoint:
           does not fill, and that have no values yet (on meta), the model's own
           initialisation, as `from_pretrained` does (`report.initialized`; real tensors keep
           their values); "keep" leaves them as they are (on meta: the forward fails or
-          computes NaN); "error" refuses them as strict=True does.
+          computes NaN); "error" refuses them as strict=True does. Tensors the model expects
+          to be missing (`_keys_to_ignore_on_load_missing`) are no error, and get its init
+          unless "keep".
         - `key_map`: renames checkpoint keys to model names (checkpoint key -> model key),
           tried when the exact and base-prefixed names do not match: {regex: replacement}
           (`re.sub`, the first matching pattern wins) or a callable.
@@ -231,15 +233,30 @@ class LazyCheckpoint:
             logger.warning("lazyload: %s", hint)
         check_casts(mapping, index, {n: s.dtype for n, s in specs.items()})
         # Tensors the checkpoint does not fill, given the model's own init now: a model
-        # whose init cannot is refused before anything changes.
+        # whose init cannot is refused before anything changes. Those the model expects to be
+        # missing (`_keys_to_ignore_on_load_missing`) are no error, but from_pretrained inits them too.
         unfilled = [] if strict or missing != "init" else unfilled_on_meta(
             mapping.missing + [name for name, _, _ in mapping.mismatched], slots)
+        unfilled += [] if missing == "keep" else unfilled_on_meta(mapping.expected_missing, slots)
         initialized = initial_values(
             model, unfilled, slots,
             {n: local_regions(n, specs[n].shape, placements.placements.get(n, REPLICATE), rank, world)[0]
              for n in unfilled},
             {n: _target_dtype(specs[n].dtype, specs[n].dtype, dtype) for n in unfilled}, device)
         quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
+        dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0], quant), dtype)
+                  for name, expr in mapping.exprs.items()}
+        dtypes.update({name: qconfig.torch_dtype for name in quantized})
+        shape_of = lambda key: index[key].shape  # noqa: E731
+        whole = whole_scratch(mapping.exprs, {n: s.shape for n, s in specs.items()}, dtypes, quantized, shape_of)
+        if whole and max_host_bytes is not None and max_host_bytes < max(whole.values()):
+            name = max(whole, key=whole.get)  # conversions run on whole sources: they hold them all
+            raise PlanError(f"max_host_bytes={max_host_bytes} is smaller than what {name} needs ({whole[name]} "
+                            "bytes): its conversion runs on its whole source tensors; raise it to at least that.")
+        # Buffers left on meta, computed now: one that cannot be is refused while the model is untouched.
+        loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
+        recompute = meta_buffers_to_recompute(model, loaded_dtypes, device,
+                                              also=_emptied_buffers(model, set(mapping.exprs)))
         agree.reached("planned")  # every rank's input is good: only now may any model change
         # Only now, with the input checked, may the model change: Linear layers quantized,
         # made tensor parallel.
@@ -250,27 +267,21 @@ class LazyCheckpoint:
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
             slots, _ = model_slots(model)  # parameters became DTensors: placements from them
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
-        dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0], quant), dtype)
-                  for name, expr in mapping.exprs.items()}
-        dtypes.update({name: qconfig.torch_dtype for name in quantized})
 
         # Plan: this rank's boxes, pushed down to read items.
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
-        loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
-        recompute = meta_buffers_to_recompute(model, loaded_dtypes, device,
-                                              also=_emptied_buffers(model, set(mapping.exprs)))
         dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
         release_pages = release_pages or must_release_pages(items, dest_bytes, world)
         chosen = choose_reader(reader, device, release_pages, items, index, world, self.remote)
         views: dict[str, torch.Tensor] = {}
         copies = items
         if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
-            views, copies = mapped_views(targets, items, chosen, slots)
+            views, copies = mapped_views([t for t in targets if t.name not in whole], items, chosen, slots)
         # Views of warm pages need nothing more; cold ones are paged in by the schedule.
         copy_groups = schedule(copies)
         groups = schedule(items) if chosen.prefetching else copy_groups
-        budget = max_host_bytes if max_host_bytes is not None else default_budget(copy_groups)
+        budget = max_host_bytes if max_host_bytes is not None else max([default_budget(copy_groups), *whole.values()])
         largest = max((item.nbytes for item in copies), default=0)
         if budget < largest:
             raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
@@ -291,8 +302,8 @@ class LazyCheckpoint:
                      allocate_quantized(t, quantized[t.name], device) if t.name in quantized else
                      allocate(t, slots[t.name], device) for t in targets}
             try:
-                engine = run_schedule(groups, chosen, dests, budget, on_bytes=_progress(bar, chosen),
-                                      mapped=frozenset(views))
+                engine = run_schedule(groups, chosen, with_whole(dests, targets, mapping.exprs, items, shape_of),
+                                      budget, on_bytes=_progress(bar, chosen), mapped=frozenset(views))
             except ReadError as exc:  # what was fully read is assigned; the rest left as it was
                 raise settle_failure(exc, {t.name: slots[t.name] for t in targets}, dests) from exc
             finally:
@@ -314,6 +325,7 @@ class LazyCheckpoint:
                             unexpected=mapping.unexpected, mismatched=mapping.mismatched,
                             initialized=list(initialized), recomputed_buffers=recomputed,
                             ignored_buffer_keys=mapping.ignored_buffer_keys, other_stages=mapping.other_stages,
+                            read_whole={n: sum(i.nbytes for i in items if i.target == n) for n in whole},
                             bytes_read=chosen.bytes_read, bytes_mapped=mapped,
                             seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,

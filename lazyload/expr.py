@@ -6,12 +6,17 @@ operations (stack, concatenate, chunk, transpose) and one elementwise one (dequa
 pre-quantized weight with the scales of its blocks) live here, so pushing a box down is
 exact and no byte outside a rank's share is ever needed: a dequantized piece names the
 scale blocks that cover its box, and nothing more.
+
+One node is the exception, the fallback for any other operation (`Whole`: a conversion of
+transformers' that no box goes through, e.g. an interleave or a RoPE permutation): its
+sources are read whole and the operation runs on the rank, which keeps its box of the
+result.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 Box = tuple[tuple[int, int], ...]
 ShapeOf = Callable[[str], tuple[int, ...]]  # checkpoint key -> shape
@@ -252,6 +257,48 @@ class Dequant(Expr):
 
     def __str__(self):
         return f"dequant({self.weight}, {self.scale}" + (f", {self.zero})" if self.zero else ")")
+
+
+@dataclass(frozen=True)
+class Whole(Expr):
+    """Output `output` of an operation no box can be pushed through, computed from the whole
+    of its sources: `sources` are (input group, expression) pairs in the order the operation
+    takes them, `run` the operation ([(group, tensor), ...] -> {output name: tensor}: for a
+    transformers model, its own conversion). Pushing any box down reads every source whole,
+    each piece in its source's own coordinates (`position` says which source a key belongs
+    to); the result is computed on the rank, which keeps its box (`placer.WholeDest`). Its
+    shape comes from running the operation on meta tensors."""
+
+    sources: tuple[tuple[int, Expr], ...]
+    output: str
+    run: Callable[[list[tuple[int, Any]]], dict[str, Any]] = field(compare=False, repr=False)
+    label: str = field(default="", compare=False)
+
+    def compute(self, tensors: Sequence[Any]) -> Any:
+        """The output from the sources' full tensors (in `sources` order)."""
+        return self.run([(group, t) for (group, _), t in zip(self.sources, tensors)])[self.output]
+
+    def shape(self, shape_of):
+        import torch
+
+        metas = [torch.empty(s.shape(shape_of), device="meta") for _, s in self.sources]
+        return tuple(self.compute(metas).shape)
+
+    def keys(self):
+        return [k for _, s in self.sources for k in s.keys()]
+
+    def position(self, key: str) -> int:
+        """Which source checkpoint key `key` belongs to (an index into `sources`)."""
+        return next(i for i, (_, s) in enumerate(self.sources) if key in s.keys())
+
+    def pieces(self, box, shape_of):
+        if not box_numel(box):
+            return []
+        return [p for _, s in self.sources for p in s.pieces(full_box(s.shape(shape_of)), shape_of)]
+
+    def __str__(self):
+        shown = ", ".join(str(s) for _, s in self.sources[:3]) + (" .." if len(self.sources) > 3 else "")
+        return f"whole[{self.label or 'operation'}]({shown})"
 
 
 def _replace_dim(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:

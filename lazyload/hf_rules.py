@@ -4,17 +4,19 @@ transformers >= 5 describes, per model type, how checkpoint keys become model ke
 (renames, MergeModulelist, Concatenate, Chunk, Transpose...). Its own matcher is reused for
 keys (scopes, prefixes and capture groups behave exactly as in `from_pretrained`); its
 operations are translated into lazyload's shape-level ops so that a rank's box can be pushed
-down through them.
+down through them. A conversion with any other operation is run as transformers runs it
+(`HFConvert.run`), on the whole source tensors (`expr.Whole`).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from .rules import CatOp, ChunkOp, StackOp, TransposeOp
 
 
 class Unsupported:
-    """An operation lazyload cannot express; the error is raised only if it is used."""
+    """An operation lazyload cannot push a box through: its conversion runs whole."""
 
     def __init__(self, name: str):
         self.name = name
@@ -48,8 +50,9 @@ class HFRename:
 
 
 class HFConvert:
-    def __init__(self, transform: Any):
+    def __init__(self, transform: Any, model: Any):
         self.transform = transform
+        self.model = model
         self.sources = tuple(transform.source_patterns)
         self.targets = tuple(transform.target_patterns)
         self.ops = tuple(_translate(op) for op in transform.operations)
@@ -59,6 +62,16 @@ class HFConvert:
         if pattern is None:
             return None
         return renamed, self.sources.index(pattern)
+
+    def run(self, layer_name: str, tensors: list[tuple[int, Any]]) -> dict[str, Any]:
+        """transformers' own conversion of `tensors` ((source pattern index, tensor), in the
+        order from_pretrained collects them) for the target `layer_name`, the first target's
+        model name: {model name: tensor} of every output, as from_pretrained computes them."""
+        converter = copy.deepcopy(self.transform)  # holds the tensors it converts: one per call
+        for index, tensor in tensors:
+            converter.add_tensor(layer_name, layer_name, self.sources[index], lambda t=tensor: t)
+        out = converter.convert(layer_name, model=self.model, config=getattr(self.model, "config", None))
+        return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
 
     def __repr__(self) -> str:
         return repr(self.transform)
@@ -76,5 +89,5 @@ def hf_rules(model: Any) -> tuple[list[HFRename], list[HFConvert]] | None:
         return None
     transforms = get_model_conversion_mapping(model)
     renames = [HFRename(t) for t in transforms if not isinstance(t, WeightConverter)]
-    converts = [HFConvert(t) for t in transforms if isinstance(t, WeightConverter)]
+    converts = [HFConvert(t, model) for t in transforms if isinstance(t, WeightConverter)]
     return renames, converts

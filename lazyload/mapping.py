@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .errors import ArgumentError, DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
-from .expr import Cat, Chunk, Expr, Source, Stack, Transpose
+from .expr import Cat, Chunk, Expr, ShapeOf, Stack, Transpose, Whole
 from .index import CheckpointIndex, natural_key
 from .quant.formats import Quantization, detect
 from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
@@ -42,6 +42,11 @@ class Mapping:
     ignored_buffer_keys: list[str] = field(default_factory=list)
     # checkpoint keys of modules a pipeline stage left out (see other_stages): not loaded
     other_stages: list[str] = field(default_factory=list)
+    # model tensors no key reaches that the model expects to be missing (its
+    # `_keys_to_ignore_on_load_missing`, e.g. Marian's sinusoidal positions): no error, but
+    # given the model's own init, as from_pretrained gives them
+    expected_missing: list[str] = field(default_factory=list)
+
 
 
 def check_key_map(key_map: KeyMap | None, keys: Sequence[str]) -> tuple[str, ...]:
@@ -138,9 +143,33 @@ class _Resolver:
         return None
 
 
+VOCABULARY = (StackOp, CatOp, ChunkOp, TransposeOp)
+
+
+def _build_whole(convert: Any, by_source: dict[int, list[str]], first_name: str, leaf: Callable[[str], Expr],
+                 shape_of: ShapeOf) -> dict[str, Expr]:
+    """A conversion with an operation outside lazyload's vocabulary, as `expr.Whole` nodes:
+    transformers' own conversion (`convert.run`) on the whole sources, one node per output
+    (model name -> expr); the outputs are found by running it on meta tensors."""
+    keyed = sorted(((key, i) for i, keys in by_source.items() for key in keys), key=lambda ki: natural_key(ki[0]))
+    sources = tuple((i, leaf(key)) for key, i in keyed)  # the order from_pretrained collects them in
+    run = lambda tensors: convert.run(first_name, tensors)  # noqa: E731
+    probe = Whole(sources, "", run, repr(convert))
+    try:
+        outputs = run([(i, torch.empty(s.shape(shape_of), device="meta")) for i, s in sources])
+    except Exception as exc:  # transformers' operation, on shapes it does not take
+        raise MappingError(f"{first_name}: the conversion {convert!r} fails on the checkpoint's tensors "
+                           f"{probe} ({type(exc).__name__}: {exc}); check that the model config matches the "
+                           "checkpoint.") from exc
+    return {name: replace(probe, output=name) for name in outputs}
+
+
 def _build_converted(convert: Any, by_source: dict[int, list[str]], first_name: str,
-                     leaf: Callable[[str], Expr] = Source) -> dict[str, Expr]:
-    """Apply a gathering rule's ops to its checkpoint keys; returns model name -> expr."""
+                     leaf: Callable[[str], Expr], shape_of: ShapeOf) -> dict[str, Expr]:
+    """Apply a gathering rule's ops to its checkpoint keys; returns model name -> expr. A rule
+    with an operation outside the vocabulary runs whole (`_build_whole`) when it can."""
+    if not all(isinstance(op, VOCABULARY) for op in convert.ops) and hasattr(convert, "run"):
+        return _build_whole(convert, by_source, first_name, leaf, shape_of)
     values: dict[int, list[Expr]] = {i: [leaf(k) for k in keys]  # keys come in natural order
                                      for i, keys in sorted(by_source.items())}
     outputs: list[Expr] | None = None
@@ -222,8 +251,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
                                f"{exprs[name]} and by {key!r}; drop one (key_map can rename it).")
         else:
             exprs[name] = leaf(key)
+    shape_of = lambda key: index[key].shape  # noqa: E731
     for first_name, (convert, by_source) in groups.items():
-        for name, expr in _build_converted(convert, by_source, first_name, leaf).items():
+        for name, expr in _build_converted(convert, by_source, first_name, leaf, shape_of).items():
             if name in aliases:
                 from_alias.setdefault(aliases[name], expr)
             else:
@@ -239,9 +269,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     other_stages = [k for k in unexpected if other_stage is not None and other_stage(k)]
     unexpected = [k for k in unexpected if other_stage is None or not other_stage(k)]
     ignored_missing = _matcher(ignore_missing)
-    missing = [n for n in targets if n not in exprs and not ignored_missing(n)]
+    unfilled = [n for n in targets if n not in exprs]
+    missing = [n for n in unfilled if not ignored_missing(n)]
     mismatched = []
-    shape_of = lambda key: index[key].shape  # noqa: E731
     for name, expr in list(exprs.items()):
         if name not in targets:
             unexpected.extend(dict.fromkeys(index.name_of(k) for k in expr.keys()))
@@ -255,7 +285,8 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
             mismatched.append((name, shape, targets[name].shape))
             del exprs[name]
     return Mapping(exprs, missing, unexpected, mismatched,
-                   ignored_buffer_keys=sorted(ignored_buffer_keys, key=natural_key), other_stages=other_stages)
+                   ignored_buffer_keys=sorted(ignored_buffer_keys, key=natural_key), other_stages=other_stages,
+                   expected_missing=[n for n in unfilled if n not in set(missing)])
 
 
 def _prefixes(names: Sequence[str], others: set[str]) -> dict[str, int]:

@@ -3,14 +3,20 @@
 Destinations are allocated once per target (or the model's own tensor is reused when it is
 already real, of the right shape, dtype and device: a load into a real model overwrites it in
 place). Assignment replaces every module attribute that held the old tensor, so weights
-tied before the load (the same Parameter under two names) are tied after it.
+tied before the load (the same Parameter under two names) are tied after it. A target
+computed by an operation no box goes through (`expr.Whole`) gets its sources whole first
+(`WholeDest`).
 """
 from __future__ import annotations
+
+import math
+import threading
+from typing import Collection
 
 import torch
 from torch import nn
 
-from .expr import apply_ops, box_shape, undo_ops
+from .expr import Whole, apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
 from .quant.onload import Grid, QuantizedDest, keep_into, quantize_into, scale_shape
@@ -54,16 +60,80 @@ def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: MmapR
     return views, [item for item in items if item.target not in views]
 
 
+def whole_scratch(exprs: dict, shapes: dict, dtypes: dict, quantized: Collection[str], shape_of) -> dict[str, int]:
+    """Targets computed from whole sources (`expr.Whole`) -> the bytes each holds at most
+    while it is computed: its sources and its full result, in its scratch dtype."""
+    out = {}
+    for name, expr in exprs.items():
+        if isinstance(expr, Whole):
+            numel = sum(math.prod(s.shape(shape_of)) for _, s in expr.sources) + math.prod(shapes[name])
+            out[name] = numel * (torch.float32 if name in quantized else dtypes[name]).itemsize
+    return out
+
+
+class WholeDest:
+    """The destination of a target computed from whole sources (`expr.Whole`): each read item
+    lands in its source's scratch tensor; once the last of its `items` has
+    landed, the operation runs on the full tensors, the rank's regions of the result are
+    written into `dest`, and the scratch is dropped. Items land from several reader threads."""
+
+    def __init__(self, dest: torch.Tensor | QuantizedDest, expr: Whole, target: TargetPlan, items: int, shape_of):
+        self.dest, self.expr, self.target = dest, expr, target
+        self.device = dest.device
+        # from_pretrained casts the sources to the target's dtype before converting
+        self._dtype = torch.float32 if isinstance(dest, QuantizedDest) else target.dtype  # quantized after
+        self._shapes = [s.shape(shape_of) for _, s in expr.sources]
+        self._scratch: list[torch.Tensor | None] = [None] * len(self._shapes)
+        self._left = items
+        self._lock = threading.Lock()
+
+    def place(self, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
+        i = self.expr.position(item.entry.key)
+        with self._lock:
+            if self._scratch[i] is None:
+                self._scratch[i] = torch.empty(self._shapes[i], dtype=self._dtype, device=self.device)
+            scratch = self._scratch[i]
+        copy_into(scratch, item, source)
+        with self._lock:
+            self._left -= 1
+            last = not self._left
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        with torch.no_grad():
+            full = self.expr.compute(self._scratch)
+        self._scratch = []
+        for region in self.target.regions:
+            values = full[tuple(slice(a, b) for a, b in region.global_box)]
+            box = tuple((s, s + b - a) for (a, b), s in zip(region.global_box, region.local_start))
+            if isinstance(self.dest, QuantizedDest):
+                quantize_into(self.dest, box, values)
+            else:
+                self.dest[tuple(slice(a, b) for a, b in box)].copy_(values)
+
+
+def with_whole(dests: dict, targets: list[TargetPlan], exprs: dict, items: list[ReadItem], shape_of) -> dict:
+    """`dests` with each target computed from whole sources behind its `WholeDest`."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.target] = counts.get(item.target, 0) + 1
+    return {**dests, **{t.name: WholeDest(dests[t.name], exprs[t.name], t, counts[t.name], shape_of)
+                        for t in targets if isinstance(exprs[t.name], Whole)}}
+
+
 def box_of(dest: torch.Tensor, item: ReadItem) -> torch.Tensor:
     """The item's box of `dest` (a view)."""
     return dest[tuple(slice(a, b) for a, b in item.dst_box)]
 
 
-def copy_into(dest: torch.Tensor | QuantizedDest, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
+def copy_into(dest: torch.Tensor | QuantizedDest | WholeDest, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
     """Write the item's source tensor (after its ops) into its box of `dest`, casting, or
     dequantize it there when the item has scales; a quantized destination gets the values
     quantized (the quantize-on-load stage). `source` is on dest's device (host-to-device
     copies are the engine's)."""
+    if isinstance(dest, WholeDest):
+        return dest.place(item, source)
     if isinstance(dest, QuantizedDest):
         if dest.keep:
             return keep_into(dest, item, source)

@@ -17,7 +17,7 @@ from typing import Iterator, Mapping as MappingT
 import torch
 
 from .errors import PlanError
-from .expr import Box, Expr, ScaleRef, box_numel, full_box
+from .expr import Box, Expr, ScaleRef, Whole, box_numel, full_box
 from .index import CheckpointIndex, TensorEntry
 
 
@@ -259,6 +259,10 @@ def _plan(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[s
         placement = placements.get(name, REPLICATE)
         local_shape, regions = local_regions(name, shapes[name], placement, rank, world)
         targets.append(TargetPlan(name, shapes[name], local_shape, dtypes[name], placement, regions))
+        if isinstance(expr, Whole):  # its sources read whole, in their own coordinates (placer.WholeDest)
+            items += [ReadItem(index[p.key], p.src_box, p.ops, name, p.dst_box, _scale_read(p.scales, index))
+                      for p in expr.pieces(full_box(shapes[name]), shape_of)]
+            continue
         for region in regions:
             origin = tuple(start for start, _ in region.global_box)
             for piece in expr.pieces(region.global_box, shape_of):

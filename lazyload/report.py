@@ -101,7 +101,9 @@ class LoadReport:
     - `mismatched`: (name, checkpoint shape, model shape) of tensors left unfilled because
       the shapes differ (strict=False).
     - `initialized`: missing or mismatched tensors given the model's own initialisation
-      (strict=False, missing="init"), as `from_pretrained` does.
+      (strict=False, missing="init"), as `from_pretrained` does; also, unless missing="keep",
+      those the model expects to be missing (its `_keys_to_ignore_on_load_missing`, e.g.
+      Marian's sinusoidal positions), which are no error.
     - `recomputed_buffers`: non-persistent buffers left on meta (rotary `inv_freq`, ...)
       that the model's own init computed.
     - `ignored_buffer_keys`: checkpoint keys of buffers the model computes itself (a
@@ -110,6 +112,10 @@ class LoadReport:
     - `other_stages`: checkpoint tensors of modules this model left out as a pipeline stage
       (layers set to None or missing from a ModuleDict of numbered layers, `embed_tokens` or
       `lm_head` set to None): the other stages' share, not read, not unexpected.
+    - `read_whole`: targets built by a conversion no box can be pushed through (one of
+      transformers' operations outside lazyload's vocabulary, e.g. an interleave): name ->
+      bytes of its source tensors, read whole by this rank, converted here by transformers'
+      own operation, and sliced to this rank's share.
     - `bytes_read`: tensor bytes copied out of the files by the reader.
     - `bytes_mapped`: bytes of tensors left as copy-on-write views of the file mapping
       (CPU, checkpoint dtype); with cold pages (`prefetched`) they are paged in during the
@@ -145,6 +151,7 @@ class LoadReport:
     # loaded, as from_pretrained ignores them; the buffer is recomputed if it was on meta
     ignored_buffer_keys: list[str] = field(default_factory=list)
     other_stages: list[str] = field(default_factory=list)
+    read_whole: dict[str, int] = field(default_factory=dict)
     bytes_read: int = 0
     bytes_mapped: int = 0
     seconds: float = 0.0
@@ -182,9 +189,13 @@ class LoadReport:
         sections = [("loaded", self.loaded),
                     ("missing, given the model's own initialisation", [n for n in self.missing if n in initialized]),
                     ("missing, left as they were", [n for n in self.missing if n not in initialized]),
+                    ("not in the checkpoint, as the model expects; given its own initialisation",
+                     [n for n in self.initialized if n not in set(self.missing) | {m[0] for m in self.mismatched}]),
                     ("unexpected (not read)", self.unexpected), ("recomputed buffers", self.recomputed_buffers),
                     ("checkpoint keys of computed buffers, not loaded", self.ignored_buffer_keys),
-                    ("other pipeline stages' (not read)", self.other_stages)]
+                    ("other pipeline stages' (not read)", self.other_stages),
+                    (f"read whole, converted by transformers' own operation ({size(sum(self.read_whole.values()))})",
+                     list(self.read_whole))]
         for title, names in sections:
             if names:
                 lines.append(f"  {title}:")

@@ -246,3 +246,20 @@ def test_buffers_that_cannot_be_computed_are_refused_before_reading(tmp_path, ca
     assert "register them after the load" in str(e.value)
     after = dict(list(model.named_parameters()) + list(model.named_buffers()))
     assert after.keys() == before.keys() and all(after[n] is t for n, t in before.items()), "model changed"
+
+
+def test_buffers_are_refused_before_the_model_changes(tmp_path):
+    """Quantizing on load swaps Linear layers before reading: a buffer that cannot be
+    computed is refused before that, the model's modules and tensors as they were."""
+    path, _ = _net_checkpoint(tmp_path)
+    with torch.device("meta"):
+        model = Net(init_positions=False)
+    modules = dict(model.named_modules())
+    before = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+    with pytest.raises(MetaBufferError, match="emb.positions"):
+        load(path, model, quantize="int8")
+
+    assert dict(model.named_modules()) == modules and type(model.head) is nn.Linear, "a layer was swapped"
+    after = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    assert after.keys() == before.keys() and all(after[n] is t for n, t in before.items()), "model changed"

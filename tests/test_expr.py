@@ -93,3 +93,25 @@ def test_pushed_down_box_equals_the_torch_result(case):
 def test_full_box_of_a_plain_source_is_one_piece():
     pieces = Source("w").pieces(full_box((4, 6)), lambda k: (4, 6))
     assert [(p.key, p.src_box, p.ops) for p in pieces] == [("w", ((0, 4), (0, 6)), ())]
+
+
+def test_whole_reads_every_source_whole_and_computes_its_output():
+    """The fallback node: whatever the box, each source is read whole, in its own coordinates
+    (a source split over files as its parts); its shape comes from the operation on meta."""
+    from lazyload.expr import Whole
+
+    def interleave(tensors):  # an operation no box goes through
+        (_, a), (_, b) = tensors
+        return {"out": torch.stack([a, b], 1).reshape(-1, a.shape[1])}
+
+    shapes = {"a": (3, 2), "b0": (2, 2), "b1": (1, 2)}
+    split = Cat((Source("b0"), Source("b1")), 0)  # one source stored in two pieces
+    expr = Whole(((0, Source("a")), (1, split)), "out", interleave, "interleave")
+    assert expr.shape(shapes.__getitem__) == (6, 2)
+    pieces = expr.pieces(((2, 4), (0, 1)), shapes.__getitem__)
+    assert [(p.key, p.src_box, p.dst_box) for p in pieces] == [
+        ("a", ((0, 3), (0, 2)), ((0, 3), (0, 2))), ("b0", ((0, 2), (0, 2)), ((0, 2), (0, 2))),
+        ("b1", ((0, 1), (0, 2)), ((2, 3), (0, 2)))]
+    assert [expr.position(k) for k in ("a", "b0", "b1")] == [0, 1, 1]
+    a, b = torch.arange(6.).reshape(3, 2), -torch.arange(6.).reshape(3, 2)
+    assert torch.equal(expr.compute([a, b]), interleave([(0, a), (1, b)])["out"])

@@ -68,3 +68,26 @@ def test_every_class_loads_as_from_pretrained(classes):
     rows = sweep.run_all(sorted((t, c) for c, t in classes.items()), chunk=40, per_class=120)
     failed = [r for r in rows if r["outcome"] not in ("exact", "no small config", "from_pretrained fails")]
     assert not failed, sweep.format_table(rows)
+
+
+def test_tensors_the_model_expects_missing_get_its_init(classes, tmp_path):
+    """Marian's sinusoidal `embed_positions`: parameters the checkpoint does not hold and the
+    model lists in `_keys_to_ignore_on_load_missing`. A strict load is no error and gives them
+    from_pretrained's values (the sweep compares every tensor: the model's init);
+    missing="keep" leaves them on meta."""
+    import torch
+    import transformers
+
+    from lazyload import LazyCheckpoint
+
+    assert _check(classes["MarianMTModel"], "MarianMTModel", tmp_path)["outcome"] == "exact"
+    directory = tmp_path / "MarianMTModel"
+    positions = ["model.decoder.embed_positions.weight", "model.encoder.embed_positions.weight"]
+    config = transformers.MarianConfig.from_pretrained(directory)
+    for missing in ("init", "keep"):
+        with torch.device("meta"):
+            model = transformers.MarianMTModel(config)
+        report = LazyCheckpoint(directory).load_into(model, missing=missing, progress=False)
+        assert report.ok and not report.missing
+        assert sorted(report.initialized) == (positions if missing == "init" else [])
+        assert [model.get_parameter(n).is_meta for n in positions] == [missing == "keep"] * 2
