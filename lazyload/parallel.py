@@ -171,8 +171,6 @@ def _install_dense_experts(module: nn.Module, mesh: Any, rank: int, world: int) 
     router score (Llama-4's, which transformers gives no expert-parallel plan): the rank
     runs its own experts' rows, the others' rows are zeros, and the ranks' outputs are
     summed (each row comes from one rank, so the sum is exact)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
     forward = module.forward
 
     def ep_forward(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -180,7 +178,7 @@ def _install_dense_experts(module: nn.Module, mesh: Any, rank: int, world: int) 
         mine = slice(rank * rows, (rank + 1) * rows)
         out = torch.zeros_like(hidden_states)
         out[mine] = forward(hidden_states[mine])
-        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+        return _summed_over(mesh, out)
 
     module.forward = ep_forward
 
@@ -237,17 +235,21 @@ def _install_rowwise(module: nn.Module, mesh: Any) -> None:
     """Row-parallel Linear/Conv1D with a plain local weight: partial product, summed over
     the mesh by DTensor (Partial -> Replicate), then the (replicated) bias added once. A
     quantized layer computes with its dequantized local weight."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
     conv1d = is_conv1d(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight = module.dequantized_weight(x.dtype) if hasattr(module, "dequantized_weight") else module.weight
-        y = x @ weight if conv1d else nn.functional.linear(x, weight)
-        y = DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+        y = _summed_over(mesh, x @ weight if conv1d else nn.functional.linear(x, weight))
         return y if module.bias is None else y + module.bias
 
     module.forward = forward
+
+
+def _summed_over(mesh: Any, partial: torch.Tensor) -> torch.Tensor:
+    """The sum over the mesh's ranks of each rank's `partial` (DTensor: Partial -> Replicate)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    return DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
 def default_mesh(world: int, device: torch.device) -> Any:
