@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Callable, Sequence
 
 Box = tuple[tuple[int, int], ...]
@@ -289,7 +290,11 @@ class Whole(Expr):
 
     def position(self, key: str) -> int:
         """Which source checkpoint key `key` belongs to (an index into `sources`)."""
-        return next(i for i, (_, s) in enumerate(self.sources) if key in s.keys())
+        return self._positions[key]
+
+    @cached_property
+    def _positions(self) -> dict[str, int]:  # asked once per read item landing (placer.WholeDest)
+        return {k: i for i, (_, s) in enumerate(self.sources) for k in s.keys()}
 
     def pieces(self, box, shape_of):
         if not box_numel(box):
