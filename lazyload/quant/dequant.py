@@ -56,6 +56,16 @@ def dequantize_into(out: torch.Tensor, box: QuantizedBox, start: tuple[int, ...]
                           at, block)
 
 
+def dequantized(weight: torch.Tensor, scale: torch.Tensor, group: int, axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new `dtype` tensor: the whole 8-bit `weight` with one float32 `scale` per group of
+    `group` elements along `axis` (one per element along every other dim), dequantized."""
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    block = [1] * weight.ndim
+    block[axis] = group
+    dequantize_into(out, QuantizedBox(weight, scale), (0,) * weight.ndim, tuple(block))
+    return out
+
+
 def _grid(start, shape, block) -> tuple[int, ...]:
     """Scale entries touched per dim by the box `start`, `shape`."""
     return tuple((a + n - 1) // b - a // b + 1 for a, n, b in zip(start, shape, block))

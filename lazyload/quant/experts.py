@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..targets import local_tensor
-from .dequant import QuantizedBox, dequantize_into
+from .dequant import dequantized
 from .onload import Quantization, not_converted, scale_shape
 
 SCALE = "_scale"  # `X_scale` holds the scales of the quantized tensor `X`
@@ -65,12 +65,8 @@ class QuantizedExperts(nn.Module):
     def dequantized(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full-precision tensor `name` (this rank's shard under TP), in `dtype`."""
         group, axis, compute = self._lazyload_quantized[name]
-        weight, scale = local_tensor(self._parameters[name]), local_tensor(self._parameters[name + SCALE])
-        out = torch.empty(weight.shape, dtype=dtype or compute, device=weight.device)
-        block = [1] * weight.ndim
-        block[axis] = group
-        dequantize_into(out, QuantizedBox(weight, scale), (0,) * weight.ndim, tuple(block))
-        return out
+        return dequantized(local_tensor(self._parameters[name]), local_tensor(self._parameters[name + SCALE]),
+                           group, axis, dtype or compute)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         stored = {name: self._parameters[name] for name in self._lazyload_quantized}

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dequant import QuantizedBox, dequantize_into
+from ..targets import local_tensor
+from .dequant import dequantized
 from .onload import Quantization, not_converted, scale_shape
 
 
@@ -43,10 +44,8 @@ class QuantizedLinear(nn.Linear):
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full-precision weight (this rank's shard under TP), in `dtype`."""
-        weight, scale = _local(self.weight), _local(self.weight_scale)
-        out = torch.empty(weight.shape, dtype=dtype or self.compute_dtype, device=weight.device)
-        dequantize_into(out, QuantizedBox(weight, scale), (0, 0), (1, self.group))
-        return out
+        return dequantized(local_tensor(self.weight), local_tensor(self.weight_scale), self.group, -1,
+                           dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
@@ -54,10 +53,6 @@ class QuantizedLinear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weight={self.weight.dtype}, group={self.group}")
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def quantizable_linears(model: nn.Module, config: Quantization) -> list[str]:
