@@ -79,6 +79,7 @@ def _shrink(config, seen):
             setattr(config, name, [min(v, small) for v in value])
     if isinstance(heads, int) and heads == kv and hasattr(config, "kv_lora_rank"):  # MLA: KV heads are heads
         config.num_key_value_heads = config.num_attention_heads
+    _shrink_rotary_sections(config)
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
@@ -99,6 +100,28 @@ def _shrink(config, seen):
         for k, v in fields.items():
             if k.endswith(("_token_id", "_token_index")) and v in renumber:
                 setattr(config, k, renumber[v])
+
+
+ROTARY_SECTIONS_BY_DEFAULT = {"ernie4_5_vl_moe_text": 3}  # models that read a 3-part mrope_section's default
+
+
+def _shrink_rotary_sections(config) -> None:
+    """3-D rotary (mrope) sections split half the head dim: after shrinking they must add
+    up to the small head dim's half, also where the modeling code falls back to a default
+    written for the published head dim (Ernie 4.5 VL: [22, 22, 20])."""
+    rope = getattr(config, "rope_parameters", None)
+    parts = ROTARY_SECTIONS_BY_DEFAULT.get(getattr(config, "model_type", None))
+    if not isinstance(rope, dict) or not ("mrope_section" in rope or parts):
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    sections = rope.get("mrope_section") or [1] * parts
+    if not head_dim or sum(sections) == head_dim // 2:
+        return
+    half = head_dim // 2
+    scaled = [max(1, s * half // sum(sections)) for s in sections]
+    scaled[0] += half - sum(scaled)  # what rounding lost or added
+    rope["mrope_section"] = scaled
 
 
 def model_classes(match: list[str] | None = None, causal_lm: bool = False) -> list[tuple[str, str]]:
@@ -175,6 +198,16 @@ def _outputs(model):
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
+def _as_read_back(config_class, config, workdir: str):
+    """The config as `from_pretrained` will read it back from config.json: fields a
+    config derives in its init (Step3p7's vision `intermediate_size` from `mlp_ratio`, BLT's
+    sub-configs) are derived again there, so the model is built with the structure that
+    the saved checkpoint will be loaded into."""
+    directory = tempfile.mkdtemp(dir=workdir)
+    config.save_pretrained(directory)
+    return config_class.from_pretrained(directory)
+
+
 def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
     """Build, save, load both ways and compare one class. Returns a row:
     outcome in exact | differs | outputs differ | lazyload error | no small config |
@@ -191,7 +224,7 @@ def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
         config_class = CONFIG_MAPPING[model_type]
         if cls.config_class is not None and cls.config_class is not config_class:
             config_class = cls.config_class  # e.g. Llama4ForCausalLM takes the text config
-        config = shrink(config_class())
+        config = _as_read_back(config_class, shrink(config_class()), workdir)
         config._attn_implementation = "eager"
         torch.manual_seed(0)
         model = cls(config).eval()

@@ -17,6 +17,8 @@ CASES = [
     ("kimi_k25", "Kimi_K25ForConditionalGeneration"),            # Chunk + PermuteForRope (vision q/k)
     ("lara_mini", "LaraMiniForCausalLM"),                        # Split by the targets' sizes
     ("molmo2_text", "Molmo2TextModel"),                          # Split (GQA q/k/v)
+    ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration"),  # ErnieFuseAndSplitTextVisionExperts
+    ("step3p7", "Step3p7ForConditionalGeneration"),              # Chunk + PermuteForRope (vision in_proj weight, bias)
 ]
 
 
