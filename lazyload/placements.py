@@ -228,6 +228,23 @@ def structural_style(module: nn.Module, module_name: str, attr: str) -> tuple[st
     return None, 1
 
 
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a Linear or Conv1D layer (Conv1D stores [in, out])."""
+    rows, cols = module.weight.shape
+    return (rows, cols) if is_conv1d(module) else (cols, rows)
+
+
+def _feeds_half(model: nn.Module, module_name: str, module: nn.Module) -> bool:
+    """An input projection whose output is twice what its sibling output projection takes
+    (`fc1` -> [gate; up] -> `fc2`): a gated MLP fused into one layer, which a plain
+    column split would cut into a rank with only gates and a rank with only ups."""
+    parent_name, _, _ = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    outputs = [m for n, m in parent.named_children() if n in ROWWISE_NAMES
+               and (isinstance(m, nn.Linear) or is_conv1d(m)) and m.weight.dim() == 2]
+    return bool(outputs) and all(2 * _features(m)[0] == _features(module)[1] for m in outputs)
+
+
 # ----------------------------------------------------------------------------- heads
 
 
@@ -342,6 +359,8 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
             style = auto.style_of_param(name)
         elif style is None:
             kind, parts = structural_style(module, module_name, attr)
+            if kind == "colwise" and _feeds_half(model, module_name, module):
+                kind, parts = "packed", 2  # [gate; up] in one layer (Moshi's fc1): each half splits
             if kind == "packed":
                 dim = 1 if conv1d and attr == "weight" else 0
                 placement = Placement("packed", dim, parts=parts)

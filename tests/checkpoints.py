@@ -64,6 +64,12 @@ def make_config(arch: str, **overrides):
         kw = dict(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=128, word_embed_proj_dim=64)
         cls = tf.OPTConfig
+    elif arch == "moshi":  # not in ARCHS: no TP plan, a gated MLP fused into one Linear (fc1 -> [gate; up])
+        kw = dict(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=128, depth_hidden_size=32,
+                  depth_num_hidden_layers=1, depth_ffn_dim=64, depth_num_attention_heads=4, audio_vocab_size=64,
+                  num_codebooks=2)
+        cls = tf.MoshiConfig
     elif arch == "llama4_text":
         kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, intermediate_size_mlp=96,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

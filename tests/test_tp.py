@@ -89,6 +89,19 @@ def test_gpt2_structural_rule_conv1d_packed(checkpoint):
     assert model.lm_head.weight is model.transformer.wte.weight  # replicated, still tied
 
 
+def test_structural_rule_splits_each_half_of_a_fused_gated_mlp(checkpoint):
+    """Moshi's fc1 holds [gate; up] (fc2 takes half its output): each rank gets its rows of
+    both halves, not the gates on one rank and the ups on the other."""
+    directory, config = checkpoint("moshi")
+    full = full_model("moshi", directory, config)
+    model = build_model("moshi", config, torch.float32)
+    LazyCheckpoint(str(directory)).load_into(model, 1, 2, progress=False)
+    fc1 = full["model.layers.0.mlp.fc1.weight"].detach()
+    expected = torch.cat([half.chunk(2, 0)[1] for half in fc1.chunk(2, 0)])
+    assert torch.equal(model.model.layers[0].mlp.fc1.weight, expected)
+    assert torch.equal(model.model.layers[0].mlp.fc2.weight, full["model.layers.0.mlp.fc2.weight"].chunk(2, 1)[1])
+
+
 def test_plan_overrides_in_transformers_format_and_placements(checkpoint):
     directory, config = checkpoint("llama")
     full = full_model("llama", directory, config)
