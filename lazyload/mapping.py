@@ -113,18 +113,20 @@ class _Resolver:
         if name is not None:
             return name, None, 0
         mapped = _apply_key_map(key, self.key_map)
-        name = self.with_prefix(mapped)
-        if name is not None:
-            return name, None, 0
+        if mapped != key:
+            name = self.with_prefix(mapped)
+            if name is not None:
+                return name, None, 0
+        renamed = mapped
         for rename in self.renames:
-            mapped = rename.apply(mapped)
+            renamed = rename.apply(renamed)
         for convert in self.converts:
-            hit = convert.match(mapped)
+            hit = convert.match(renamed)
             if hit is not None:
-                renamed, source_index = hit
-                full = self._converted_name(renamed, convert)
+                converted, source_index = hit
+                full = self._converted_name(converted, convert)
                 return (full, convert, source_index) if full is not None else None
-        name = self.with_prefix(mapped)
+        name = self.with_prefix(renamed) if renamed != mapped else None  # an unchanged name was tried above
         return (name, None, 0) if name is not None else None
 
     def _converted_name(self, renamed: str, convert: Any) -> str | None:
