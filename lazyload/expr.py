@@ -122,6 +122,9 @@ class Stack(Expr):
         object.__setattr__(self, "_shape", (shape_of, shape))
         return shape
 
+    def __getstate__(self):  # the memo holds a function, and is no part of the value
+        return {k: v for k, v in self.__dict__.items() if k != "_shape"}
+
     def keys(self):
         return [k for p in self.parts for k in p.keys()]
 

@@ -93,3 +93,13 @@ def test_pushed_down_box_equals_the_torch_result(case):
 def test_full_box_of_a_plain_source_is_one_piece():
     pieces = Source("w").pieces(full_box((4, 6)), lambda k: (4, 6))
     assert [(p.key, p.src_box, p.ops) for p in pieces] == [("w", ((0, 4), (0, 6)), ())]
+
+
+def test_a_stack_remembers_its_shape_per_shape_of_and_still_pickles():
+    import pickle
+
+    stack = Stack((Source("a"), Source("b")), 0)
+    assert stack.shape(lambda key: (3, 4)) == (2, 3, 4)
+    assert stack.shape(lambda key: (5,)) == (2, 5)  # another index: asked again, not remembered
+    copy = pickle.loads(pickle.dumps(Cat((stack,), 0)))
+    assert copy == Cat((stack,), 0) and copy.shape(lambda key: (7,)) == (2, 7)
