@@ -15,7 +15,7 @@ result.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
@@ -73,6 +73,11 @@ class Piece:
     dst_box: Box
     scales: ScaleRef | None = None
 
+    def moved(self, ops: tuple[tuple, ...], dst_box: Box) -> Piece:
+        """This piece with other ops and destination (what each node above it changes);
+        `dataclasses.replace` costs several times more, for up to 100k pieces a plan."""
+        return Piece(self.key, self.src_box, ops, dst_box, self.scales)
+
 
 class Expr:
     def shape(self, shape_of: ShapeOf) -> tuple[int, ...]:
@@ -110,11 +115,21 @@ class Stack(Expr):
     dim: int = 0
 
     def shape(self, shape_of):
+        # Remembered for the last shape_of: a push-down asks once per region (Cat's offsets),
+        # and each answer checks every part (256 experts).
+        memo = self.__dict__.get("_shape")
+        if memo is not None and memo[0] is shape_of:
+            return memo[1]
         shapes = {p.shape(shape_of) for p in self.parts}
         if len(shapes) != 1:
             raise ValueError(f"stack of tensors with different shapes {sorted(shapes)}")
         part = shapes.pop()
-        return part[:self.dim] + (len(self.parts),) + part[self.dim:]
+        shape = part[:self.dim] + (len(self.parts),) + part[self.dim:]
+        object.__setattr__(self, "_shape", (shape_of, shape))
+        return shape
+
+    def __getstate__(self):  # the memo holds a function, and is no part of the value
+        return {k: v for k, v in self.__dict__.items() if k != "_shape"}
 
     def keys(self):
         return [k for p in self.parts for k in p.keys()]
@@ -126,7 +141,7 @@ class Stack(Expr):
         for i in range(start, stop):
             for p in self.parts[i].pieces(child_box, shape_of):
                 dst = p.dst_box[:self.dim] + ((i, i + 1),) + p.dst_box[self.dim:]
-                out.append(replace(p, ops=p.ops + (("unsqueeze", self.dim),), dst_box=dst))
+                out.append(p.moved(p.ops + (("unsqueeze", self.dim),), dst))
         return out
 
     def __str__(self):
@@ -160,7 +175,7 @@ class Cat(Expr):
             if lo < hi:
                 child_box = _replace(box, self.dim, (lo - offset, hi - offset))
                 for p in part.pieces(child_box, shape_of):
-                    out.append(replace(p, dst_box=_shift(p.dst_box, self.dim, offset)))
+                    out.append(p.moved(p.ops, _shift(p.dst_box, self.dim, offset)))
             offset += size
         return out
 
@@ -189,7 +204,7 @@ class Chunk(Expr):
 
     def pieces(self, box, shape_of):
         offset = self.index * (self.part.shape(shape_of)[self.dim] // self.count)
-        return [replace(p, dst_box=_shift(p.dst_box, self.dim, -offset))
+        return [p.moved(p.ops, _shift(p.dst_box, self.dim, -offset))
                 for p in self.part.pieces(_shift(box, self.dim, offset), shape_of)]
 
     def __str__(self):
@@ -210,8 +225,7 @@ class Transpose(Expr):
 
     def pieces(self, box, shape_of):
         child_box = _swap(box, self.dim0, self.dim1)
-        return [replace(p, ops=p.ops + (("transpose", self.dim0, self.dim1),),
-                        dst_box=_swap(p.dst_box, self.dim0, self.dim1))
+        return [p.moved(p.ops + (("transpose", self.dim0, self.dim1),), _swap(p.dst_box, self.dim0, self.dim1))
                 for p in self.part.pieces(child_box, shape_of)]
 
     def __str__(self):

@@ -118,18 +118,20 @@ class _Resolver:
         if name is not None:
             return name, None, 0
         mapped = _apply_key_map(key, self.key_map)
-        name = self.with_prefix(mapped)
-        if name is not None:
-            return name, None, 0
+        if mapped != key:
+            name = self.with_prefix(mapped)
+            if name is not None:
+                return name, None, 0
+        renamed = mapped
         for rename in self.renames:
-            mapped = rename.apply(mapped)
+            renamed = rename.apply(renamed)
         for convert in self.converts:
-            hit = convert.match(mapped)
+            hit = convert.match(renamed)
             if hit is not None:
-                renamed, source_index = hit
-                full = self._converted_name(renamed, convert)
+                converted, source_index = hit
+                full = self._converted_name(converted, convert)
                 return (full, convert, source_index) if full is not None else None
-        name = self.with_prefix(mapped)
+        name = self.with_prefix(renamed) if renamed != mapped else None  # an unchanged name was tried above
         return (name, None, 0) if name is not None else None
 
     def _converted_name(self, renamed: str, convert: Any) -> str | None:
@@ -205,7 +207,23 @@ LEGACY_BUFFER_KEYS = {"rotary_emb.inv_freq": r"rotary_emb\.inv_freq", "position_
 def _matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
     """Whether a name matches any of `patterns` (re.search), each compiled once."""
     compiled = [re.compile(p) for p in patterns]
-    return lambda name: any(regex.search(name) for regex in compiled)
+
+    def matches(name: str) -> bool:  # a loop, not any() over a generator: asked for 46k keys at a time
+        for regex in compiled:
+            if regex.search(name):
+                return True
+        return False
+
+    return matches
+
+
+def _split(keys: Sequence[str], test: Callable[[str], bool] | None) -> tuple[list[str], list[str]]:
+    """(the keys that pass `test`, the others), each in order; `test` asked once per key."""
+    passed: list[str] = []
+    rest: list[str] = []
+    for key in keys:
+        (passed if test is not None and test(key) else rest).append(key)
+    return passed, rest
 
 
 def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *, aliases: MappingT[str, str] = {},
@@ -264,10 +282,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     ignored = _matcher((*ignore_unexpected, *quant.ignored))
     unexpected = [k for k in unexpected if not ignored(k)]
     legacy = _matcher([p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)])
-    ignored_buffer_keys += [k for k in unexpected if legacy(k)]
-    unexpected = [k for k in unexpected if not legacy(k)]
-    other_stages = [k for k in unexpected if other_stage is not None and other_stage(k)]
-    unexpected = [k for k in unexpected if other_stage is None or not other_stage(k)]
+    legacy_keys, unexpected = _split(unexpected, legacy)
+    ignored_buffer_keys += legacy_keys
+    other_stages, unexpected = _split(unexpected, other_stage)
     ignored_missing = _matcher(ignore_missing)
     unfilled = [n for n in targets if n not in exprs]
     missing = [n for n in unfilled if not ignored_missing(n)]

@@ -115,3 +115,13 @@ def test_whole_reads_every_source_whole_and_computes_its_output():
     assert [expr.position(k) for k in ("a", "b0", "b1")] == [0, 1, 1]
     a, b = torch.arange(6.).reshape(3, 2), -torch.arange(6.).reshape(3, 2)
     assert torch.equal(expr.compute([a, b]), interleave([(0, a), (1, b)])["out"])
+
+
+def test_a_stack_remembers_its_shape_per_shape_of_and_still_pickles():
+    import pickle
+
+    stack = Stack((Source("a"), Source("b")), 0)
+    assert stack.shape(lambda key: (3, 4)) == (2, 3, 4)
+    assert stack.shape(lambda key: (5,)) == (2, 5)  # another index: asked again, not remembered
+    copy = pickle.loads(pickle.dumps(Cat((stack,), 0)))
+    assert copy == Cat((stack,), 0) and copy.shape(lambda key: (7,)) == (2, 7)

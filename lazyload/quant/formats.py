@@ -84,12 +84,16 @@ def detect(index: CheckpointIndex, config: dict | None = None,
     blocks = _config_blocks(config) if declared else []
     leaves: dict[str, Dequant] = {}
     siblings: set[str] = set()
+    unsupported = any(k.endswith(UNSUPPORTED_SUFFIXES) for k in index.keys())  # rare: then look per weight
+    block_of: dict[tuple, tuple[int, ...]] = {}  # (weight shape, scale shape) -> block: one per layer kind
     for key in index.keys():
         entry = index[key]
-        scale = next((key + s for s in SCALE_SUFFIXES if key + s in index), None)
-        if entry.dtype not in WEIGHT_DTYPES or scale is None or held(scale):
+        if entry.dtype not in WEIGHT_DTYPES:  # most keys: no sibling lookups
             continue
-        for suffix in UNSUPPORTED_SUFFIXES:
+        scale = next((key + s for s in SCALE_SUFFIXES if key + s in index), None)
+        if scale is None or held(scale):
+            continue
+        for suffix in UNSUPPORTED_SUFFIXES if unsupported else ():
             if key + suffix in index:
                 raise CheckpointError(f"{index[key + suffix].file}: {key + suffix!r} says that {key!r} is stored in "
                                       "a quantized layout lazyload cannot read yet (activation order, packed "
@@ -98,9 +102,12 @@ def detect(index: CheckpointIndex, config: dict | None = None,
         if not index[scale].dtype.is_floating_point:
             raise CheckpointError(f"{index[scale].file}: scale {scale!r} is {index[scale].dtype}, not a floating "
                                   "point tensor; the checkpoint is not in a layout lazyload knows.")
-        block = _block(key, entry.shape, index[scale].shape, blocks)
+        shapes = (entry.shape, index[scale].shape)
+        block = block_of.get(shapes) or block_of.setdefault(shapes, _block(key, *shapes, blocks))
         leaves[key] = Dequant(key, scale, block, zero)
-        siblings |= {scale} | ({zero} if zero else set())
+        siblings.add(scale)
+        if zero:
+            siblings.add(zero)
     if declared or leaves:
         _check_unscaled(index, leaves, siblings, config)
     return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else ())
