@@ -21,6 +21,7 @@ from torch import nn
 
 from .errors import ArgumentError, DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
 from .expr import Cat, Chunk, Expr, ShapeOf, Stack, Transpose, Whole
+from .gcpause import no_cycle_collection
 from .index import CheckpointIndex, natural_key
 from .quant.formats import Quantization, detect
 from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
@@ -445,6 +446,7 @@ def other_stages(model: nn.Module) -> Callable[[str], bool] | None:
         key.startswith(base + ".") and under(key[len(base) + 1:])))
 
 
+@no_cycle_collection()  # up to 100k expressions, no cycles
 def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, TargetSpec],
               aliases: MappingT[str, str], key_map: KeyMap | None = None,
               quant: Quantization | None = None) -> Mapping:

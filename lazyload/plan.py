@@ -8,16 +8,15 @@ Every check that can fail (rank range, divisibility) fails here, before any byte
 """
 from __future__ import annotations
 
-import gc
 import itertools
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping as MappingT
+from typing import Mapping as MappingT
 
 import torch
 
 from .errors import PlanError
 from .expr import Box, Expr, ScaleRef, Whole, box_numel, full_box
+from .gcpause import no_cycle_collection
 from .index import CheckpointIndex, TensorEntry
 
 
@@ -232,22 +231,8 @@ def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: Ma
                   world: int = 1) -> tuple[list[TargetPlan], list[ReadItem]]:
     """This rank's local tensors and the read items that fill them."""
     check_rank(rank, world)
-    with _no_cycle_collection():
+    with no_cycle_collection():
         return _plan(exprs, index, shapes, dtypes, placements, rank, world)
-
-
-@contextmanager
-def _no_cycle_collection() -> Iterator[None]:
-    """A plan is up to 100k small objects (items, boxes, pieces) and no cycles; the cyclic
-    collector would rescan the growing heap all along (half the planning time of a
-    DeepSeek-V3 rank)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],
