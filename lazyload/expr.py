@@ -116,9 +116,10 @@ class Stack(Expr):
 
     def shape(self, shape_of):
         # Remembered for the last shape_of: a push-down asks once per region (Cat's offsets),
-        # and each answer checks every part (256 experts).
+        # and each answer checks every part (256 experts). Compared with ==: the mapping and
+        # the plan each ask with the index's own `index.shape_of`, a new bound method each time.
         memo = self.__dict__.get("_shape")
-        if memo is not None and memo[0] is shape_of:
+        if memo is not None and memo[0] == shape_of:
             return memo[1]
         shapes = {p.shape(shape_of) for p in self.parts}
         if len(shapes) != 1:

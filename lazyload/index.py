@@ -513,6 +513,11 @@ class CheckpointIndex(MappingABC):
         layout = self._layouts.get(name)
         return layout.shape if layout is not None else self._entries[name].shape
 
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        """The shape of stored key `key`: what expressions are pushed down with (an
+        expression remembers shapes per index: `index.shape_of == index.shape_of`)."""
+        return self._entries[key].shape
+
     def name_of(self, key: str) -> str:
         """The name a stored key belongs to (a piece's logical name, else the key)."""
         return self._owner.get(key, key)

@@ -270,7 +270,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
                                f"{exprs[name]} and by {key!r}; drop one (key_map can rename it).")
         else:
             exprs[name] = leaf(key)
-    shape_of = lambda key: index[key].shape  # noqa: E731
+    shape_of = index.shape_of
     for first_name, (convert, by_source) in groups.items():
         for name, expr in _build_converted(convert, by_source, first_name, leaf, shape_of).items():
             if name in aliases:

@@ -238,7 +238,7 @@ def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: Ma
 def _plan(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],
           dtypes: MappingT[str, torch.dtype], placements: MappingT[str, Placement], rank: int,
           world: int) -> tuple[list[TargetPlan], list[ReadItem]]:
-    shape_of = lambda key: index[key].shape  # noqa: E731
+    shape_of = index.shape_of
     targets, items = [], []
     for name, expr in exprs.items():
         placement = placements.get(name, REPLICATE)

@@ -123,5 +123,15 @@ def test_a_stack_remembers_its_shape_per_shape_of_and_still_pickles():
     stack = Stack((Source("a"), Source("b")), 0)
     assert stack.shape(lambda key: (3, 4)) == (2, 3, 4)
     assert stack.shape(lambda key: (5,)) == (2, 5)  # another index: asked again, not remembered
+
+    class Index:  # as CheckpointIndex: shapes asked through a bound method, a new one each time
+        asked = 0
+
+        def shape_of(self, key):
+            self.asked += 1
+            return (6,)
+
+    index = Index()
+    assert stack.shape(index.shape_of) == stack.shape(index.shape_of) == (2, 6) and index.asked == 2
     copy = pickle.loads(pickle.dumps(Cat((stack,), 0)))
     assert copy == Cat((stack,), 0) and copy.shape(lambda key: (7,)) == (2, 7)
