@@ -89,6 +89,16 @@ class Expr:
     def pieces(self, box: Box, shape_of: ShapeOf) -> list[Piece]:
         raise NotImplementedError
 
+    def layout(self, shape_of: ShapeOf) -> tuple | None:
+        """For a leaf, everything but its keys that its pieces depend on: leaves of equal
+        layouts give the same pieces for a box up to their keys (see `like`). None for a
+        node whose pieces depend on more."""
+        return None
+
+    def like(self, piece: Piece, ops: tuple[tuple, ...], dst_box: Box) -> Piece:
+        """This leaf's piece where a leaf of the same layout gave `piece`, with `ops` and `dst_box`."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class Source(Expr):
@@ -103,6 +113,12 @@ class Source(Expr):
     def pieces(self, box, shape_of):
         return [Piece(self.key, box, (), box)] if box_numel(box) else []
 
+    def layout(self, shape_of):
+        return (Source,)
+
+    def like(self, piece, ops, dst_box):
+        return Piece(self.key, piece.src_box, ops, dst_box)
+
     def __str__(self):
         return self.key
 
@@ -115,22 +131,27 @@ class Stack(Expr):
     dim: int = 0
 
     def shape(self, shape_of):
-        # Remembered for the last shape_of: a push-down asks once per region (Cat's offsets),
-        # and each answer checks every part (256 experts). Compared with ==: the mapping and
-        # the plan each ask with the index's own `index.shape_of`, a new bound method each time.
-        memo = self.__dict__.get("_shape")
+        return self._measure(shape_of)[0]
+
+    def _measure(self, shape_of: ShapeOf) -> tuple[tuple[int, ...], bool]:
+        """(shape, whether the parts are leaves of one layout), remembered for the last
+        shape_of: a push-down asks once per region (Cat's offsets), and each answer checks
+        every part (256 experts). Compared with ==: the mapping and the plan each ask with
+        the index's own `index.shape_of`, a new bound method each time."""
+        memo = self.__dict__.get("_measured")
         if memo is not None and memo[0] == shape_of:
             return memo[1]
         shapes = {p.shape(shape_of) for p in self.parts}
         if len(shapes) != 1:
             raise ValueError(f"stack of tensors with different shapes {sorted(shapes)}")
         part = shapes.pop()
-        shape = part[:self.dim] + (len(self.parts),) + part[self.dim:]
-        object.__setattr__(self, "_shape", (shape_of, shape))
-        return shape
+        layouts = {p.layout(shape_of) for p in self.parts}
+        measured = (part[:self.dim] + (len(self.parts),) + part[self.dim:], len(layouts) == 1 and None not in layouts)
+        object.__setattr__(self, "_measured", (shape_of, measured))
+        return measured
 
     def __getstate__(self):  # the memo holds a function, and is no part of the value
-        return {k: v for k, v in self.__dict__.items() if k != "_shape"}
+        return {k: v for k, v in self.__dict__.items() if k != "_measured"}
 
     def keys(self):
         return [k for p in self.parts for k in p.keys()]
@@ -138,11 +159,19 @@ class Stack(Expr):
     def pieces(self, box, shape_of):
         start, stop = box[self.dim]
         child_box = box[:self.dim] + box[self.dim + 1:]
+        unsqueeze = ("unsqueeze", self.dim)
+        if start < stop and self._measure(shape_of)[1]:
+            # The experts of a layer: the box is pushed down through the first part only,
+            # and each part takes that answer with its own keys.
+            first = [(p, p.ops + (unsqueeze,), p.dst_box[:self.dim], p.dst_box[self.dim:])
+                     for p in self.parts[start].pieces(child_box, shape_of)]
+            return [self.parts[i].like(p, ops, head + ((i, i + 1),) + tail)
+                    for i in range(start, stop) for p, ops, head, tail in first]
         out = []
         for i in range(start, stop):
             for p in self.parts[i].pieces(child_box, shape_of):
                 dst = p.dst_box[:self.dim] + ((i, i + 1),) + p.dst_box[self.dim:]
-                out.append(p.moved(p.ops + (("unsqueeze", self.dim),), dst))
+                out.append(p.moved(p.ops + (unsqueeze,), dst))
         return out
 
     def __str__(self):
@@ -270,6 +299,12 @@ class Dequant(Expr):
         else:  # the blocks the box starts and ends in, and all between
             scale_box = tuple((a // b, (z - 1) // b + 1) for (a, z), b in zip(box, self.block))
         return [Piece(self.weight, box, (), box, ScaleRef(self.scale, scale_box, self.zero, self.block))]
+
+    def layout(self, shape_of):
+        return (Dequant, tuple(shape_of(self.scale)), self.block, self.zero is None)
+
+    def like(self, piece, ops, dst_box):
+        return Piece(self.weight, piece.src_box, ops, dst_box, ScaleRef(self.scale, piece.scales.box, self.zero, self.block))
 
     def __str__(self):
         return f"dequant({self.weight}, {self.scale}" + (f", {self.zero})" if self.zero else ")")

@@ -135,3 +135,21 @@ def test_a_stack_remembers_its_shape_per_shape_of_and_still_pickles():
     assert stack.shape(index.shape_of) == stack.shape(index.shape_of) == (2, 6) and index.asked == 2
     copy = pickle.loads(pickle.dumps(Cat((stack,), 0)))
     assert copy == Cat((stack,), 0) and copy.shape(lambda key: (7,)) == (2, 7)
+
+
+def test_a_stack_of_alike_leaves_gives_each_part_its_own_pieces():
+    """A stack of leaves of one layout (a layer's experts) pushes a box down through its first
+    part only; each part still gets exactly the pieces it would give on its own, and one part of
+    another layout (a single scale instead of blocks) sends the stack down part by part."""
+    from lazyload.expr import Dequant
+
+    shapes = {**{f"w{i}": (8, 6) for i in range(4)}, **{f"s{i}": (2, 2) for i in range(4)}, "one": (1, 1)}
+    box = ((1, 3), (3, 8), (2, 5))
+    for parts, alike in (([Dequant(f"w{i}", f"s{i}", (4, 4)) for i in range(4)], True),
+                         ([Dequant(f"w{i}", f"s{i}", (4, 4)) for i in range(3)] + [Dequant("w3", "one", (4, 4))], False),
+                         ([Source(f"w{i}") for i in range(4)], True)):
+        stack = Stack(tuple(parts), 0)
+        assert stack._measure(shapes.__getitem__)[1] == alike
+        own = [p.moved(p.ops + (("unsqueeze", 0),), ((i, i + 1),) + p.dst_box)
+               for i in (1, 2) for p in parts[i].pieces(box[1:], shapes.__getitem__)]
+        assert stack.pieces(box, shapes.__getitem__) == own
