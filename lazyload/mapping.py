@@ -251,9 +251,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     from_alias: dict[str, Expr] = {}
     groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
     unexpected = []
-    for key in index.natural_names():  # a tensor split over files is one name
-        if key in quant.siblings:
-            continue
+    for key in index.natural_names(quant.siblings):  # a tensor split over files is one name
         hit = resolver.resolve(key)
         if hit is None:
             unexpected.append(key)
