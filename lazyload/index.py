@@ -484,6 +484,9 @@ class CheckpointIndex(MappingABC):
     def keys(self):  # the dict's own view: fast iteration and membership
         return self._entries.keys()
 
+    def items(self):  # the dict's own view: no lookup per key
+        return self._entries.items()
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 

@@ -86,12 +86,16 @@ def detect(index: CheckpointIndex, config: dict | None = None,
     siblings: set[str] = set()
     unsupported = any(k.endswith(UNSUPPORTED_SUFFIXES) for k in index.keys())  # rare: then look per weight
     block_of: dict[tuple, tuple[int, ...]] = {}  # (weight shape, scale shape) -> block: one per layer kind
-    for key in index.keys():
-        entry = index[key]
+    for key, entry in index.items():
         if entry.dtype not in WEIGHT_DTYPES:  # most keys: no sibling lookups
             continue
-        scale = next((key + s for s in SCALE_SUFFIXES if key + s in index), None)
-        if scale is None or held(scale):
+        for suffix in SCALE_SUFFIXES:
+            scale = key + suffix
+            if scale in index:
+                break
+        else:
+            continue
+        if held(scale):
             continue
         for suffix in UNSUPPORTED_SUFFIXES if unsupported else ():
             if key + suffix in index:
@@ -99,10 +103,11 @@ def detect(index: CheckpointIndex, config: dict | None = None,
                                       "a quantized layout lazyload cannot read yet (activation order, packed "
                                       "4-bit, global scale or padded blocks); dequantize the checkpoint first.")
         zero = key + ZERO_SUFFIX if key + ZERO_SUFFIX in index else None
-        if not index[scale].dtype.is_floating_point:
-            raise CheckpointError(f"{index[scale].file}: scale {scale!r} is {index[scale].dtype}, not a floating "
+        scale_entry = index[scale]
+        if not scale_entry.dtype.is_floating_point:
+            raise CheckpointError(f"{scale_entry.file}: scale {scale!r} is {scale_entry.dtype}, not a floating "
                                   "point tensor; the checkpoint is not in a layout lazyload knows.")
-        shapes = (entry.shape, index[scale].shape)
+        shapes = (entry.shape, scale_entry.shape)
         block = block_of.get(shapes) or block_of.setdefault(shapes, _block(key, *shapes, blocks))
         leaves[key] = Dequant(key, scale, block, zero)
         siblings.add(scale)
@@ -116,8 +121,8 @@ def detect(index: CheckpointIndex, config: dict | None = None,
 def _check_unscaled(index: CheckpointIndex, leaves: dict, siblings: set[str], config: dict | None) -> None:
     """In a quantized checkpoint, an 8-bit weight without scales cannot be loaded: its
     bytes cast as they are would be a silently wrong model."""
-    for key in index.keys():
-        if index[key].dtype not in WEIGHT_DTYPES or key in leaves or key in siblings:
+    for key, entry in index.items():
+        if entry.dtype not in WEIGHT_DTYPES or key in leaves or key in siblings:
             continue
         if not any(re.search(p, key) for p in IGNORED):
             method = (config or {}).get("quant_method", "scaled 8-bit weights")
