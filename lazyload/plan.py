@@ -249,9 +249,10 @@ def _plan(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[s
                       for p in expr.pieces(full_box(shapes[name]), shape_of)]
             continue
         for region in regions:
-            origin = tuple(start for start, _ in region.global_box)
+            shift = tuple(local - start for (start, _), local in zip(region.global_box, region.local_start))
+            moved = any(shift)  # else the pieces land where the full target has them
             for piece in expr.pieces(region.global_box, shape_of):
-                dst = tuple((a - o + l, b - o + l) for (a, b), o, l in zip(piece.dst_box, origin, region.local_start))
+                dst = tuple((a + d, b + d) for (a, b), d in zip(piece.dst_box, shift)) if moved else piece.dst_box
                 items.append(ReadItem(index[piece.key], piece.src_box, piece.ops, name, dst,
                                       _scale_read(piece.scales, index)))
     return targets, items
