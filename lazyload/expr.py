@@ -50,7 +50,7 @@ def _swap(seq: tuple, a: int, b: int) -> tuple:
     return tuple(out)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
 class ScaleRef:
     """The scales of a dequantized piece: `box` of the scale tensor `key` (and the same box
     of the zero points `zero`, if any) covers the piece's source box; each scale entry
@@ -62,7 +62,7 @@ class ScaleRef:
     block: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
 class Piece:
     """Read `src_box` of checkpoint tensor `key`, dequantize it with `scales` if any, apply
     `ops` in order (("unsqueeze", d) or ("transpose", a, b)), and write the result to `dst_box`."""

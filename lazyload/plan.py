@@ -95,7 +95,7 @@ def _aligned(n: int) -> int:
     return -(-n // STAGE_ALIGN) * STAGE_ALIGN
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
 class ScaleRead:
     """The scale blocks (and zero points) that cover a dequantized item's source box: `box`
     of `scale` (and of `zero`); `block[d]` weight elements per scale entry along dim d."""
@@ -106,7 +106,7 @@ class ScaleRead:
     block: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
 class ReadItem:
     """Read `src_box` of the checkpoint tensor `entry`, dequantize it with `scales` if any,
     apply `ops`, write to `dst_box` of the local tensor of `target`."""
