@@ -90,9 +90,9 @@ class Expr:
         raise NotImplementedError
 
     def layout(self, shape_of: ShapeOf) -> tuple | None:
-        """For a leaf, everything but its keys that its pieces depend on: leaves of equal
-        layouts give the same pieces for a box up to their keys (see `like`). None for a
-        node whose pieces depend on more."""
+        """For a leaf, everything but its keys that its shape, its checks and its pieces depend
+        on: leaves of equal layouts have one shape and give the same pieces for a box up to
+        their keys (see `like`). None for a node that depends on more."""
         return None
 
     def like(self, piece: Piece, ops: tuple[tuple, ...], dst_box: Box) -> Piece:
@@ -114,7 +114,7 @@ class Source(Expr):
         return [Piece(self.key, box, (), box)] if box_numel(box) else []
 
     def layout(self, shape_of):
-        return (Source,)
+        return (Source, tuple(shape_of(self.key)))
 
     def like(self, piece, ops, dst_box):
         return Piece(self.key, piece.src_box, ops, dst_box)
@@ -141,12 +141,14 @@ class Stack(Expr):
         memo = self.__dict__.get("_measured")
         if memo is not None and memo[0] == shape_of:
             return memo[1]
-        shapes = {p.shape(shape_of) for p in self.parts}
+        layouts = {p.layout(shape_of) for p in self.parts}
+        alike = len(layouts) == 1 and None not in layouts
+        # Parts of one layout have one shape and pass the same checks: the first answers for all.
+        shapes = {self.parts[0].shape(shape_of)} if alike else {p.shape(shape_of) for p in self.parts}
         if len(shapes) != 1:
             raise ValueError(f"stack of tensors with different shapes {sorted(shapes)}")
         part = shapes.pop()
-        layouts = {p.layout(shape_of) for p in self.parts}
-        measured = (part[:self.dim] + (len(self.parts),) + part[self.dim:], len(layouts) == 1 and None not in layouts)
+        measured = (part[:self.dim] + (len(self.parts),) + part[self.dim:], alike)
         object.__setattr__(self, "_measured", (shape_of, measured))
         return measured
 
@@ -301,7 +303,8 @@ class Dequant(Expr):
         return [Piece(self.weight, box, (), box, ScaleRef(self.scale, scale_box, self.zero, self.block))]
 
     def layout(self, shape_of):
-        return (Dequant, tuple(shape_of(self.scale)), self.block, self.zero is None)
+        return (Dequant, tuple(shape_of(self.weight)), tuple(shape_of(self.scale)), self.block,
+                None if self.zero is None else tuple(shape_of(self.zero)))
 
     def like(self, piece, ops, dst_box):
         return Piece(self.weight, piece.src_box, ops, dst_box, ScaleRef(self.scale, piece.scales.box, self.zero, self.block))

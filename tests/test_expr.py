@@ -132,7 +132,9 @@ def test_a_stack_remembers_its_shape_per_shape_of_and_still_pickles():
             return (6,)
 
     index = Index()
-    assert stack.shape(index.shape_of) == stack.shape(index.shape_of) == (2, 6) and index.asked == 2
+    assert stack.shape(index.shape_of) == (2, 6)
+    asked = index.asked
+    assert stack.shape(index.shape_of) == (2, 6) and index.asked == asked
     copy = pickle.loads(pickle.dumps(Cat((stack,), 0)))
     assert copy == Cat((stack,), 0) and copy.shape(lambda key: (7,)) == (2, 7)
 
@@ -153,3 +155,18 @@ def test_a_stack_of_alike_leaves_gives_each_part_its_own_pieces():
         own = [p.moved(p.ops + (("unsqueeze", 0),), ((i, i + 1),) + p.dst_box)
                for i in (1, 2) for p in parts[i].pieces(box[1:], shapes.__getitem__)]
         assert stack.pieces(box, shapes.__getitem__) == own
+
+
+def test_a_stack_of_alike_leaves_still_checks_them():
+    """The first of alike parts answers for all of them, its checks included."""
+    import pytest
+
+    from lazyload.expr import Dequant
+
+    parts = tuple(Dequant(f"w{i}", f"s{i}", (4, 4)) for i in range(3))
+    wrong_scales = {**{f"w{i}": (8, 8) for i in range(3)}, **{f"s{i}": (3, 2) for i in range(3)}}
+    with pytest.raises(ValueError, match="need"):
+        Stack(parts, 0).shape(wrong_scales.__getitem__)
+    mixed = {**{f"w{i}": (8, 8) for i in range(3)}, "w2": (8, 4), **{f"s{i}": (2, 2) for i in range(3)}, "s2": (2, 1)}
+    with pytest.raises(ValueError, match="different shapes"):
+        Stack(parts, 0).shape(mixed.__getitem__)
