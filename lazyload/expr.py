@@ -15,7 +15,7 @@ result.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
@@ -50,7 +50,7 @@ def _swap(seq: tuple, a: int, b: int) -> tuple:
     return tuple(out)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
 class ScaleRef:
     """The scales of a dequantized piece: `box` of the scale tensor `key` (and the same box
     of the zero points `zero`, if any) covers the piece's source box; each scale entry
@@ -62,7 +62,7 @@ class ScaleRef:
     block: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
 class Piece:
     """Read `src_box` of checkpoint tensor `key`, dequantize it with `scales` if any, apply
     `ops` in order (("unsqueeze", d) or ("transpose", a, b)), and write the result to `dst_box`."""
@@ -73,6 +73,11 @@ class Piece:
     dst_box: Box
     scales: ScaleRef | None = None
 
+    def moved(self, ops: tuple[tuple, ...], dst_box: Box) -> Piece:
+        """This piece with other ops and destination (what each node above it changes);
+        `dataclasses.replace` costs several times more, for up to 100k pieces a plan."""
+        return Piece(self.key, self.src_box, ops, dst_box, self.scales)
+
 
 class Expr:
     def shape(self, shape_of: ShapeOf) -> tuple[int, ...]:
@@ -82,6 +87,16 @@ class Expr:
         raise NotImplementedError
 
     def pieces(self, box: Box, shape_of: ShapeOf) -> list[Piece]:
+        raise NotImplementedError
+
+    def layout(self, shape_of: ShapeOf) -> tuple | None:
+        """For a leaf, everything but its keys that its shape, its checks and its pieces depend
+        on: leaves of equal layouts have one shape and give the same pieces for a box up to
+        their keys (see `like`). None for a node that depends on more."""
+        return None
+
+    def like(self, piece: Piece, ops: tuple[tuple, ...], dst_box: Box) -> Piece:
+        """This leaf's piece where a leaf of the same layout gave `piece`, with `ops` and `dst_box`."""
         raise NotImplementedError
 
 
@@ -98,6 +113,12 @@ class Source(Expr):
     def pieces(self, box, shape_of):
         return [Piece(self.key, box, (), box)] if box_numel(box) else []
 
+    def layout(self, shape_of):
+        return (Source, tuple(shape_of(self.key)))
+
+    def like(self, piece, ops, dst_box):
+        return Piece(self.key, piece.src_box, ops, dst_box)
+
     def __str__(self):
         return self.key
 
@@ -110,11 +131,29 @@ class Stack(Expr):
     dim: int = 0
 
     def shape(self, shape_of):
-        shapes = {p.shape(shape_of) for p in self.parts}
+        return self._measure(shape_of)[0]
+
+    def _measure(self, shape_of: ShapeOf) -> tuple[tuple[int, ...], bool]:
+        """(shape, whether the parts are leaves of one layout), remembered for the last
+        shape_of: a push-down asks once per region (Cat's offsets), and each answer checks
+        every part (256 experts). Compared with ==: the mapping and the plan each ask with
+        the index's own `index.shape_of`, a new bound method each time."""
+        memo = self.__dict__.get("_measured")
+        if memo is not None and memo[0] == shape_of:
+            return memo[1]
+        layouts = {p.layout(shape_of) for p in self.parts}
+        alike = len(layouts) == 1 and None not in layouts
+        # Parts of one layout have one shape and pass the same checks: the first answers for all.
+        shapes = {self.parts[0].shape(shape_of)} if alike else {p.shape(shape_of) for p in self.parts}
         if len(shapes) != 1:
             raise ValueError(f"stack of tensors with different shapes {sorted(shapes)}")
         part = shapes.pop()
-        return part[:self.dim] + (len(self.parts),) + part[self.dim:]
+        measured = (part[:self.dim] + (len(self.parts),) + part[self.dim:], alike)
+        object.__setattr__(self, "_measured", (shape_of, measured))
+        return measured
+
+    def __getstate__(self):  # the memo holds a function, and is no part of the value
+        return {k: v for k, v in self.__dict__.items() if k != "_measured"}
 
     def keys(self):
         return [k for p in self.parts for k in p.keys()]
@@ -122,11 +161,19 @@ class Stack(Expr):
     def pieces(self, box, shape_of):
         start, stop = box[self.dim]
         child_box = box[:self.dim] + box[self.dim + 1:]
+        unsqueeze = ("unsqueeze", self.dim)
+        if start < stop and self._measure(shape_of)[1]:
+            # The experts of a layer: the box is pushed down through the first part only,
+            # and each part takes that answer with its own keys.
+            first = [(p, p.ops + (unsqueeze,), p.dst_box[:self.dim], p.dst_box[self.dim:])
+                     for p in self.parts[start].pieces(child_box, shape_of)]
+            return [self.parts[i].like(p, ops, head + ((i, i + 1),) + tail)
+                    for i in range(start, stop) for p, ops, head, tail in first]
         out = []
         for i in range(start, stop):
             for p in self.parts[i].pieces(child_box, shape_of):
                 dst = p.dst_box[:self.dim] + ((i, i + 1),) + p.dst_box[self.dim:]
-                out.append(replace(p, ops=p.ops + (("unsqueeze", self.dim),), dst_box=dst))
+                out.append(p.moved(p.ops + (unsqueeze,), dst))
         return out
 
     def __str__(self):
@@ -160,7 +207,7 @@ class Cat(Expr):
             if lo < hi:
                 child_box = _replace(box, self.dim, (lo - offset, hi - offset))
                 for p in part.pieces(child_box, shape_of):
-                    out.append(replace(p, dst_box=_shift(p.dst_box, self.dim, offset)))
+                    out.append(p.moved(p.ops, _shift(p.dst_box, self.dim, offset)))
             offset += size
         return out
 
@@ -189,7 +236,7 @@ class Chunk(Expr):
 
     def pieces(self, box, shape_of):
         offset = self.index * (self.part.shape(shape_of)[self.dim] // self.count)
-        return [replace(p, dst_box=_shift(p.dst_box, self.dim, -offset))
+        return [p.moved(p.ops, _shift(p.dst_box, self.dim, -offset))
                 for p in self.part.pieces(_shift(box, self.dim, offset), shape_of)]
 
     def __str__(self):
@@ -210,8 +257,7 @@ class Transpose(Expr):
 
     def pieces(self, box, shape_of):
         child_box = _swap(box, self.dim0, self.dim1)
-        return [replace(p, ops=p.ops + (("transpose", self.dim0, self.dim1),),
-                        dst_box=_swap(p.dst_box, self.dim0, self.dim1))
+        return [p.moved(p.ops + (("transpose", self.dim0, self.dim1),), _swap(p.dst_box, self.dim0, self.dim1))
                 for p in self.part.pieces(child_box, shape_of)]
 
     def __str__(self):
@@ -255,6 +301,13 @@ class Dequant(Expr):
         else:  # the blocks the box starts and ends in, and all between
             scale_box = tuple((a // b, (z - 1) // b + 1) for (a, z), b in zip(box, self.block))
         return [Piece(self.weight, box, (), box, ScaleRef(self.scale, scale_box, self.zero, self.block))]
+
+    def layout(self, shape_of):
+        return (Dequant, tuple(shape_of(self.weight)), tuple(shape_of(self.scale)), self.block,
+                None if self.zero is None else tuple(shape_of(self.zero)))
+
+    def like(self, piece, ops, dst_box):
+        return Piece(self.weight, piece.src_box, ops, dst_box, ScaleRef(self.scale, piece.scales.box, self.zero, self.block))
 
     def __str__(self):
         return f"dequant({self.weight}, {self.scale}" + (f", {self.zero})" if self.zero else ")")

@@ -21,6 +21,7 @@ from torch import nn
 
 from .errors import ArgumentError, DtypeError, MappingError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
 from .expr import Cat, Chunk, Expr, ShapeOf, Stack, Transpose, Whole
+from .gcpause import no_cycle_collection
 from .index import CheckpointIndex, natural_key
 from .quant.formats import Quantization, detect
 from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
@@ -118,18 +119,20 @@ class _Resolver:
         if name is not None:
             return name, None, 0
         mapped = _apply_key_map(key, self.key_map)
-        name = self.with_prefix(mapped)
-        if name is not None:
-            return name, None, 0
+        if mapped != key:
+            name = self.with_prefix(mapped)
+            if name is not None:
+                return name, None, 0
+        renamed = mapped
         for rename in self.renames:
-            mapped = rename.apply(mapped)
+            renamed = rename.apply(renamed)
         for convert in self.converts:
-            hit = convert.match(mapped)
+            hit = convert.match(renamed)
             if hit is not None:
-                renamed, source_index = hit
-                full = self._converted_name(renamed, convert)
+                converted, source_index = hit
+                full = self._converted_name(converted, convert)
                 return (full, convert, source_index) if full is not None else None
-        name = self.with_prefix(mapped)
+        name = self.with_prefix(renamed) if renamed != mapped else None  # an unchanged name was tried above
         return (name, None, 0) if name is not None else None
 
     def _converted_name(self, renamed: str, convert: Any) -> str | None:
@@ -205,7 +208,23 @@ LEGACY_BUFFER_KEYS = {"rotary_emb.inv_freq": r"rotary_emb\.inv_freq", "position_
 def _matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
     """Whether a name matches any of `patterns` (re.search), each compiled once."""
     compiled = [re.compile(p) for p in patterns]
-    return lambda name: any(regex.search(name) for regex in compiled)
+
+    def matches(name: str) -> bool:  # a loop, not any() over a generator: asked for 46k keys at a time
+        for regex in compiled:
+            if regex.search(name):
+                return True
+        return False
+
+    return matches
+
+
+def _split(keys: Sequence[str], test: Callable[[str], bool] | None) -> tuple[list[str], list[str]]:
+    """(the keys that pass `test`, the others), each in order; `test` asked once per key."""
+    passed: list[str] = []
+    rest: list[str] = []
+    for key in keys:
+        (passed if test is not None and test(key) else rest).append(key)
+    return passed, rest
 
 
 def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *, aliases: MappingT[str, str] = {},
@@ -232,9 +251,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     from_alias: dict[str, Expr] = {}
     groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
     unexpected = []
-    for key in index.natural_names():  # a tensor split over files is one name
-        if key in quant.siblings:
-            continue
+    for key in index.natural_names(quant.siblings):  # a tensor split over files is one name
         hit = resolver.resolve(key)
         if hit is None:
             unexpected.append(key)
@@ -251,7 +268,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
                                f"{exprs[name]} and by {key!r}; drop one (key_map can rename it).")
         else:
             exprs[name] = leaf(key)
-    shape_of = lambda key: index[key].shape  # noqa: E731
+    shape_of = index.shape_of
     for first_name, (convert, by_source) in groups.items():
         for name, expr in _build_converted(convert, by_source, first_name, leaf, shape_of).items():
             if name in aliases:
@@ -264,10 +281,9 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     ignored = _matcher((*ignore_unexpected, *quant.ignored))
     unexpected = [k for k in unexpected if not ignored(k)]
     legacy = _matcher([p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)])
-    ignored_buffer_keys += [k for k in unexpected if legacy(k)]
-    unexpected = [k for k in unexpected if not legacy(k)]
-    other_stages = [k for k in unexpected if other_stage is not None and other_stage(k)]
-    unexpected = [k for k in unexpected if other_stage is None or not other_stage(k)]
+    legacy_keys, unexpected = _split(unexpected, legacy)
+    ignored_buffer_keys += legacy_keys
+    other_stages, unexpected = _split(unexpected, other_stage)
     ignored_missing = _matcher(ignore_missing)
     unfilled = [n for n in targets if n not in exprs]
     missing = [n for n in unfilled if not ignored_missing(n)]
@@ -428,6 +444,7 @@ def other_stages(model: nn.Module) -> Callable[[str], bool] | None:
         key.startswith(base + ".") and under(key[len(base) + 1:])))
 
 
+@no_cycle_collection()  # up to 100k expressions, no cycles
 def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, TargetSpec],
               aliases: MappingT[str, str], key_map: KeyMap | None = None,
               quant: Quantization | None = None) -> Mapping:

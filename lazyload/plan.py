@@ -8,16 +8,15 @@ Every check that can fail (rank range, divisibility) fails here, before any byte
 """
 from __future__ import annotations
 
-import gc
 import itertools
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping as MappingT
+from typing import Mapping as MappingT
 
 import torch
 
 from .errors import PlanError
 from .expr import Box, Expr, ScaleRef, Whole, box_numel, full_box
+from .gcpause import no_cycle_collection
 from .index import CheckpointIndex, TensorEntry
 
 
@@ -96,7 +95,7 @@ def _aligned(n: int) -> int:
     return -(-n // STAGE_ALIGN) * STAGE_ALIGN
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
 class ScaleRead:
     """The scale blocks (and zero points) that cover a dequantized item's source box: `box`
     of `scale` (and of `zero`); `block[d]` weight elements per scale entry along dim d."""
@@ -107,7 +106,7 @@ class ScaleRead:
     block: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
 class ReadItem:
     """Read `src_box` of the checkpoint tensor `entry`, dequantize it with `scales` if any,
     apply `ops`, write to `dst_box` of the local tensor of `target`."""
@@ -232,28 +231,14 @@ def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: Ma
                   world: int = 1) -> tuple[list[TargetPlan], list[ReadItem]]:
     """This rank's local tensors and the read items that fill them."""
     check_rank(rank, world)
-    with _no_cycle_collection():
+    with no_cycle_collection():
         return _plan(exprs, index, shapes, dtypes, placements, rank, world)
-
-
-@contextmanager
-def _no_cycle_collection() -> Iterator[None]:
-    """A plan is up to 100k small objects (items, boxes, pieces) and no cycles; the cyclic
-    collector would rescan the growing heap all along (half the planning time of a
-    DeepSeek-V3 rank)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],
           dtypes: MappingT[str, torch.dtype], placements: MappingT[str, Placement], rank: int,
           world: int) -> tuple[list[TargetPlan], list[ReadItem]]:
-    shape_of = lambda key: index[key].shape  # noqa: E731
+    shape_of = index.shape_of
     targets, items = [], []
     for name, expr in exprs.items():
         placement = placements.get(name, REPLICATE)
@@ -264,9 +249,10 @@ def _plan(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[s
                       for p in expr.pieces(full_box(shapes[name]), shape_of)]
             continue
         for region in regions:
-            origin = tuple(start for start, _ in region.global_box)
+            shift = tuple(local - start for (start, _), local in zip(region.global_box, region.local_start))
+            moved = any(shift)  # else the pieces land where the full target has them
             for piece in expr.pieces(region.global_box, shape_of):
-                dst = tuple((a - o + l, b - o + l) for (a, b), o, l in zip(piece.dst_box, origin, region.local_start))
+                dst = tuple((a + d, b + d) for (a, b), d in zip(piece.dst_box, shift)) if moved else piece.dst_box
                 items.append(ReadItem(index[piece.key], piece.src_box, piece.ops, name, dst,
                                       _scale_read(piece.scales, index)))
     return targets, items

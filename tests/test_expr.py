@@ -115,3 +115,58 @@ def test_whole_reads_every_source_whole_and_computes_its_output():
     assert [expr.position(k) for k in ("a", "b0", "b1")] == [0, 1, 1]
     a, b = torch.arange(6.).reshape(3, 2), -torch.arange(6.).reshape(3, 2)
     assert torch.equal(expr.compute([a, b]), interleave([(0, a), (1, b)])["out"])
+
+
+def test_a_stack_remembers_its_shape_per_shape_of_and_still_pickles():
+    import pickle
+
+    stack = Stack((Source("a"), Source("b")), 0)
+    assert stack.shape(lambda key: (3, 4)) == (2, 3, 4)
+    assert stack.shape(lambda key: (5,)) == (2, 5)  # another index: asked again, not remembered
+
+    class Index:  # as CheckpointIndex: shapes asked through a bound method, a new one each time
+        asked = 0
+
+        def shape_of(self, key):
+            self.asked += 1
+            return (6,)
+
+    index = Index()
+    assert stack.shape(index.shape_of) == (2, 6)
+    asked = index.asked
+    assert stack.shape(index.shape_of) == (2, 6) and index.asked == asked
+    copy = pickle.loads(pickle.dumps(Cat((stack,), 0)))
+    assert copy == Cat((stack,), 0) and copy.shape(lambda key: (7,)) == (2, 7)
+
+
+def test_a_stack_of_alike_leaves_gives_each_part_its_own_pieces():
+    """A stack of leaves of one layout (a layer's experts) pushes a box down through its first
+    part only; each part still gets exactly the pieces it would give on its own, and one part of
+    another layout (a single scale instead of blocks) sends the stack down part by part."""
+    from lazyload.expr import Dequant
+
+    shapes = {**{f"w{i}": (8, 6) for i in range(4)}, **{f"s{i}": (2, 2) for i in range(4)}, "one": (1, 1)}
+    box = ((1, 3), (3, 8), (2, 5))
+    for parts, alike in (([Dequant(f"w{i}", f"s{i}", (4, 4)) for i in range(4)], True),
+                         ([Dequant(f"w{i}", f"s{i}", (4, 4)) for i in range(3)] + [Dequant("w3", "one", (4, 4))], False),
+                         ([Source(f"w{i}") for i in range(4)], True)):
+        stack = Stack(tuple(parts), 0)
+        assert stack._measure(shapes.__getitem__)[1] == alike
+        own = [p.moved(p.ops + (("unsqueeze", 0),), ((i, i + 1),) + p.dst_box)
+               for i in (1, 2) for p in parts[i].pieces(box[1:], shapes.__getitem__)]
+        assert stack.pieces(box, shapes.__getitem__) == own
+
+
+def test_a_stack_of_alike_leaves_still_checks_them():
+    """The first of alike parts answers for all of them, its checks included."""
+    import pytest
+
+    from lazyload.expr import Dequant
+
+    parts = tuple(Dequant(f"w{i}", f"s{i}", (4, 4)) for i in range(3))
+    wrong_scales = {**{f"w{i}": (8, 8) for i in range(3)}, **{f"s{i}": (3, 2) for i in range(3)}}
+    with pytest.raises(ValueError, match="need"):
+        Stack(parts, 0).shape(wrong_scales.__getitem__)
+    mixed = {**{f"w{i}": (8, 8) for i in range(3)}, "w2": (8, 4), **{f"s{i}": (2, 2) for i in range(3)}, "s2": (2, 1)}
+    with pytest.raises(ValueError, match="different shapes"):
+        Stack(parts, 0).shape(mixed.__getitem__)

@@ -84,23 +84,35 @@ def detect(index: CheckpointIndex, config: dict | None = None,
     blocks = _config_blocks(config) if declared else []
     leaves: dict[str, Dequant] = {}
     siblings: set[str] = set()
-    for key in index.keys():
-        entry = index[key]
-        scale = next((key + s for s in SCALE_SUFFIXES if key + s in index), None)
-        if entry.dtype not in WEIGHT_DTYPES or scale is None or held(scale):
+    unsupported = any(k.endswith(UNSUPPORTED_SUFFIXES) for k in index.keys())  # rare: then look per weight
+    block_of: dict[tuple, tuple[int, ...]] = {}  # (weight shape, scale shape) -> block: one per layer kind
+    for key, entry in index.items():
+        if entry.dtype not in WEIGHT_DTYPES:  # most keys: no sibling lookups
             continue
-        for suffix in UNSUPPORTED_SUFFIXES:
+        for suffix in SCALE_SUFFIXES:
+            scale = key + suffix
+            if scale in index:
+                break
+        else:
+            continue
+        if held(scale):
+            continue
+        for suffix in UNSUPPORTED_SUFFIXES if unsupported else ():
             if key + suffix in index:
                 raise CheckpointError(f"{index[key + suffix].file}: {key + suffix!r} says that {key!r} is stored in "
                                       "a quantized layout lazyload cannot read yet (activation order, packed "
                                       "4-bit, global scale or padded blocks); dequantize the checkpoint first.")
         zero = key + ZERO_SUFFIX if key + ZERO_SUFFIX in index else None
-        if not index[scale].dtype.is_floating_point:
-            raise CheckpointError(f"{index[scale].file}: scale {scale!r} is {index[scale].dtype}, not a floating "
+        scale_entry = index[scale]
+        if not scale_entry.dtype.is_floating_point:
+            raise CheckpointError(f"{scale_entry.file}: scale {scale!r} is {scale_entry.dtype}, not a floating "
                                   "point tensor; the checkpoint is not in a layout lazyload knows.")
-        block = _block(key, entry.shape, index[scale].shape, blocks)
+        shapes = (entry.shape, scale_entry.shape)
+        block = block_of.get(shapes) or block_of.setdefault(shapes, _block(key, *shapes, blocks))
         leaves[key] = Dequant(key, scale, block, zero)
-        siblings |= {scale} | ({zero} if zero else set())
+        siblings.add(scale)
+        if zero:
+            siblings.add(zero)
     if declared or leaves:
         _check_unscaled(index, leaves, siblings, config)
     return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else ())
@@ -109,8 +121,8 @@ def detect(index: CheckpointIndex, config: dict | None = None,
 def _check_unscaled(index: CheckpointIndex, leaves: dict, siblings: set[str], config: dict | None) -> None:
     """In a quantized checkpoint, an 8-bit weight without scales cannot be loaded: its
     bytes cast as they are would be a silently wrong model."""
-    for key in index.keys():
-        if index[key].dtype not in WEIGHT_DTYPES or key in leaves or key in siblings:
+    for key, entry in index.items():
+        if entry.dtype not in WEIGHT_DTYPES or key in leaves or key in siblings:
             continue
         if not any(re.search(p, key) for p in IGNORED):
             method = (config or {}).get("quant_method", "scaled 8-bit weights")
