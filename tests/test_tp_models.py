@@ -1,0 +1,52 @@
+"""Tensor parallel at world 2 (gloo) for causal LMs that lazyload's structural rule makes
+runnable, each family's small model from the architecture sweep
+(benchmarks/sweep_architectures.py): the logits equal world 1's, within the order a
+row-parallel all-reduce sums in.
+
+Every family runs in one spawned job (spawning is the expensive part on 2 cores)."""
+from __future__ import annotations
+
+import torch
+
+from gloo import spawn_cases
+from test_sweep import sweep
+
+# class -> (anything split at world 2, what it covers)
+FAMILIES = {
+    "BertLMHeadModel": (True, "BERT layout: attention.self q/k/v -> attention.output.dense, intermediate -> output"),
+    "OPTForCausalLM": (True, "views with num_heads: the attention's head count made local"),
+    "XGLMForCausalLM": (True, "num_heads in views and in attention weight shapes"),
+    "GPTBigCodeForCausalLM": (True, "multi-query fused c_attn: attention replicated, MLP split"),
+    "MptForCausalLM": (True, "fused Wqkv the rule does not split: its out_proj replicated too, MLP split"),
+    "MambaForCausalLM": (False, "out_proj that no colwise layer feeds: replicated (the model runs whole)"),
+}
+
+
+def _logits(directory, class_name, rank, world):
+    import transformers
+
+    from lazyload import LazyCheckpoint
+
+    cls = getattr(transformers, class_name)
+    config = cls.config_class.from_pretrained(directory)
+    with torch.device("meta"):
+        model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    LazyCheckpoint(directory).load_into(model.eval(), rank, world, progress=False)
+    with torch.no_grad():
+        return model(input_ids=sweep._prompt(config)).logits, model
+
+
+def _case(case, rank, world):
+    class_name, directory, split = case
+    want, ref = _logits(directory, class_name, 0, 1)
+    got, model = _logits(directory, class_name, rank, world)
+    full = {n: p.shape for n, p in ref.named_parameters()}
+    assert any(p.shape != full[n] for n, p in model.named_parameters()) == split, f"{class_name}: split is not {split}"
+    scale = max(float(want.abs().max()), 1.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=sweep.TP_TOLERANCE * scale, msg=lambda m: f"{class_name}: {m}")
+
+
+def test_world2_structural_families_match_world1(tmp_path):
+    classes = {cls: model_type for model_type, cls in sweep.model_classes(causal_lm=True)}
+    cases = [(cls, sweep.write_small(classes[cls], cls, str(tmp_path)), split) for cls, (split, _) in FAMILIES.items()]
+    spawn_cases(2, cases, tmp_path, _case)
