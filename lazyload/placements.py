@@ -265,17 +265,22 @@ def paired_structural(model: nn.Module, structural: dict[str, tuple[Placement, s
 def _full_width_sibling(model: nn.Module, module_name: str) -> bool:
     """A colwise projection beside a module holding a tensor as wide as its full output
     (BitNet's attn_sub_norm / ffn_sub_norm: a norm over the whole width between the colwise
-    and the rowwise layer), which a rank holding part of that width cannot compute."""
+    and the rowwise layer), which a rank holding part of that width cannot compute. Where the
+    output is as wide as the input, a decoder layer's own norms (OPT's fc1/fc2 beside
+    final_layer_norm: a parent that also holds a block of projections) are the residual
+    stream's, not the colwise output's."""
     parent_name, _, last = module_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     projection = getattr(parent, last)
     width = projection.nf if is_conv1d(projection) else projection.out_features
     width //= PACKED_NAMES.get(last, 1)
-    for name, child in parent.named_children():
-        if structural_style(child, f"{parent_name}.{name}", "weight")[0] is None:
-            if any(width in p.shape for p in child.parameters()):
-                return True
-    return False
+    in_width = projection.weight.shape[0] if is_conv1d(projection) else projection.in_features
+    others = {name: child for name, child in parent.named_children()
+              if structural_style(child, f"{parent_name}.{name}", "weight")[0] is None}
+    if width == in_width and any(structural_style(m, n, "weight")[0] for child in others.values()
+                                 for n, m in child.named_modules()):
+        return False
+    return any(width in p.shape for child in others.values() for p in child.parameters())
 
 
 def attention_shape(module: nn.Module) -> tuple[int | None, int | None]:

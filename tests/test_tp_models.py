@@ -50,3 +50,34 @@ def test_world2_structural_families_match_world1(tmp_path):
     classes = {cls: model_type for model_type, cls in sweep.model_classes(causal_lm=True)}
     cases = [(cls, sweep.write_small(classes[cls], cls, str(tmp_path)), split) for cls, (split, _) in FAMILIES.items()]
     spawn_cases(2, cases, tmp_path, _case)
+
+
+def _rule(class_name):
+    """The structural rule's placements at world 2 for the class's small model, on meta."""
+    import transformers
+
+    from lazyload.parallel import _plain_specs
+    from lazyload.placements import static_placements
+
+    cls = getattr(transformers, class_name)
+    with torch.device("meta"):
+        model = cls(sweep.shrink(cls.config_class()))
+    return {n.partition(".0.")[2]: p for n, p in static_placements(model, _plain_specs(model), "tp", 2).items()
+            if ".0." in n}
+
+
+def test_structural_rule_splits_only_blocks_that_can_run():
+    """A block is split only when its colwise layers feed a rowwise one that sums them, a
+    fused q/k/v has three equal parts, and nothing beside the colwise layer needs its whole
+    output width."""
+    bert = _rule("BertLMHeadModel")
+    assert {n: (p.kind, p.dim) for n, p in bert.items() if n.endswith("weight")} == {
+        "attention.self.query.weight": ("shard", 0), "attention.self.key.weight": ("shard", 0),
+        "attention.self.value.weight": ("shard", 0), "attention.output.dense.weight": ("shard", 1),
+        "intermediate.dense.weight": ("shard", 0), "output.dense.weight": ("shard", 1)}
+    bigcode = _rule("GPTBigCodeForCausalLM")  # multi-query c_attn: [q heads, one k head, one v head]
+    assert sorted(bigcode) == ["mlp.c_fc.bias", "mlp.c_fc.weight", "mlp.c_proj.bias", "mlp.c_proj.weight"]
+    assert _rule("BitNetForCausalLM") == {}  # attn_sub_norm / ffn_sub_norm over the whole width
+    assert _rule("MambaForCausalLM") == {}  # out_proj without a colwise layer feeding it
+    assert sorted({n.rpartition(".")[0] for n in _rule("OPTForCausalLM")}) == [
+        "fc1", "fc2", "self_attn.k_proj", "self_attn.out_proj", "self_attn.q_proj", "self_attn.v_proj"]
