@@ -25,12 +25,13 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
     transformers models with a TP plan get transformers' own DTensor styles
     (`apply_tensor_parallelism`; experts="ep": `apply_expert_parallelism`), `plan=` (glob ->
     style) overriding the model's plan where it matches, except KV projections when world >
-    KV heads: those stay plain tensors holding the rank's KV head group, and attention modules
-    get their local `num_key_value_groups`. Tied weights keep one tensor with the source's
-    split (see `_tied_aliases`). Models
+    KV heads: those stay plain tensors holding the rank's KV head group. Tied weights keep one
+    tensor with the source's split (see `_tied_aliases`). Models
     without a plan (GPT-2, plain modules) get the structural rule: colwise/packed layers keep
     plain local weights (their output stays local), rowwise layers all-reduce their partial
-    output through DTensor (`Partial` -> `Replicate`) before adding their bias."""
+    output through DTensor (`Partial` -> `Replicate`) before adding their bias. Either way,
+    attention modules whose projections are split get the rank's head bookkeeping
+    (`_localize_attention`)."""
     if mesh.ndim != 1:
         raise PlanError(f"parallelize takes a 1-D DeviceMesh (got {mesh.ndim}-D); for 2-D layouts apply "
                         "torch's parallelize_module / fully_shard yourself: load_into follows any DTensor.")
