@@ -254,12 +254,44 @@ def paired_structural(model: nn.Module, structural: dict[str, tuple[Placement, s
         module_name = name.rpartition(".")[0]
         side = "row" if style == "rowwise" else "col"
         blocks.setdefault(_block_of(module_name), {"col": set(), "row": set()})[side].add(module_name)
-    keep = set()
+    keep, fused = set(), set()
     for block in blocks.values():
         if block["col"] and block["row"] and all(attention_split(model, m) and not _full_width_sibling(model, m)
                                                  for m in block["col"]):
-            keep |= block["col"] | block["row"]
-    return {name: placement for name, (placement, _) in structural.items() if name.rpartition(".")[0] in keep}
+            widths = _mlp_widths(model, block)
+            if widths is None:
+                keep |= block["col"] | block["row"]
+            elif list(widths.values()) == [2]:  # one colwise layer twice as wide: gate|up fused
+                keep |= block["col"] | block["row"]
+                fused |= set(widths)
+    out = {}
+    for name, (placement, _) in structural.items():
+        module_name = name.rpartition(".")[0]
+        if module_name in fused and placement.kind == "shard":
+            placement = Placement("packed", placement.dim, parts=2)
+        if module_name in keep:
+            out[name] = placement
+    return out
+
+
+def _mlp_widths(model: nn.Module, block: dict[str, set]) -> dict[str, int] | None:
+    """An MLP block's colwise layers whose output is not as wide as its rowwise layer's
+    input, with their width in units of that input (Moshi's fc1: gate and up fused, twice
+    fc2's input: 2); None when all match, or for an attention block (q/k/v widths differ
+    by design)."""
+    if any(m.rpartition(".")[2] in Q_NAMES | KV_NAMES or m.rpartition(".")[2] in PACKED_NAMES for m in block["col"]):
+        return None
+
+    def width(module_name: str, out: bool) -> int:
+        module = model.get_submodule(module_name)
+        return module.weight.shape[int(is_conv1d(module)) if out else int(not is_conv1d(module))]
+
+    inputs = {width(m, out=False) for m in block["row"]}
+    if len(inputs) != 1:
+        return {m: 0 for m in block["col"]}  # nothing consistent to split: kept whole
+    (row_in,) = inputs
+    odd = {m: width(m, out=True) / row_in for m in block["col"] if width(m, out=True) != row_in}
+    return odd or None
 
 
 def _full_width_sibling(model: nn.Module, module_name: str) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from lazyload.plan import Placement
+
 from gloo import spawn_cases
 from test_sweep import sweep
 
@@ -18,6 +20,7 @@ FAMILIES = {
     "XGLMForCausalLM": (True, "num_heads in views and in attention weight shapes"),
     "GPTBigCodeForCausalLM": (True, "multi-query fused c_attn: attention replicated, MLP split"),
     "MptForCausalLM": (True, "fused Wqkv the rule does not split: its out_proj replicated too, MLP split"),
+    "MoshiForCausalLM": (True, "fc1 = gate|up fused (twice fc2's input): split as two packed parts"),
     "MambaForCausalLM": (False, "out_proj that no colwise layer feeds: replicated (the model runs whole)"),
 }
 
@@ -81,3 +84,5 @@ def test_structural_rule_splits_only_blocks_that_can_run():
     assert _rule("MambaForCausalLM") == {}  # out_proj without a colwise layer feeding it
     assert sorted({n.rpartition(".")[0] for n in _rule("OPTForCausalLM")}) == [
         "fc1", "fc2", "self_attn.k_proj", "self_attn.out_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    moshi = _rule("MoshiForCausalLM")  # fc1 is gate|up fused, twice fc2's input: split as two parts
+    assert moshi["mlp.fc1.weight"] == Placement("packed", 0, parts=2) and moshi["mlp.fc2.weight"].dim == 1
