@@ -51,11 +51,12 @@ STYLES = _COLWISE | _ROWWISE | _PACKED_COLWISE | _PACKED_ROWWISE | set(_EMBEDDIN
 # Structural rule (plain nn.Module, and transformers models without a TP plan, e.g. GPT-2):
 # by the last name of a Linear / Conv1D module.
 COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv",
-                 "query", "key", "value", "fc_in", "dense_h_to_4h"}
-ROWWISE_NAMES = {"o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj", "fc_out", "dense_4h_to_h"}
+                 "query", "key", "value", "fc_in", "dense_h_to_4h", "q_lin", "k_lin", "v_lin", "lin1"}
+ROWWISE_NAMES = {"o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj", "fc_out", "dense_4h_to_h", "out_lin",
+                 "lin2"}
 PACKED_NAMES = {"c_attn": 3, "qkv_proj": 3, "W_pack": 3, "gate_up_proj": 2}
-KV_NAMES = {"k_proj", "v_proj", "key", "value", "wk", "wv"}
-Q_NAMES = {"q_proj", "query", "wq"}
+KV_NAMES = {"k_proj", "v_proj", "key", "value", "wk", "wv", "k_lin", "v_lin"}
+Q_NAMES = {"q_proj", "query", "wq", "q_lin"}  # q_lin, k_lin, ...: XLM
 BERT_DENSE = {"intermediate": "colwise", "output": "rowwise"}  # `dense` layers by their parent's name
 BERT_BLOCKS = {"self", "intermediate", "output"}
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # an attention module's q head count

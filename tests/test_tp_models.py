@@ -86,3 +86,5 @@ def test_structural_rule_splits_only_blocks_that_can_run():
         "fc1", "fc2", "self_attn.k_proj", "self_attn.out_proj", "self_attn.q_proj", "self_attn.v_proj"]
     moshi = _rule("MoshiForCausalLM")  # fc1 is gate|up fused, twice fc2's input: split as two parts
     assert moshi["mlp.fc1.weight"] == Placement("packed", 0, parts=2) and moshi["mlp.fc2.weight"].dim == 1
+    assert sorted({n.rpartition(".")[0] for n in _rule("XLMWithLMHeadModel")}) == [
+        "k_lin", "lin1", "lin2", "out_lin", "q_lin", "v_lin"]  # attentions.0.*, ffns.0.*
