@@ -230,7 +230,9 @@ def _localize_attention(model: nn.Module, recorded: dict[str, Placement], heads:
     becomes the local one."""
     for module_name, module in model.named_modules():
         query = next((n for n in QUERY_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
-        widths = _out_widths(model, f"{module_name}.{query}" if module_name else query, recorded) if query else None
+        if query in PACKED_NAMES and _child(module_name, query) + ".weight" not in recorded:
+            query = None  # a TP plan's own split of a fused q/k/v (CodeGen's blocks of [q v k]): its own layout
+        widths = _out_widths(model, _child(module_name, query), recorded) if query else None
         if query is None and by_plan and isinstance(getattr(module, "num_key_value_groups", None), int):
             local_kv = max(1, (heads.kv_heads or heads.heads) // world)  # a TP plan's q under another name
             module.num_key_value_groups = heads.heads // world // local_kv
@@ -239,7 +241,7 @@ def _localize_attention(model: nn.Module, recorded: dict[str, Placement], heads:
         (q_full, q_local), (kv_full, kv_local) = widths, widths
         key = next((n for n in KV_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
         if key is not None:
-            kv_full, kv_local = _out_widths(model, f"{module_name}.{key}" if module_name else key, recorded)
+            kv_full, kv_local = _out_widths(model, _child(module_name, key), recorded)
         for attrs, (full, local) in ((HEAD_COUNTS, (q_full, q_local)), (KV_COUNTS, (kv_full, kv_local))):
             for attr in attrs:
                 value = getattr(module, attr, None)
@@ -250,6 +252,10 @@ def _localize_attention(model: nn.Module, recorded: dict[str, Placement], heads:
                 setattr(module, attr, q_local)
         if isinstance(getattr(module, "num_key_value_groups", None), int) and kv_local:
             module.num_key_value_groups = max(1, q_local // kv_local)
+
+
+def _child(module_name: str, name: str) -> str:
+    return f"{module_name}.{name}" if module_name else name
 
 
 def _out_widths(model: nn.Module, module_name: str, recorded: dict[str, Placement]) -> tuple[int, int] | None:
