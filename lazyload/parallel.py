@@ -233,9 +233,11 @@ def _localize_attention(model: nn.Module, recorded: dict[str, Placement], heads:
         if query in PACKED_NAMES and _child(module_name, query) + ".weight" not in recorded:
             query = None  # a TP plan's own split of a fused q/k/v (CodeGen's blocks of [q v k]): its own layout
         widths = _out_widths(model, _child(module_name, query), recorded) if query else None
-        if query is None and by_plan and isinstance(getattr(module, "num_key_value_groups", None), int):
-            local_kv = max(1, (heads.kv_heads or heads.heads) // world)  # a TP plan's q under another name
-            module.num_key_value_groups = heads.heads // world // local_kv
+        kv = heads.kv_heads or heads.heads
+        if query is None and by_plan and getattr(module, "num_key_value_groups", None) == heads.heads // kv:
+            # a TP plan's q under another name, grouped as the model's attention: the config's local heads
+            # (not Inkling2's block-residual attention, whose own groups are 1)
+            module.num_key_value_groups = heads.heads // world // max(1, kv // world)
         if widths is None or widths[0] == widths[1]:
             continue
         (q_full, q_local), (kv_full, kv_local) = widths, widths
