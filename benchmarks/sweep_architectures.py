@@ -208,36 +208,46 @@ def _as_read_back(config_class, config, workdir: str):
     return config_class.from_pretrained(directory)
 
 
+def write_small(model_type: str, class_name: str, workdir: str) -> str:
+    """A small model of the class (shrunk default config, random weights), saved with
+    `save_pretrained` in about four shards under workdir/class_name; returns that directory."""
+    import torch
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    cls = getattr(transformers, class_name)
+    config_class = CONFIG_MAPPING[model_type]
+    if cls.config_class is not None and cls.config_class is not config_class:
+        config_class = cls.config_class  # e.g. Llama4ForCausalLM takes the text config
+    config = _as_read_back(config_class, shrink(config_class()), workdir)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_(torch.randn_like(p) * 0.02)
+    directory = os.path.join(workdir, class_name)
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model.save_pretrained(directory, max_shard_size=max(total // 4, 1))
+    return directory
+
+
 def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
     """Build, save, load both ways and compare one class. Returns a row:
     outcome in exact | differs | outputs differ | lazyload error | no small config |
     from_pretrained fails; detail says what."""
     import torch
     import transformers
-    from transformers import CONFIG_MAPPING
 
     from lazyload import LazyCheckpoint
 
     row = {"model_type": model_type, "class": class_name}
     try:
-        cls = getattr(transformers, class_name)
-        config_class = CONFIG_MAPPING[model_type]
-        if cls.config_class is not None and cls.config_class is not config_class:
-            config_class = cls.config_class  # e.g. Llama4ForCausalLM takes the text config
-        config = _as_read_back(config_class, shrink(config_class()), workdir)
-        config._attn_implementation = "eager"
-        torch.manual_seed(0)
-        model = cls(config).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.is_floating_point():
-                    p.add_(torch.randn_like(p) * 0.02)
-        directory = os.path.join(workdir, class_name)
-        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        model.save_pretrained(directory, max_shard_size=max(total // 4, 1))
-        del model
+        directory = write_small(model_type, class_name, workdir)
     except Exception as exc:
         return row | {"outcome": "no small config", "detail": _short(exc)}
+    cls = getattr(transformers, class_name)
     try:
         reference = cls.from_pretrained(directory, attn_implementation="eager").eval()
     except Exception as exc:

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from .errors import PlanError
-from .placements import (KV_NAMES, Heads, Resolved, StylePlan, attention_checks, check_plan, is_conv1d, model_heads,
-                         model_tp_plan, owner_of, static_placements, style_placement)
+from .placements import (HEAD_COUNTS, KV_NAMES, PACKED_NAMES, Q_NAMES, Heads, Resolved, StylePlan, attention_checks,
+                         check_plan, is_conv1d, model_heads, model_tp_plan, owner_of, static_placements,
+                         style_placement)
 from .plan import Placement, local_regions
 from .targets import TargetSpec, model_slots
 
@@ -24,12 +25,13 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
     transformers models with a TP plan get transformers' own DTensor styles
     (`apply_tensor_parallelism`; experts="ep": `apply_expert_parallelism`), `plan=` (glob ->
     style) overriding the model's plan where it matches, except KV projections when world >
-    KV heads: those stay plain tensors holding the rank's KV head group, and attention modules
-    get their local `num_key_value_groups`. Tied weights keep one tensor with the source's
-    split (see `_tied_aliases`). Models
+    KV heads: those stay plain tensors holding the rank's KV head group. Tied weights keep one
+    tensor with the source's split (see `_tied_aliases`). Models
     without a plan (GPT-2, plain modules) get the structural rule: colwise/packed layers keep
     plain local weights (their output stays local), rowwise layers all-reduce their partial
-    output through DTensor (`Partial` -> `Replicate`) before adding their bias."""
+    output through DTensor (`Partial` -> `Replicate`) before adding their bias. Either way,
+    attention modules whose projections are split get the rank's head bookkeeping
+    (`_localize_attention`)."""
     if mesh.ndim != 1:
         raise PlanError(f"parallelize takes a 1-D DeviceMesh (got {mesh.ndim}-D); for 2-D layouts apply "
                         "torch's parallelize_module / fully_shard yourself: load_into follows any DTensor.")
@@ -40,7 +42,8 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
                         "shard a rank reads (load_into(..., shards_only=True)), not how the model runs.")
     heads = model_heads(model)
     recorded: dict[str, Placement] = {}
-    if model_tp_plan(model, experts) and hasattr(model, "_expand_parallel_plan"):
+    by_plan = bool(model_tp_plan(model, experts)) and hasattr(model, "_expand_parallel_plan")
+    if by_plan:
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
         expanded = _expanded_plan(model, plan, experts)
@@ -94,10 +97,8 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
             weight = static.get(f"{module_name}.weight" if module_name else "weight")
             if weight is not None and weight.kind == "shard" and weight.dim == (0 if is_conv1d(module) else 1):
                 _install_rowwise(module, mesh)
-            query = static.get(f"{module_name}.q_proj.weight")
-            if query is not None and query.kind == "shard" and isinstance(getattr(module, "num_heads", None), int):
-                module.num_heads //= world  # OPT-style attention: views its projections with num_heads
-    _set_local_heads(model, heads, world)
+    if world > 1:
+        _localize_attention(model, recorded, heads, world, by_plan=by_plan and bool(heads.heads))
     model._lazyload_placements = {**getattr(model, "_lazyload_placements", {}), **recorded}
     return model
 
@@ -214,21 +215,66 @@ def _box(name: str, shape: tuple[int, ...], placement: Placement, rank: int, wor
     return Placement("box", spans=tuple(spans))
 
 
-def _set_local_heads(model: nn.Module, heads: Heads, world: int) -> None:
-    """Attention modules whose head bookkeeping is not derived from tensor shapes."""
-    if not heads.heads or world == 1:
-        return
-    local_q = heads.heads // world
-    local_kv = max(1, (heads.kv_heads or heads.heads) // world)
-    for module in model.modules():
-        if hasattr(module, "num_key_value_groups"):
-            module.num_key_value_groups = local_q // local_kv
-        if is_conv1d(getattr(module, "c_attn", None) or nn.Module()) and hasattr(module, "split_size"):
-            module.split_size = module.split_size // world  # GPT-2: c_attn output split into q, k, v
-            if hasattr(module, "num_heads"):
-                module.num_heads = local_q
-            if hasattr(module, "embed_dim"):
-                module.embed_dim = module.embed_dim // world
+QUERY_NAMES = (*sorted(Q_NAMES), "q_b_proj", *(n for n, parts in PACKED_NAMES.items() if parts == 3))
+KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "n_head_kv")
+ATTENTION_WIDTHS = ("all_head_size", "embed_dim", "hidden_size", "split_size", "inner_dim")
+
+
+def _localize_attention(model: nn.Module, recorded: dict[str, Placement], heads: Heads, world: int,
+                        by_plan: bool) -> None:
+    """Attention modules whose q/k/v (or fused qkv) projections are split: their head
+    bookkeeping becomes the rank's, so that a forward that views or reshapes with it sees
+    the rank's heads. Derived from each module's own projections, full and local output
+    widths: head counts scale with them (q counts with q, KV counts with k), and a width
+    attribute equal to the full q width (`all_head_size`, `embed_dim`, GPT-2's `split_size`)
+    becomes the local one."""
+    for module_name, module in model.named_modules():
+        query = next((n for n in QUERY_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
+        if query in PACKED_NAMES and _child(module_name, query) + ".weight" not in recorded:
+            query = None  # a TP plan's own split of a fused q/k/v (CodeGen's blocks of [q v k]): its own layout
+        widths = _out_widths(model, _child(module_name, query), recorded) if query else None
+        kv = heads.kv_heads or heads.heads
+        if query is None and by_plan and getattr(module, "num_key_value_groups", None) == heads.heads // kv:
+            # a TP plan's q under another name, grouped as the model's attention: the config's local heads
+            # (not Inkling2's block-residual attention, whose own groups are 1)
+            module.num_key_value_groups = heads.heads // world // max(1, kv // world)
+        if widths is None or widths[0] == widths[1]:
+            continue
+        (q_full, q_local), (kv_full, kv_local) = widths, widths
+        key = next((n for n in KV_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
+        if key is not None:
+            kv_full, kv_local = _out_widths(model, _child(module_name, key), recorded)
+        for attrs, (full, local) in ((HEAD_COUNTS, (q_full, q_local)), (KV_COUNTS, (kv_full, kv_local))):
+            for attr in attrs:
+                value = getattr(module, attr, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value * local % full == 0:
+                    setattr(module, attr, value * local // full)
+        for attr in ATTENTION_WIDTHS:
+            if getattr(module, attr, None) == q_full:
+                setattr(module, attr, q_local)
+        if isinstance(getattr(module, "num_key_value_groups", None), int) and kv_local:
+            module.num_key_value_groups = max(1, q_local // kv_local)
+
+
+def _child(module_name: str, name: str) -> str:
+    return f"{module_name}.{name}" if module_name else name
+
+
+def _out_widths(model: nn.Module, module_name: str, recorded: dict[str, Placement]) -> tuple[int, int] | None:
+    """(full, local) output width of a projection's weight (a fused q/k/v: of one part)."""
+    module = model.get_submodule(module_name)
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return None
+    dim = 1 if is_conv1d(module) else 0
+    full, local = weight.shape[dim], weight.shape[dim]
+    placement = recorded.get(f"{module_name}.weight")
+    if placement is not None and placement.kind == "box":
+        local = sum(b - a for a, b in placement.spans[dim])
+    elif hasattr(weight, "to_local"):  # DTensor
+        local = weight.to_local().shape[dim]
+    parts = PACKED_NAMES.get(module_name.rpartition(".")[2], 1)
+    return full // parts, local // parts
 
 
 def _install_rowwise(module: nn.Module, mesh: Any) -> None:

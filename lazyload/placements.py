@@ -51,11 +51,15 @@ STYLES = _COLWISE | _ROWWISE | _PACKED_COLWISE | _PACKED_ROWWISE | set(_EMBEDDIN
 # Structural rule (plain nn.Module, and transformers models without a TP plan, e.g. GPT-2):
 # by the last name of a Linear / Conv1D module.
 COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv",
-                 "query", "key", "value", "fc_in", "dense_h_to_4h"}
-ROWWISE_NAMES = {"o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj", "fc_out", "dense_4h_to_h"}
+                 "query", "key", "value", "fc_in", "dense_h_to_4h", "q_lin", "k_lin", "v_lin", "lin1"}
+ROWWISE_NAMES = {"o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj", "fc_out", "dense_4h_to_h", "out_lin",
+                 "lin2"}
 PACKED_NAMES = {"c_attn": 3, "qkv_proj": 3, "W_pack": 3, "gate_up_proj": 2}
-KV_NAMES = {"k_proj", "v_proj", "key", "value", "wk", "wv"}
-Q_NAMES = {"q_proj", "query", "wq"}
+KV_NAMES = {"k_proj", "v_proj", "key", "value", "wk", "wv", "k_lin", "v_lin"}
+Q_NAMES = {"q_proj", "query", "wq", "q_lin"}  # q_lin, k_lin, ...: XLM
+BERT_DENSE = {"intermediate": "colwise", "output": "rowwise"}  # `dense` layers by their parent's name
+BERT_BLOCKS = {"self", "intermediate", "output"}
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # an attention module's q head count
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -218,31 +222,118 @@ def structural_style(module: nn.Module, module_name: str, attr: str) -> tuple[st
     colwise, output projections rowwise; anything else (routers, norms, embeddings) None."""
     if not (isinstance(module, nn.Linear) or is_conv1d(module)) or attr not in ("weight", "bias"):
         return None, 1
-    last = module_name.rpartition(".")[2]
+    parent, _, last = module_name.rpartition(".")
     if last in PACKED_NAMES:
         return "packed", PACKED_NAMES[last]
     if last in COLWISE_NAMES:
         return "colwise", 1
     if last in ROWWISE_NAMES:
         return "rowwise", 1
+    if last == "dense":  # BERT's layout: intermediate.dense feeds output.dense; attention.self feeds attention.output.dense
+        return BERT_DENSE.get(parent.rpartition(".")[2]), 1
     return None, 1
 
 
-def _features(module: nn.Module) -> tuple[int, int]:
-    """(in, out) features of a Linear or Conv1D layer (Conv1D stores [in, out])."""
-    rows, cols = module.weight.shape
-    return (rows, cols) if is_conv1d(module) else (cols, rows)
+def _block_of(module_name: str) -> str:
+    """The module whose colwise layers feed its rowwise ones: a projection's parent, or for
+    BERT's layout (`attention.self.query` -> `attention.output.dense`, `intermediate.dense` ->
+    `output.dense`) its grandparent."""
+    parent = module_name.rpartition(".")[0]
+    owner, _, parent_last = parent.rpartition(".")
+    return owner if parent_last in BERT_BLOCKS else parent
 
 
-def _feeds_half(model: nn.Module, module_name: str, module: nn.Module) -> bool:
-    """An input projection whose output is twice what its sibling output projection takes
-    (`fc1` -> [gate; up] -> `fc2`): a gated MLP fused into one layer, which a plain
-    column split would cut into a rank with only gates and a rank with only ups."""
-    parent_name, _, _ = module_name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    outputs = [m for n, m in parent.named_children() if n in ROWWISE_NAMES
-               and (isinstance(m, nn.Linear) or is_conv1d(m)) and m.weight.dim() == 2]
-    return bool(outputs) and all(2 * _features(m)[0] == _features(module)[1] for m in outputs)
+def paired_structural(model: nn.Module, structural: dict[str, tuple[Placement, str]]) -> dict[str, Placement]:
+    """The structural rule's placements that a forward can run: in each block, colwise
+    layers must feed a rowwise one (that sums their partial products back) and a rowwise layer
+    must be fed by colwise ones; an attention block must split into whole heads on equal q/k/v
+    parts (`attention_split`). A block that fails stays replicated, whole: its math is then
+    the world=1 math (Mamba's in_proj/out_proj, MPT's unsharded Wqkv, GPTBigCode's
+    multi-query c_attn)."""
+    blocks: dict[str, dict[str, set]] = {}
+    for name, (_, style) in structural.items():
+        module_name = name.rpartition(".")[0]
+        side = "row" if style == "rowwise" else "col"
+        blocks.setdefault(_block_of(module_name), {"col": set(), "row": set()})[side].add(module_name)
+    keep, fused = set(), set()
+    for block in blocks.values():
+        if block["col"] and block["row"] and all(attention_split(model, m) and not _full_width_sibling(model, m)
+                                                 for m in block["col"]):
+            widths = _mlp_widths(model, block)
+            if widths is None:
+                keep |= block["col"] | block["row"]
+            elif list(widths.values()) == [2]:  # one colwise layer twice as wide: gate|up fused
+                keep |= block["col"] | block["row"]
+                fused |= set(widths)
+    out = {}
+    for name, (placement, _) in structural.items():
+        module_name = name.rpartition(".")[0]
+        if module_name in fused and placement.kind == "shard":
+            placement = Placement("packed", placement.dim, parts=2)
+        if module_name in keep:
+            out[name] = placement
+    return out
+
+
+def _mlp_widths(model: nn.Module, block: dict[str, set]) -> dict[str, int] | None:
+    """An MLP block's colwise layers whose output is not as wide as its rowwise layer's
+    input, with their width in units of that input (Moshi's fc1: gate and up fused, twice
+    fc2's input: 2); None when all match, or for an attention block (q/k/v widths differ
+    by design)."""
+    if any(m.rpartition(".")[2] in Q_NAMES | KV_NAMES or m.rpartition(".")[2] in PACKED_NAMES for m in block["col"]):
+        return None
+
+    def width(module_name: str, out: bool) -> int:
+        module = model.get_submodule(module_name)
+        return module.weight.shape[int(is_conv1d(module)) if out else int(not is_conv1d(module))]
+
+    inputs = {width(m, out=False) for m in block["row"]}
+    if len(inputs) != 1:
+        return {m: 0 for m in block["col"]}  # nothing consistent to split: kept whole
+    (row_in,) = inputs
+    odd = {m: width(m, out=True) / row_in for m in block["col"] if width(m, out=True) != row_in}
+    return odd or None
+
+
+def _full_width_sibling(model: nn.Module, module_name: str) -> bool:
+    """A colwise projection beside a module holding a tensor as wide as its full output
+    (BitNet's attn_sub_norm / ffn_sub_norm: a norm over the whole width between the colwise
+    and the rowwise layer), which a rank holding part of that width cannot compute. Where the
+    output is as wide as the input, a decoder layer's own norms (OPT's fc1/fc2 beside
+    final_layer_norm: a parent that also holds a block of projections) are the residual
+    stream's, not the colwise output's."""
+    parent_name, _, last = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    projection = getattr(parent, last)
+    width = projection.nf if is_conv1d(projection) else projection.out_features
+    width //= PACKED_NAMES.get(last, 1)
+    in_width = projection.weight.shape[0] if is_conv1d(projection) else projection.in_features
+    others = {name: child for name, child in parent.named_children()
+              if structural_style(child, f"{parent_name}.{name}", "weight")[0] is None}
+    if width == in_width and any(structural_style(m, n, "weight")[0] for child in others.values()
+                                 for n, m in child.named_modules()):
+        return False
+    return any(width in p.shape for child in others.values() for p in child.parameters())
+
+
+def attention_shape(module: nn.Module) -> tuple[int | None, int | None]:
+    """(q heads, head dim) an attention module says it has, None where it does not say."""
+    heads = next((getattr(module, a) for a in HEAD_COUNTS if isinstance(getattr(module, a, None), int)), None)
+    head_dim = next((getattr(module, a) for a in ("head_dim", "attention_head_size", "head_size")
+                     if isinstance(getattr(module, a, None), int)), None)
+    return heads, head_dim
+
+
+def attention_split(model: nn.Module, module_name: str) -> bool:
+    """False for a fused q/k/v projection whose parts are not the three equal ones a packed
+    split assumes (GPTBigCode's multi-query c_attn: q heads, then one k and one v head)."""
+    last = module_name.rpartition(".")[2]
+    if PACKED_NAMES.get(last) != 3:
+        return True
+    module = model.get_submodule(module_name)
+    heads, head_dim = attention_shape(model.get_submodule(module_name.rpartition(".")[0]))
+    out = module.nf if is_conv1d(module) else module.out_features
+    return heads is None or head_dim is None or out == 3 * heads * head_dim
 
 
 # ----------------------------------------------------------------------------- heads
@@ -350,36 +441,40 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
     # split over a divisor group of ranks instead of refused; attention over one group size.
     attn = attention_group(heads, world) if experts == "ep" and heads.heads else world
     out = {}
+    structural: dict[str, tuple[Placement, str]] = {}  # name -> (placement, style), checked in pairs at the end
     for name, spec in specs.items():
         module, module_name, attr = owner_of(model, name)
         conv1d = is_conv1d(module)
         last = module_name.rpartition(".")[2]
         style = user.style_of_param(name)
+        by_rule = style is None and not auto.entries
         if style is None and auto.entries:
             style = auto.style_of_param(name)
         elif style is None:
             kind, parts = structural_style(module, module_name, attr)
-            if kind == "colwise" and _feeds_half(model, module_name, module):
-                kind, parts = "packed", 2  # [gate; up] in one layer (Moshi's fc1): each half splits
             if kind == "packed":
                 dim = 1 if conv1d and attr == "weight" else 0
                 placement = Placement("packed", dim, parts=parts)
                 if last == "c_attn" and heads.heads and heads.heads % world:
                     raise PlanError(f"{name}: {heads.heads} attention heads do not split evenly over {world} "
                                     "ranks; choose a world that divides the number of heads.")
-                out[name] = placement
+                structural[name] = (placement, kind)
                 continue
             style = kind
         if style is None:
             continue
         placement = style_placement(style, name, len(spec.shape), conv1d)
         if experts == "ep" and _in_attention(model, module_name):
-            out[name] = _over_groups(attention_checks(name, last, placement, heads, attn), spec.shape, world, attn)
+            placement = _over_groups(attention_checks(name, last, placement, heads, attn), spec.shape, world, attn)
         elif experts == "ep":
-            out[name] = _over_groups(placement, spec.shape, world)
+            placement = _over_groups(placement, spec.shape, world)
         else:
-            out[name] = attention_checks(name, last, placement, heads, world)
-    return out
+            placement = attention_checks(name, last, placement, heads, world)
+        if by_rule:
+            structural[name] = (placement, style)
+        else:
+            out[name] = placement
+    return out | paired_structural(model, structural)
 
 
 def _in_attention(model: nn.Module, module_name: str) -> bool:

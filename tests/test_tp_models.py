@@ -1,0 +1,90 @@
+"""Tensor parallel at world 2 (gloo) for causal LMs that lazyload's structural rule makes
+runnable, each family's small model from the architecture sweep
+(benchmarks/sweep_architectures.py): the logits equal world 1's, within the order a
+row-parallel all-reduce sums in.
+
+Every family runs in one spawned job (spawning is the expensive part on 2 cores)."""
+from __future__ import annotations
+
+import torch
+
+from lazyload.plan import Placement
+
+from gloo import spawn_cases
+from test_sweep import sweep
+
+# class -> (anything split at world 2, what it covers)
+FAMILIES = {
+    "BertLMHeadModel": (True, "BERT layout: attention.self q/k/v -> attention.output.dense, intermediate -> output"),
+    "OPTForCausalLM": (True, "views with num_heads: the attention's head count made local"),
+    "XGLMForCausalLM": (True, "num_heads in views and in attention weight shapes"),
+    "GPTBigCodeForCausalLM": (True, "multi-query fused c_attn: attention replicated, MLP split"),
+    "MptForCausalLM": (True, "fused Wqkv the rule does not split: its out_proj replicated too, MLP split"),
+    "MoshiForCausalLM": (True, "fc1 = gate|up fused (twice fc2's input): split as two packed parts"),
+    "MambaForCausalLM": (False, "out_proj that no colwise layer feeds: replicated (the model runs whole)"),
+}
+
+
+def _logits(directory, class_name, rank, world):
+    import transformers
+
+    from lazyload import LazyCheckpoint
+
+    cls = getattr(transformers, class_name)
+    config = cls.config_class.from_pretrained(directory)
+    with torch.device("meta"):
+        model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    LazyCheckpoint(directory).load_into(model.eval(), rank, world, progress=False)
+    with torch.no_grad():
+        return model(input_ids=sweep._prompt(config)).logits, model
+
+
+def _case(case, rank, world):
+    class_name, directory, split = case
+    want, ref = _logits(directory, class_name, 0, 1)
+    got, model = _logits(directory, class_name, rank, world)
+    full = {n: p.shape for n, p in ref.named_parameters()}
+    assert any(p.shape != full[n] for n, p in model.named_parameters()) == split, f"{class_name}: split is not {split}"
+    scale = max(float(want.abs().max()), 1.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=sweep.TP_TOLERANCE * scale, msg=lambda m: f"{class_name}: {m}")
+
+
+def test_world2_structural_families_match_world1(tmp_path):
+    classes = {cls: model_type for model_type, cls in sweep.model_classes(causal_lm=True)}
+    cases = [(cls, sweep.write_small(classes[cls], cls, str(tmp_path)), split) for cls, (split, _) in FAMILIES.items()]
+    spawn_cases(2, cases, tmp_path, _case)
+
+
+def _rule(class_name):
+    """The structural rule's placements at world 2 for the class's small model, on meta."""
+    import transformers
+
+    from lazyload.parallel import _plain_specs
+    from lazyload.placements import static_placements
+
+    cls = getattr(transformers, class_name)
+    with torch.device("meta"):
+        model = cls(sweep.shrink(cls.config_class()))
+    return {n.partition(".0.")[2]: p for n, p in static_placements(model, _plain_specs(model), "tp", 2).items()
+            if ".0." in n}
+
+
+def test_structural_rule_splits_only_blocks_that_can_run():
+    """A block is split only when its colwise layers feed a rowwise one that sums them, a
+    fused q/k/v has three equal parts, and nothing beside the colwise layer needs its whole
+    output width."""
+    bert = _rule("BertLMHeadModel")
+    assert {n: (p.kind, p.dim) for n, p in bert.items() if n.endswith("weight")} == {
+        "attention.self.query.weight": ("shard", 0), "attention.self.key.weight": ("shard", 0),
+        "attention.self.value.weight": ("shard", 0), "attention.output.dense.weight": ("shard", 1),
+        "intermediate.dense.weight": ("shard", 0), "output.dense.weight": ("shard", 1)}
+    bigcode = _rule("GPTBigCodeForCausalLM")  # multi-query c_attn: [q heads, one k head, one v head]
+    assert sorted(bigcode) == ["mlp.c_fc.bias", "mlp.c_fc.weight", "mlp.c_proj.bias", "mlp.c_proj.weight"]
+    assert _rule("BitNetForCausalLM") == {}  # attn_sub_norm / ffn_sub_norm over the whole width
+    assert _rule("MambaForCausalLM") == {}  # out_proj without a colwise layer feeding it
+    assert sorted({n.rpartition(".")[0] for n in _rule("OPTForCausalLM")}) == [
+        "fc1", "fc2", "self_attn.k_proj", "self_attn.out_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    moshi = _rule("MoshiForCausalLM")  # fc1 is gate|up fused, twice fc2's input: split as two parts
+    assert moshi["mlp.fc1.weight"] == Placement("packed", 0, parts=2) and moshi["mlp.fc2.weight"].dim == 1
+    assert sorted({n.rpartition(".")[0] for n in _rule("XLMWithLMHeadModel")}) == [
+        "k_lin", "lin1", "lin2", "out_lin", "q_lin", "v_lin"]  # attentions.0.*, ffns.0.*
