@@ -203,9 +203,9 @@ def _as_read_back(config_class, config, workdir: str):
     config derives in its init (Step3p7's vision `intermediate_size` from `mlp_ratio`, BLT's
     sub-configs) are derived again there, so the model is built with the structure that
     the saved checkpoint will be loaded into."""
-    directory = tempfile.mkdtemp(dir=workdir)
-    config.save_pretrained(directory)
-    return config_class.from_pretrained(directory)
+    with tempfile.TemporaryDirectory(dir=workdir) as directory:
+        config.save_pretrained(directory)
+        return config_class.from_pretrained(directory)
 
 
 def write_small(model_type: str, class_name: str, workdir: str) -> str:
