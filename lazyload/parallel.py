@@ -228,12 +228,12 @@ def _localize_attention(model: nn.Module, recorded: dict[str, Placement], heads:
     widths: head counts scale with them (q counts with q, KV counts with k), and a width
     attribute equal to the full q width (`all_head_size`, `embed_dim`, GPT-2's `split_size`)
     becomes the local one."""
+    kv = heads.kv_heads or heads.heads
     for module_name, module in model.named_modules():
         query = next((n for n in QUERY_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
         if query in PACKED_NAMES and _child(module_name, query) + ".weight" not in recorded:
             query = None  # a TP plan's own split of a fused q/k/v (CodeGen's blocks of [q v k]): its own layout
         widths = _out_widths(model, _child(module_name, query), recorded) if query else None
-        kv = heads.kv_heads or heads.heads
         if query is None and by_plan and getattr(module, "num_key_value_groups", None) == heads.heads // kv:
             # a TP plan's q under another name, grouped as the model's attention: the config's local heads
             # (not Inkling2's block-residual attention, whose own groups are 1)

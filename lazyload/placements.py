@@ -234,6 +234,12 @@ def structural_style(module: nn.Module, module_name: str, attr: str) -> tuple[st
     return None, 1
 
 
+def features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a Linear or Conv1D layer (Conv1D stores its weight [in, out])."""
+    rows, cols = module.weight.shape
+    return (rows, cols) if is_conv1d(module) else (cols, rows)
+
+
 def _block_of(module_name: str) -> str:
     """The module whose colwise layers feed its rowwise ones: a projection's parent, or for
     BERT's layout (`attention.self.query` -> `attention.output.dense`, `intermediate.dense` ->
@@ -280,18 +286,15 @@ def _mlp_widths(model: nn.Module, block: dict[str, set]) -> dict[str, int] | Non
     input, with their width in units of that input (Moshi's fc1: gate and up fused, twice
     fc2's input: 2); None when all match, or for an attention block (q/k/v widths differ
     by design)."""
-    if any(m.rpartition(".")[2] in Q_NAMES | KV_NAMES or m.rpartition(".")[2] in PACKED_NAMES for m in block["col"]):
+    attention_names = Q_NAMES | KV_NAMES | PACKED_NAMES.keys()
+    if any(m.rpartition(".")[2] in attention_names for m in block["col"]):
         return None
-
-    def width(module_name: str, out: bool) -> int:
-        module = model.get_submodule(module_name)
-        return module.weight.shape[int(is_conv1d(module)) if out else int(not is_conv1d(module))]
-
-    inputs = {width(m, out=False) for m in block["row"]}
+    inputs = {features(model.get_submodule(m))[0] for m in block["row"]}
     if len(inputs) != 1:
         return {m: 0 for m in block["col"]}  # nothing consistent to split: kept whole
     (row_in,) = inputs
-    odd = {m: width(m, out=True) / row_in for m in block["col"] if width(m, out=True) != row_in}
+    outputs = {m: features(model.get_submodule(m))[1] for m in block["col"]}
+    odd = {m: out / row_in for m, out in outputs.items() if out != row_in}
     return odd or None
 
 
@@ -305,9 +308,8 @@ def _full_width_sibling(model: nn.Module, module_name: str) -> bool:
     parent_name, _, last = module_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     projection = getattr(parent, last)
-    width = projection.nf if is_conv1d(projection) else projection.out_features
+    in_width, width = features(projection)
     width //= PACKED_NAMES.get(last, 1)
-    in_width = projection.weight.shape[0] if is_conv1d(projection) else projection.in_features
     others = {name: child for name, child in parent.named_children()
               if structural_style(child, f"{parent_name}.{name}", "weight")[0] is None}
     if width == in_width and any(structural_style(m, n, "weight")[0] for child in others.values()
@@ -332,7 +334,7 @@ def attention_split(model: nn.Module, module_name: str) -> bool:
         return True
     module = model.get_submodule(module_name)
     heads, head_dim = attention_shape(model.get_submodule(module_name.rpartition(".")[0]))
-    out = module.nf if is_conv1d(module) else module.out_features
+    out = features(module)[1]
     return heads is None or head_dim is None or out == 3 * heads * head_dim
 
 
