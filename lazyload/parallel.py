@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .errors import PlanError
-from .placements import (HEAD_COUNTS, KV_NAMES, PACKED_NAMES, Q_NAMES, Heads, Resolved, StylePlan, attention_checks,
+from .placements import (HEAD_COUNTS, KV_NAMES, PACKED_NAMES, Q_NAMES, STYLES, Heads, Resolved, StylePlan, attention_checks,
                          check_plan, is_conv1d, model_heads, model_tp_plan, owner_of, static_placements,
                          style_placement)
 from .plan import Placement, local_regions
@@ -72,6 +72,8 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
         ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
         tp = {k: v for k, v in expanded.items() if k not in ep}
         apply_tensor_parallelism(model, mesh, tp)
+        _mark_packed(model, tp)
+        _local_params_under_all_reduce(model, tp, mesh)
         if ep:
             from transformers.distributed.expert_parallel import apply_expert_parallelism
 
@@ -101,6 +103,43 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
         _localize_attention(model, recorded, heads, world, by_plan=by_plan and bool(heads.heads))
     model._lazyload_placements = {**getattr(model, "_lazyload_placements", {}), **recorded}
     return model
+
+
+def _mark_packed(model: nn.Module, expanded: dict[str, str]) -> None:
+    """DTensors whose style holds packed parts on a rank (a fused gate|up under "colwise":
+    `style_placement`) say so: `_StridedShard` (one slice of each part), not `Shard`, so that
+    load_into fills them with each part's slice and `full_tensor()` puts the parts back."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for name, param in list(model.named_parameters()):
+        style = expanded.get(name, expanded.get(name.rpartition(".")[0]))
+        if not isinstance(param, DTensor) or not isinstance(style, str) or style not in STYLES:
+            continue
+        placement = style_placement(style, name, param.ndim)
+        if placement.kind != "packed" or param.placements != (Shard(placement.dim % param.ndim),):
+            continue
+        strided = DTensor.from_local(param.to_local(), param.device_mesh,
+                                     [_StridedShard(placement.dim % param.ndim, split_factor=placement.parts)],
+                                     run_check=False, shape=param.shape, stride=param.stride())
+        module, _, attr = owner_of(model, name)
+        module._parameters[attr] = nn.Parameter(strided, requires_grad=param.requires_grad)
+
+
+def _local_params_under_all_reduce(model: nn.Module, expanded: dict[str, str], mesh: Any) -> None:
+    """transformers' "all_reduce" sums a module's partial output, but runs the module on its
+    own split parameters as DTensors, which only works when they sit in Linear children.
+    A module holding split tensors itself (Inkling's shared experts: bare 3-D tensors used
+    with bmm) runs them as local shards, as transformers' own "local_params" style does."""
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    for module_name, style in expanded.items():
+        if style != "all_reduce":
+            continue
+        module = model.get_submodule(module_name)
+        if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            ALL_PARALLEL_STYLES["local_params"].install_forward(module, mesh)
 
 
 def _expanded_plan(model: nn.Module, plan: Any, experts: str) -> dict[str, str]:

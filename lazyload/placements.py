@@ -38,6 +38,7 @@ from .plan import Placement, REPLICATE, check_rank, local_regions
 # transformers/distributed/tensor_parallel.py, expert_parallel.py). Module-level styles
 # (hooks only) leave parameters replicated.
 _COLWISE = {"colwise", "colwise_gather_output", "colwise_rep", "local_colwise", "gather"}
+_SPLIT_OUTPUT = {"colwise", "local_colwise"}  # colwise styles whose output stays split on the rank
 _ROWWISE = {"rowwise", "rowwise_split_input", "rowwise_rep", "local_rowwise"}
 _PACKED_COLWISE = {"packed_colwise", "local_packed_colwise"}
 _PACKED_ROWWISE = {"packed_rowwise", "local_packed_rowwise"}
@@ -81,6 +82,11 @@ def style_placement(style: str | Placement, name: str, ndim: int, conv1d: bool =
         return REPLICATE
     out_dim, in_dim = (1, 0) if conv1d else (max(ndim - 2, 0), ndim - 1)
     if style in _COLWISE:
+        if style in _SPLIT_OUTPUT and _fused_gate_up(name):
+            # The forward chunks a fused gate|up output in two, so each rank must hold its
+            # gates and its ups; transformers gets there by splitting the checkpoint's sources
+            # before converting them (Inkling's interleaved w13 under "colwise").
+            return Placement("packed", 0 if ndim == 1 else out_dim, parts=2)
         return Placement("shard", 0 if ndim == 1 else out_dim)
     if style in _ROWWISE:
         return REPLICATE if attr == "bias" or ndim == 1 else Placement("shard", in_dim)
@@ -91,6 +97,12 @@ def style_placement(style: str | Placement, name: str, ndim: int, conv1d: bool =
     if style in _EMBEDDING:
         return Placement("shard", min(_EMBEDDING[style], ndim - 1))
     return Placement("shard", 0)  # experts
+
+
+def _fused_gate_up(name: str) -> bool:
+    """A fused gate|up projection: experts' 3-D `gate_up_proj`, or a `gate_up_proj` layer's tensors."""
+    parts = name.split(".")
+    return parts[-1] == "gate_up_proj" or (len(parts) > 1 and parts[-2] == "gate_up_proj")
 
 
 def _glob_regex(pattern: str) -> re.Pattern:
@@ -136,6 +148,7 @@ def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
         if prefix and hasattr(model, prefix):
             base = {f"{prefix}.{k}": v for k, v in base.items()}
         plan = base
+    plan = {k: v for k, v in plan.items() if not _normed_embedding(model, k, v)}
     if experts == "ep":
         ep = dict(getattr(model, "ep_plan", None) or {}) or fused_experts_plan(model)
         if not ep:
@@ -147,6 +160,20 @@ def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
         raise PlanError(f"experts must be 'tp' (tensor parallel inside every expert) or 'ep' (whole experts "
                         f"per rank), got {experts!r}.")
     return plan
+
+
+def _normed_embedding(model: nn.Module, glob: str, style: Any) -> bool:
+    """A vocab-split embedding whose own forward runs a child with weights (Inkling's norm)
+    on the looked-up rows: the rows are summed across ranks only after that forward, so
+    the child would see partial rows. transformers adds "embedding_rowwise" to any
+    `embed_tokens` that is an nn.Embedding; such a one stays replicated."""
+    if style not in _EMBEDDING or "*" in glob:
+        return False
+    try:
+        module = model.get_submodule(glob)
+    except AttributeError:
+        return False
+    return isinstance(module, nn.Embedding) and any(True for c in module.children() for _ in c.parameters())
 
 
 def fused_experts_plan(model: nn.Module) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """Tensor parallel at world 2 (gloo) for causal LMs that lazyload's structural rule makes
-runnable, each family's small model from the architecture sweep
+runnable, and for those whose own transformers plan lazyload has to complete, each
+family's small model from the architecture sweep
 (benchmarks/sweep_architectures.py): the logits equal world 1's, within the order a
 row-parallel all-reduce sums in.
 
@@ -22,6 +23,9 @@ FAMILIES = {
     "MptForCausalLM": (True, "fused Wqkv the rule does not split: its out_proj replicated too, MLP split"),
     "MoshiForCausalLM": (True, "fc1 = gate|up fused (twice fc2's input): split as two packed parts"),
     "MambaForCausalLM": (False, "out_proj that no colwise layer feeds: replicated (the model runs whole)"),
+    # transformers' own plans
+    "Inkling2ForCausalLM": (True, "experts' fused gate_up_proj under 'colwise': each rank its gates and its ups"),
+    "InklingForCausalLM": (True, "normed embedding kept whole; shared experts' bare 3-D tensors run local"),
 }
 
 
@@ -43,8 +47,11 @@ def _case(case, rank, world):
     class_name, directory, split = case
     want, ref = _logits(directory, class_name, 0, 1)
     got, model = _logits(directory, class_name, rank, world)
+    from torch.distributed.tensor import DTensor
+
     full = {n: p.shape for n, p in ref.named_parameters()}
-    assert any(p.shape != full[n] for n, p in model.named_parameters()) == split, f"{class_name}: split is not {split}"
+    local = {n: (p.to_local() if isinstance(p, DTensor) else p).shape for n, p in model.named_parameters()}
+    assert any(local[n] != full[n] for n in full) == split, f"{class_name}: split is not {split}"
     scale = max(float(want.abs().max()), 1.0)
     torch.testing.assert_close(got, want, rtol=0, atol=sweep.TP_TOLERANCE * scale, msg=lambda m: f"{class_name}: {m}")
 
@@ -88,3 +95,31 @@ def test_structural_rule_splits_only_blocks_that_can_run():
     assert moshi["mlp.fc1.weight"] == Placement("packed", 0, parts=2) and moshi["mlp.fc2.weight"].dim == 1
     assert sorted({n.rpartition(".")[0] for n in _rule("XLMWithLMHeadModel")}) == [
         "k_lin", "lin1", "lin2", "out_lin", "q_lin", "v_lin"]  # attentions.0.*, ffns.0.*
+
+
+def test_a_fused_gate_up_under_colwise_holds_both_halves():
+    """transformers splits a converted tensor's sources before converting them, so Inkling's
+    interleaved w13 under "colwise" gives each rank its gates and its ups; lazyload's
+    placement says so directly. A gathered output keeps the contiguous split."""
+    from lazyload.placements import style_placement
+
+    assert style_placement("colwise", "layers.0.mlp.experts.gate_up_proj", 3) == Placement("packed", 1, parts=2)
+    assert style_placement("colwise", "layers.0.mlp.gate_up_proj.weight", 2) == Placement("packed", 0, parts=2)
+    assert style_placement("colwise_gather_output", "layers.0.mlp.gate_up_proj.weight", 2) == Placement("shard", 0)
+    assert style_placement("colwise", "layers.0.mlp.up_proj.weight", 2) == Placement("shard", 0)
+
+
+def test_an_embedding_that_normalizes_its_rows_stays_whole():
+    """transformers adds 'embedding_rowwise' to every nn.Embedding `embed_tokens`; Inkling's
+    runs an RMSNorm on the looked-up rows before the ranks' partial rows are summed."""
+    import transformers
+
+    from lazyload.placements import model_tp_plan
+
+    plans = {}
+    for name in ("InklingForCausalLM", "LlamaForCausalLM"):
+        cls = getattr(transformers, name)
+        with torch.device("meta"):
+            plans[name] = model_tp_plan(cls(sweep.shrink(cls.config_class())))
+    assert "model.embed_tokens" not in plans["InklingForCausalLM"]
+    assert plans["LlamaForCausalLM"]["model.embed_tokens"] == "embedding_rowwise"

@@ -62,6 +62,7 @@ def _case_world2(case, rank, world):
     """Under the process group: each rank's shard of a target computed whole equals its slice
     of the world-1 tensor."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     from lazyload import LazyCheckpoint
 
@@ -78,8 +79,10 @@ def _case_world2(case, rank, world):
         assert isinstance(param, DTensor), f"{name} was not made tensor parallel"
         local, expected = param.to_local(), want[name].detach()
         for placement in param.placements:
-            if isinstance(placement, Shard):
-                expected = expected.chunk(world, placement.dim)[rank]
+            if isinstance(placement, (Shard, _StridedShard)):  # strided: a fused gate|up, a slice of each part
+                parts = getattr(placement, "split_factor", 1)
+                expected = torch.cat([part.chunk(world, placement.dim)[rank]
+                                      for part in expected.chunk(parts, placement.dim)], placement.dim)
                 sharded += 1
         assert torch.equal(local, expected), f"{name}: rank {rank}'s shard is not world 1's slice"
     assert sharded, "no target computed whole was sharded"
@@ -87,6 +90,7 @@ def _case_world2(case, rank, world):
 
 def test_world_2_ranks_hold_world_1_slices_of_a_whole_conversion(tmp_path):
     """Inkling2's experts' gate_up_proj (an Interleave of the checkpoint's w13) is
-    column-parallel in its TP plan: each rank reads w13 whole, interleaves, keeps its slice."""
+    column-parallel in its TP plan: each rank reads w13 whole, interleaves, keeps its slice
+    of the gates and of the ups."""
     sweep.sweep_one("inkling2_text", "Inkling2TextModel", str(tmp_path))
     spawn_cases(2, [(str(tmp_path / "Inkling2TextModel"), "Inkling2TextModel")], tmp_path, _case_world2)
