@@ -52,14 +52,21 @@ STYLES = _COLWISE | _ROWWISE | _PACKED_COLWISE | _PACKED_ROWWISE | set(_EMBEDDIN
 # Structural rule (plain nn.Module, and transformers models without a TP plan, e.g. GPT-2):
 # by the last name of a Linear / Conv1D module.
 COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv",
-                 "query", "key", "value", "fc_in", "dense_h_to_4h", "q_lin", "k_lin", "v_lin", "lin1"}
+                 "query", "key", "value", "fc_in", "dense_h_to_4h", "q_lin", "k_lin", "v_lin", "lin1",
+                 "Wq", "Wk", "Wv", "Wi", "w_0", "w_1"}  # Wq...: CTRL; Wi: ModernBERT; w_0, w_1: CPM-Ant
 ROWWISE_NAMES = {"o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj", "fc_out", "dense_4h_to_h", "out_lin",
-                 "lin2"}
+                 "lin2", "Wo", "w_out"}
 PACKED_NAMES = {"c_attn": 3, "qkv_proj": 3, "W_pack": 3, "gate_up_proj": 2}
-KV_NAMES = {"k_proj", "v_proj", "key", "value", "wk", "wv", "k_lin", "v_lin"}
-Q_NAMES = {"q_proj", "query", "wq", "q_lin"}  # q_lin, k_lin, ...: XLM
-BERT_DENSE = {"intermediate": "colwise", "output": "rowwise"}  # `dense` layers by their parent's name
-BERT_BLOCKS = {"self", "intermediate", "output"}
+KV_NAMES = {"k_proj", "v_proj", "key", "value", "wk", "wv", "k_lin", "v_lin", "Wk", "Wv"}
+Q_NAMES = {"q_proj", "query", "wq", "q_lin", "Wq"}  # q_lin, k_lin, ...: XLM
+# `dense` layers by their parent's name: BERT's intermediate/output, CTRL's attention output
+BERT_DENSE = {"intermediate": "colwise", "output": "rowwise", "multi_head_attention": "rowwise"}
+BERT_BLOCKS = {"self", "intermediate", "output", "w_in"}  # a parent one level below its block (w_in: CPM-Ant)
+# Attention whose forward takes its width from outside the module, so it cannot run on a
+# rank's heads: the structural rule keeps these whole. BigBird swaps in an attention built
+# from the config for inputs too short for block-sparse; TrOCR reshapes its output to its
+# input's width.
+WHOLE_ATTENTION = {"BigBirdSelfAttention", "BigBirdBlockSparseAttention", "TrOCRAttention"}
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # an attention module's q head count
 
 
@@ -291,7 +298,7 @@ def paired_structural(model: nn.Module, structural: dict[str, tuple[Placement, s
     keep, fused = set(), set()
     for block in blocks.values():
         if block["col"] and block["row"] and all(attention_split(model, m) and not _full_width_sibling(model, m)
-                                                 for m in block["col"]):
+                                                 and not _in_whole_attention(model, m) for m in block["col"]):
             widths = _mlp_widths(model, block)
             if widths is None:
                 keep |= block["col"] | block["row"]
@@ -306,6 +313,10 @@ def paired_structural(model: nn.Module, structural: dict[str, tuple[Placement, s
         if module_name in keep:
             out[name] = placement
     return out
+
+
+def _in_whole_attention(model: nn.Module, module_name: str) -> bool:
+    return type(model.get_submodule(module_name.rpartition(".")[0])).__name__ in WHOLE_ATTENTION
 
 
 def _mlp_widths(model: nn.Module, block: dict[str, set]) -> dict[str, int] | None:

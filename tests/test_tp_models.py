@@ -23,6 +23,11 @@ FAMILIES = {
     "MptForCausalLM": (True, "fused Wqkv the rule does not split: its out_proj replicated too, MLP split"),
     "MoshiForCausalLM": (True, "fc1 = gate|up fused (twice fc2's input): split as two packed parts"),
     "MambaForCausalLM": (False, "out_proj that no colwise layer feeds: replicated (the model runs whole)"),
+    "CTRLLMHeadModel": (True, "Wq/Wk/Wv -> the attention's `dense`"),
+    "ModernBertDecoderForCausalLM": (True, "Wi = gate|up fused -> Wo; attention's Wo"),
+    "CpmAntForCausalLM": (True, "w_in.w_0 / w_in.w_1 -> w_out, a level apart; attention (position bias over all heads) whole"),
+    "BigBirdForCausalLM": (True, "attention rebuilt from the config in the forward: whole; MLP split"),
+    "TrOCRForCausalLM": (True, "attention reshaped to its input's width: whole; MLP split"),
     # transformers' own plans
     "Inkling2ForCausalLM": (True, "experts' fused gate_up_proj under 'colwise': each rank its gates and its ups"),
     "InklingForCausalLM": (True, "normed embedding kept whole; shared experts' bare 3-D tensors run local"),
@@ -95,6 +100,11 @@ def test_structural_rule_splits_only_blocks_that_can_run():
     assert moshi["mlp.fc1.weight"] == Placement("packed", 0, parts=2) and moshi["mlp.fc2.weight"].dim == 1
     assert sorted({n.rpartition(".")[0] for n in _rule("XLMWithLMHeadModel")}) == [
         "k_lin", "lin1", "lin2", "out_lin", "q_lin", "v_lin"]  # attentions.0.*, ffns.0.*
+    assert sorted({n.rpartition(".")[0] for n in _rule("TrOCRForCausalLM")}) == ["fc1", "fc2"]
+    assert sorted({n.rpartition(".")[0] for n in _rule("BigBirdForCausalLM")}) == [
+        "intermediate.dense", "output.dense"]
+    assert sorted({n.rpartition(".")[0] for n in _rule("CpmAntForCausalLM")}) == [
+        "ffn.ffn.w_in.w_0", "ffn.ffn.w_in.w_1", "ffn.ffn.w_out"]
 
 
 def test_a_fused_gate_up_under_colwise_holds_both_halves():
