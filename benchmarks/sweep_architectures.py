@@ -84,7 +84,8 @@ def _shrink(config, seen):
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
         if isinstance(value, list) and isinstance(layers, int) and len(value) > layers:
-            setattr(config, name, value[:layers])  # one entry per layer, validated against the count
+            setattr(config, name, _every_kind_first(value, layers))  # one entry per layer, validated against the count
+    _attention_within_layers(config, layers)
     for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > MAX_POSITIONS:
@@ -100,6 +101,31 @@ def _shrink(config, seen):
         for k, v in fields.items():
             if k.endswith(("_token_id", "_token_index")) and v in renumber:
                 setattr(config, k, renumber[v])
+
+
+def _every_kind_first(values: list, n: int) -> list:
+    """n per-layer entries where each kind of layer comes once before any repeats: a 2-layer
+    Qwen3-Next keeps its full-attention layer (the first two of its layer_types are linear,
+    and a cache of linear layers only cannot run), Bailing its sparse MLP."""
+    kinds = list(dict.fromkeys(values))
+    return (kinds + values)[:n] if len(kinds) < n else kinds[:n]
+
+
+def _attention_within_layers(config, layers) -> None:
+    """Layer kinds given as a period and an offset (Jamba: attention every 8th layer from
+    the 4th, experts every 2nd from the 1st) or as a repeating block pattern
+    (RecurrentGemma): every kind still occurs within the shrunk layer count."""
+    if not isinstance(layers, int):
+        return
+    for name in [n for n in vars(config) if n.endswith("_layer_period")]:
+        offset = name.removesuffix("period") + "offset"
+        period, start = getattr(config, name), getattr(config, offset, None)
+        if isinstance(period, int) and isinstance(start, int) and (period > layers or start >= layers):
+            setattr(config, name, layers)
+            setattr(config, offset, layers - 1)
+    blocks = getattr(config, "block_types", None)
+    if isinstance(blocks, list) and len(blocks) > layers:
+        config.block_types = _every_kind_first(blocks, layers)
 
 
 ROTARY_SECTIONS_BY_DEFAULT = {"ernie4_5_vl_moe_text": 3}  # models that read a 3-part mrope_section's default
