@@ -291,8 +291,11 @@ def _localize_attention(model: nn.Module, recorded: dict[str, Placement], heads:
         for attr in ATTENTION_WIDTHS:
             if getattr(module, attr, None) == q_full:
                 setattr(module, attr, q_local)
-        if isinstance(getattr(module, "num_key_value_groups", None), int) and kv_local:
-            module.num_key_value_groups = max(1, q_local // kv_local)
+        groups = getattr(module, "num_key_value_groups", None)
+        if isinstance(groups, int) and kv_local:
+            # scaled by the q and KV shares, not q_local // kv_local: a q projection may carry
+            # more than q (Qwen3-Next's is q and an output gate per head, twice as wide)
+            module.num_key_value_groups = max(1, groups * q_local * kv_full // (q_full * kv_local))
 
 
 def _child(module_name: str, name: str) -> str:

@@ -31,6 +31,8 @@ FAMILIES = {
     # transformers' own plans
     "Inkling2ForCausalLM": (True, "experts' fused gate_up_proj under 'colwise': each rank its gates and its ups"),
     "InklingForCausalLM": (True, "normed embedding kept whole; shared experts' bare 3-D tensors run local"),
+    "Qwen3NextForCausalLM": (True, "q_proj = q and a gate per head (twice as wide): KV groups kept; linear attention"),
+    "JambaForCausalLM": (True, "hybrid: mamba layers and an attention layer, experts"),
 }
 
 
