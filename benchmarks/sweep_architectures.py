@@ -72,6 +72,9 @@ def _shrink(config, seen):
             _shrink(value, seen)
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     for name, small in SMALL.items():
+        field = getattr(type(config), name, None)
+        if isinstance(field, property) and field.fset is None:  # derived (Xcodec's hidden_size): read-only
+            continue
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > small:
             setattr(config, name, small)
@@ -94,12 +97,33 @@ def _shrink(config, seen):
         config.vocab_size = SMALL_VOCAB
         if isinstance(getattr(config, "unpadded_vocab_size", None), int):  # Inkling2: rows kept of a padded head
             config.unpadded_vocab_size = min(config.unpadded_vocab_size, SMALL_VOCAB)
-        ids = sorted({v for k, v in fields.items() if k.endswith(("_token_id", "_token_index"))
-                      and isinstance(v, int) and v >= SMALL_VOCAB - 64})
+        ids = sorted({i for k, v in fields.items() if k.endswith(("_token_id", "_token_index"))
+                      for i in _token_ids(v) if i >= SMALL_VOCAB - 64})
         renumber = {old: SMALL_VOCAB - 64 + i for i, old in enumerate(ids[:64])}
         for k, v in fields.items():
-            if k.endswith(("_token_id", "_token_index")) and v in renumber:
-                setattr(config, k, renumber[v])
+            if k.endswith(("_token_id", "_token_index")) and any(i in renumber for i in _token_ids(v)):
+                setattr(config, k, [renumber.get(i, i) for i in v] if isinstance(v, list) else renumber[v])
+    _fill_unset(config)
+
+
+def _token_ids(value) -> list[int]:
+    """The ids of a `*_token_id` field: one int, or a list of them (GLM's eos_token_id)."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _fill_unset(config) -> None:
+    """Sizes a default config leaves None where the modeling code reads them as they are
+    (Ministral's and HunYuan's head_dim, Nemotron's num_key_value_heads): the values the
+    other models derive (hidden / heads; GQA with the small KV head count)."""
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    if not isinstance(heads, int) or not isinstance(hidden, int) or heads <= 0:
+        return
+    if "head_dim" in vars(config) and config.head_dim is None:
+        config.head_dim = hidden // heads
+    if "num_key_value_heads" in vars(config) and config.num_key_value_heads is None:
+        kv = SMALL["num_key_value_heads"]
+        config.num_key_value_heads = kv if heads % kv == 0 else heads
 
 
 ROTARY_SECTIONS_BY_DEFAULT = {"ernie4_5_vl_moe_text": 3}  # models that read a 3-part mrope_section's default
