@@ -72,6 +72,9 @@ def _shrink(config, seen):
             _shrink(value, seen)
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     for name, small in SMALL.items():
+        field = getattr(type(config), name, None)
+        if isinstance(field, property) and field.fset is None:  # derived (Xcodec's hidden_size): read-only
+            continue
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > small:
             setattr(config, name, small)
@@ -95,12 +98,97 @@ def _shrink(config, seen):
         config.vocab_size = SMALL_VOCAB
         if isinstance(getattr(config, "unpadded_vocab_size", None), int):  # Inkling2: rows kept of a padded head
             config.unpadded_vocab_size = min(config.unpadded_vocab_size, SMALL_VOCAB)
-        ids = sorted({v for k, v in fields.items() if k.endswith(("_token_id", "_token_index"))
-                      and isinstance(v, int) and v >= SMALL_VOCAB - 64})
+        ids = sorted({i for k, v in fields.items() if k.endswith(("_token_id", "_token_index"))
+                      for i in _token_ids(v) if i >= SMALL_VOCAB - 64})
         renumber = {old: SMALL_VOCAB - 64 + i for i, old in enumerate(ids[:64])}
         for k, v in fields.items():
-            if k.endswith(("_token_id", "_token_index")) and v in renumber:
-                setattr(config, k, renumber[v])
+            if k.endswith(("_token_id", "_token_index")) and any(i in renumber for i in _token_ids(v)):
+                setattr(config, k, [renumber.get(i, i) for i in v] if isinstance(v, list) else renumber[v])
+    _fill_unset(config)
+    _fix_model_type(config)
+
+
+def _token_ids(value) -> list[int]:
+    """The ids of a `*_token_id` field: one int, or a list of them (GLM's eos_token_id)."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _fill_unset(config) -> None:
+    """Sizes a default config leaves None where the modeling code reads them as they are
+    (Ministral's and HunYuan's head_dim, Nemotron's num_key_value_heads): the values the
+    other models derive (hidden / heads; GQA with the small KV head count)."""
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    if not isinstance(heads, int) or not isinstance(hidden, int) or heads <= 0:
+        return
+    if "head_dim" in vars(config) and config.head_dim is None:
+        config.head_dim = hidden // heads
+    if "num_key_value_heads" in vars(config) and config.num_key_value_heads is None:
+        kv = SMALL["num_key_value_heads"]
+        config.num_key_value_heads = kv if heads % kv == 0 else heads
+
+
+def _layer_pattern(*kinds):
+    """A per-layer list cycling through `kinds` for the config's (shrunk) layer count."""
+    return lambda c: [kinds[i % len(kinds)] for i in range(c.num_hidden_layers)]
+
+
+def _rope_per_layer_type(config):
+    """Cohere Compass reads rope_parameters[layer_type] (3-D sections of the small head dim's
+    half), which its default config leaves empty."""
+    half = (config.head_dim or config.hidden_size // config.num_attention_heads) // 2
+    sections = [half - 2 * (half // 4), half // 4, half // 4]
+    return {t: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections}
+            for t in dict.fromkeys(config.layer_types)}
+
+
+PP_OCR_DET_NECK = {  # PP-OCR's text detection neck (its published layout, [kernel, stride, padding]): no defaults
+    "intraclass_block_config": {
+        "reduce_channel": [1, 1, 0],
+        "return_channel": [1, 1, 0],
+        "vertical_long_to_small_conv_longratio": [[7, 1], [1, 1], [3, 0]],
+        "vertical_long_to_small_conv_midratio": [[5, 1], [1, 1], [2, 0]],
+        "vertical_long_to_small_conv_shortratio": [[3, 1], [1, 1], [1, 0]],
+        "horizontal_small_to_long_conv_longratio": [[1, 7], [1, 1], [0, 3]],
+        "horizontal_small_to_long_conv_midratio": [[1, 5], [1, 1], [0, 2]],
+        "horizontal_small_to_long_conv_shortratio": [[1, 3], [1, 1], [0, 1]],
+        "symmetric_conv_long_longratio": [[7, 7], [1, 1], [3, 3]],
+        "symmetric_conv_long_midratio": [[5, 5], [1, 1], [2, 2]],
+        "symmetric_conv_long_shortratio": [[3, 3], [1, 1], [1, 1]],
+    },
+    "scale_factor_list": [1, 2, 4, 8],
+    "kernel_list": [3, 2, 2],
+}
+
+# Config class -> field -> value (or a function of the shrunk config): what a model type's
+# modeling code needs but its default config leaves unset or lacks, in the small sizes.
+FIXUPS = {
+    "DbrxAttentionConfig": {"rope_theta": 10000.0},  # read by DbrxAttention, not a declared field
+    "Qwen3OmniMoeTalkerTextConfig": {"shared_expert_intermediate_size": 64},  # read by its MoE block, not declared
+    "Qwen3OmniMoeTalkerConfig": {"spatial_merge_size": 2},  # read by the talker, not declared (the vision's is 2)
+    "Lfm2MoeConfig": {"layer_types": _layer_pattern("conv", "full_attention"),  # no default
+                      "num_dense_layers": 1},  # layer 0 dense, layer 1 MoE (the default 2 leaves no expert)
+    "DeepseekOcr2TextConfig": {"mlp_layer_types": _layer_pattern("dense", "sparse")},  # no default
+    "Dots1Config": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # no defaults
+    "CohereCompassTextConfig": {"rope_parameters": _rope_per_layer_type},
+    "EsmConfig": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},  # ESM-2's alphabet; no default
+    "PPOCRV5ServerDetConfig": PP_OCR_DET_NECK,
+    "PPOCRV6MediumDetConfig": PP_OCR_DET_NECK,
+    "MoonshineStreamingConfig": {"num_key_value_heads": lambda c: c.num_attention_heads},  # read, not declared
+    "T5Gemma2TextConfig": {"dropout_rate": 0.0},  # read by the encoder; only T5Gemma2Config sets it
+    "HieraConfig": {"decoder_hidden_size": 32, "decoder_depth": 1, "decoder_num_heads": 2},  # the MAE decoder: no defaults
+    "MobileBertConfig": {"embedding_size": 32, "intra_bottleneck_size": 32},  # below the small hidden size
+    "Granite4VisionConfig": {"downsample_rate": "1/2", "deepstack_layer_map": [[-2, 0], [-1, 1]],  # no defaults;
+                             "spatial_target_layers": [0, 1, 0, 1]},  # default targets layers 12-21
+}
+
+
+def _fix_model_type(config) -> None:
+    """The FIXUPS of the config's class; an image-token vocabulary map where one is unset."""
+    for name, value in FIXUPS.get(type(config).__name__, {}).items():
+        setattr(config, name, value(config) if callable(value) else value)
+    if "vocabulary_map" in vars(config) and config.vocabulary_map is None:  # Chameleon, Emu3: image token ids
+        config.vocabulary_map = {"<image>": SMALL_VOCAB - 1}
 
 
 def _every_kind_first(values: list, n: int) -> list:

@@ -91,3 +91,21 @@ def test_tensors_the_model_expects_missing_get_its_init(classes, tmp_path):
         assert report.ok and not report.missing
         assert sorted(report.initialized) == (positions if missing == "init" else [])
         assert [model.get_parameter(n).is_meta for n in positions] == [missing == "keep"] * 2
+
+
+def test_shrink_makes_valid_configs_of_defaults_that_leave_sizes_unset():
+    """Default configs the sweep could not shrink before: GLM's eos ids are a list (renumbered
+    below the small vocab), Ministral's head_dim and Nemotron's KV head count are None (set as
+    other models derive them), Xcodec's hidden_size is a read-only property (left to derive),
+    DBRX's attention reads a rope_theta its config lacks (given)."""
+    import transformers
+
+    glm = sweep.shrink(transformers.GlmConfig())
+    assert isinstance(glm.eos_token_id, list) and all(i < glm.vocab_size for i in glm.eos_token_id)
+    ministral = sweep.shrink(transformers.MinistralConfig())
+    assert ministral.head_dim * ministral.num_attention_heads == ministral.hidden_size
+    nemotron = sweep.shrink(transformers.NemotronConfig())
+    assert nemotron.num_attention_heads % nemotron.num_key_value_heads == 0
+    xcodec = sweep.shrink(transformers.XcodecConfig())
+    assert xcodec.acoustic_model_config.hidden_size <= sweep.SMALL["hidden_size"]
+    assert sweep.shrink(transformers.DbrxConfig()).attn_config.rope_theta > 0
