@@ -80,6 +80,9 @@ def _shrink(config, seen):
     if isinstance(heads, int) and heads == kv and hasattr(config, "kv_lora_rank"):  # MLA: KV heads are heads
         config.num_key_value_heads = config.num_attention_heads
     _shrink_rotary_sections(config)
+    _shrink_backbone_stages(config)
+    for name, value in SMALL_BY_TYPE.get(getattr(config, "model_type", None), {}).items():
+        setattr(config, name, value)
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
@@ -122,6 +125,31 @@ def _shrink_rotary_sections(config) -> None:
     scaled = [max(1, s * half // sum(sections)) for s in sections]
     scaled[0] += half - sum(scaled)  # what rounding lost or added
     rope["mrope_section"] = scaled
+
+
+SMALL_BY_TYPE = {  # model type -> fields whose small value follows the model's own rule
+    "lw_detr_vit": {"num_windows": 4},  # image_size / num_windows must be a multiple of sqrt(num_windows)
+}
+
+
+def _shrink_backbone_stages(config) -> None:
+    """A backbone config names one stage per layer ("stem", "stage1".."stageN") and picks
+    its outputs among them (`out_features` / `out_indices`), checked when it is read back:
+    after the layer count shrinks, the stages are named again and each picked stage moves
+    to the end (the stem stays the stem). A model that needs k outputs (a DPT neck's four)
+    keeps k layers."""
+    stages, picked = getattr(config, "stage_names", None), getattr(config, "_out_indices", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not (isinstance(stages, list) and isinstance(picked, list) and isinstance(layers, int)):
+        return
+    if stages != ["stem"] + [f"stage{i}" for i in range(1, len(stages))] or len(stages) - 1 <= layers:
+        return
+    picked = [i % len(stages) for i in picked]
+    stem, rest = [i for i in picked if i == 0], [i for i in picked if i > 0]
+    layers = config.num_hidden_layers = max(layers, len(rest))
+    config.stage_names = ["stem"] + [f"stage{i}" for i in range(1, layers + 1)]
+    indices = stem + list(range(layers - len(rest) + 1, layers + 1))
+    config._out_indices, config._out_features = indices, [config.stage_names[i] for i in indices]
 
 
 def model_classes(match: list[str] | None = None, causal_lm: bool = False) -> list[tuple[str, str]]:
