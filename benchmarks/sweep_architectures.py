@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import signal
 import subprocess
@@ -81,6 +82,7 @@ def _shrink(config, seen):
         config.num_key_value_heads = config.num_attention_heads
     _shrink_rotary_sections(config)
     _shrink_backbone_stages(config)
+    _shrink_stage_heads(config)
     for name, value in SMALL_BY_TYPE.get(getattr(config, "model_type", None), {}).items():
         setattr(config, name, value)
     layers = getattr(config, "num_hidden_layers", None)
@@ -129,7 +131,22 @@ def _shrink_rotary_sections(config) -> None:
 
 SMALL_BY_TYPE = {  # model type -> fields whose small value follows the model's own rule
     "lw_detr_vit": {"num_windows": 4},  # image_size / num_windows must be a multiple of sqrt(num_windows)
+    # the default config has no task head (published checkpoints name theirs): a small one
+    "sapiens2_head": {"upsample_out_channels": [32, 32], "conv_out_channels": [32],
+                      "scale_conv_out_channels": [32], "scale_final_hidden_sizes": [32, 32]},
 }
+BACKBONE_OUTPUTS = {"beit": 4}  # outputs a head needs that the default config does not pick (BEiT's FPN: 4)
+
+
+def _shrink_stage_heads(config) -> None:
+    """Swin-like configs give each stage its depth and head count (`depths`, `num_heads`),
+    the stage widths being `embed_dim` times a power of two: at most 2 blocks a stage, and
+    head counts that divide the small `embed_dim` (so every stage's width too)."""
+    depths, heads, width = (getattr(config, n, None) for n in ("depths", "num_heads", "embed_dim"))
+    if not (isinstance(depths, (list, tuple)) and isinstance(heads, (list, tuple)) and isinstance(width, int)):
+        return
+    config.depths = [min(d, 2) for d in depths]
+    config.num_heads = [math.gcd(h, width) for h in heads]
 
 
 def _shrink_backbone_stages(config) -> None:
@@ -146,6 +163,8 @@ def _shrink_backbone_stages(config) -> None:
         return
     picked = [i % len(stages) for i in picked]
     stem, rest = [i for i in picked if i == 0], [i for i in picked if i > 0]
+    wanted = BACKBONE_OUTPUTS.get(getattr(config, "model_type", None), len(rest))
+    rest = rest if len(rest) >= wanted else list(range(1, wanted + 1))
     layers = config.num_hidden_layers = max(layers, len(rest))
     config.stage_names = ["stem"] + [f"stage{i}" for i in range(1, layers + 1)]
     indices = stem + list(range(layers - len(rest) + 1, layers + 1))
