@@ -131,6 +131,9 @@ def _shrink_rotary_sections(config) -> None:
 
 SMALL_BY_TYPE = {  # model type -> fields whose small value follows the model's own rule
     "lw_detr_vit": {"num_windows": 4},  # image_size / num_windows must be a multiple of sqrt(num_windows)
+    # the cross-attention's queries and keys are as wide as the inputs (an image's 322 channels),
+    # so one head as in the published image models; and a small latent array
+    "perceiver": {"num_cross_attention_heads": 1, "d_latents": 64, "num_latents": 32, "num_self_attends_per_block": 2},
     # the default config has no task head (published checkpoints name theirs): a small one
     "sapiens2_head": {"upsample_out_channels": [32, 32], "conv_out_channels": [32],
                       "scale_conv_out_channels": [32], "scale_final_hidden_sizes": [32, 32]},
