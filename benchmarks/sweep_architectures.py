@@ -75,7 +75,7 @@ def _shrink(config, seen):
     for name, small in SMALL.items():
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > small:
-            setattr(config, name, small)
+            _set_size(config, name, small)
         elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
             setattr(config, name, [min(v, small) for v in value])
     if isinstance(heads, int) and heads == kv and hasattr(config, "kv_lora_rank"):  # MLA: KV heads are heads
@@ -83,6 +83,7 @@ def _shrink(config, seen):
     _shrink_rotary_sections(config)
     _shrink_backbone_stages(config)
     _shrink_stage_heads(config)
+    _shrink_channel_groups(config)
     for name, value in SMALL_BY_TYPE.get(getattr(config, "model_type", None), {}).items():
         setattr(config, name, value)
     layers = getattr(config, "num_hidden_layers", None)
@@ -134,11 +135,21 @@ SMALL_BY_TYPE = {  # model type -> fields whose small value follows the model's 
     # the cross-attention's queries and keys are as wide as the inputs (an image's 322 channels),
     # so one head as in the published image models; and a small latent array
     "perceiver": {"num_cross_attention_heads": 1, "d_latents": 64, "num_latents": 32, "num_self_attends_per_block": 2},
+    "funnel": {"block_sizes": [1, 1, 1]},  # its layer count is the sum of block_sizes
     # the default config has no task head (published checkpoints name theirs): a small one
     "sapiens2_head": {"upsample_out_channels": [32, 32], "conv_out_channels": [32],
                       "scale_conv_out_channels": [32], "scale_final_hidden_sizes": [32, 32]},
 }
 BACKBONE_OUTPUTS = {"beit": 4}  # outputs a head needs that the default config does not pick (BEiT's FPN: 4)
+
+
+def _set_size(config, name: str, value: int) -> None:
+    """Sets a size field, except one a config derives and will not take (Funnel's and
+    ProphetNet's `num_hidden_layers`: SMALL / SMALL_BY_TYPE set the fields it comes from)."""
+    try:
+        setattr(config, name, value)
+    except NotImplementedError:
+        pass
 
 
 def _shrink_stage_heads(config) -> None:
@@ -150,6 +161,18 @@ def _shrink_stage_heads(config) -> None:
         return
     config.depths = [min(d, 2) for d in depths]
     config.num_heads = [math.gcd(h, width) for h in heads]
+
+
+def _shrink_channel_groups(config) -> None:
+    """Grouped convolutions over the hidden channels (Mimi's depthwise upsampling:
+    `upsample_groups` = hidden size) need a group count dividing the shrunk hidden size."""
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(hidden, int):
+        return
+    for name in [n for n in vars(config) if n.endswith("groups")]:
+        value = getattr(config, name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1 and hidden % value:
+            setattr(config, name, math.gcd(value, hidden))
 
 
 def _shrink_backbone_stages(config) -> None:
