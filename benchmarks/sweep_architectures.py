@@ -136,9 +136,19 @@ SMALL_BY_TYPE = {  # model type -> fields whose small value follows the model's 
     # so one head as in the published image models; and a small latent array
     "perceiver": {"num_cross_attention_heads": 1, "d_latents": 64, "num_latents": 32, "num_self_attends_per_block": 2},
     "funnel": {"block_sizes": [1, 1, 1]},  # its layer count is the sum of block_sizes
+    # time series: the default leaves the forecast length unset (required)
+    **dict.fromkeys(("autoformer", "informer", "time_series_transformer"), {"prediction_length": 8}),
+    # axial position embeddings: their widths add up to the hidden size, their shape multiplies to the positions
+    "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
+    "squeezebert": {"embedding_size": 64},  # the embeddings feed the first layer unprojected
+    **dict.fromkeys(("wav2vec2-bert", "wav2vec2-conformer"), {"vocab_size": 32}),  # CTC heads need one; no default
     # the default config has no task head (published checkpoints name theirs): a small one
     "sapiens2_head": {"upsample_out_channels": [32, 32], "conv_out_channels": [32],
                       "scale_conv_out_channels": [32], "scale_final_hidden_sizes": [32, 32]},
+}
+SMALL_BY_CLASS = {  # class -> config fields the class itself demands of its config
+    "ReformerModelWithLMHead": {"is_decoder": True},
+    "T5GemmaEncoderModel": {"is_encoder_decoder": False},
 }
 BACKBONE_OUTPUTS = {"beit": 4}  # outputs a head needs that the default config does not pick (BEiT's FPN: 4)
 
@@ -200,10 +210,12 @@ def _shrink_backbone_stages(config) -> None:
 def model_classes(match: list[str] | None = None, causal_lm: bool = False) -> list[tuple[str, str]]:
     """(model type, class name) for every class in transformers' auto mappings (only the
     causal LM mapping with `causal_lm`)."""
+    import transformers
     from transformers.models.auto import modeling_auto
 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    exported = set(dir(transformers))  # names only: importing each class would load every model
     types: dict[str, list[str]] = defaultdict(list)
     for name in sorted(dir(modeling_auto)):
         if causal_lm and name != "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES":
@@ -214,6 +226,8 @@ def model_classes(match: list[str] | None = None, causal_lm: bool = False) -> li
                     types[cls].append(model_type)
     rows = []
     for cls, candidates in types.items():  # a class listed under several types (aliases): its own type
+        if cls not in exported:  # a mapping may name a class transformers does not export
+            continue
         own = [t for t in candidates if CONFIG_MAPPING_NAMES.get(t) and cls.startswith(
             CONFIG_MAPPING_NAMES[t].removesuffix("Config"))]
         rows.append((sorted(own or candidates, key=len)[0], cls))
@@ -281,6 +295,13 @@ def _as_read_back(config_class, config, workdir: str):
         return config_class.from_pretrained(directory)
 
 
+def _for_class(config, class_name: str):
+    """The shrunk config with the fields its class demands (SMALL_BY_CLASS)."""
+    for name, value in SMALL_BY_CLASS.get(class_name, {}).items():
+        setattr(config, name, value)
+    return config
+
+
 def write_small(model_type: str, class_name: str, workdir: str) -> str:
     """A small model of the class (shrunk default config, random weights), saved with
     `save_pretrained` in about four shards under workdir/class_name; returns that directory."""
@@ -292,7 +313,7 @@ def write_small(model_type: str, class_name: str, workdir: str) -> str:
     config_class = CONFIG_MAPPING[model_type]
     if cls.config_class is not None and cls.config_class is not config_class:
         config_class = cls.config_class  # e.g. Llama4ForCausalLM takes the text config
-    config = _as_read_back(config_class, shrink(config_class()), workdir)
+    config = _as_read_back(config_class, _for_class(shrink(config_class()), class_name), workdir)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(config).eval()
