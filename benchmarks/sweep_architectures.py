@@ -197,6 +197,8 @@ def _shrink_backbone_stages(config) -> None:
         return
     if stages != ["stem"] + [f"stage{i}" for i in range(1, len(stages))] or len(stages) - 1 <= layers:
         return
+    if hasattr(config, "depths"):  # stages of several layers each (ConvNeXt, Swin): named after `depths`
+        return
     picked = [i % len(stages) for i in picked]
     stem, rest = [i for i in picked if i == 0], [i for i in picked if i > 0]
     wanted = BACKBONE_OUTPUTS.get(getattr(config, "model_type", None), len(rest))
