@@ -304,6 +304,9 @@ def _for_class(config, class_name: str):
     return config
 
 
+_SAVED: dict[str, dict] = {}  # directory -> the tensors write_small saved there (sweep_one's second witness)
+
+
 def write_small(model_type: str, class_name: str, workdir: str) -> str:
     """A small model of the class (shrunk default config, random weights), saved with
     `save_pretrained` in about four shards under workdir/class_name; returns that directory."""
@@ -324,6 +327,7 @@ def write_small(model_type: str, class_name: str, workdir: str) -> str:
             if p.is_floating_point():
                 p.add_(torch.randn_like(p) * 0.02)
     directory = os.path.join(workdir, class_name)
+    _SAVED[directory] = _tensors(model)
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     model.save_pretrained(directory, max_shard_size=max(total // 4, 1))
     return directory
@@ -332,7 +336,8 @@ def write_small(model_type: str, class_name: str, workdir: str) -> str:
 def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
     """Build, save, load both ways and compare one class. Returns a row:
     outcome in exact | differs | outputs differ | lazyload error | no small config |
-    from_pretrained fails; detail says what."""
+    from_pretrained fails (also where its load differs from the model saved while lazyload's
+    equals it); detail says what."""
     import torch
     import transformers
 
@@ -343,6 +348,7 @@ def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
         directory = write_small(model_type, class_name, workdir)
     except Exception as exc:
         return row | {"outcome": "no small config", "detail": _short(exc)}
+    written = _SAVED.pop(directory, None)
     cls = getattr(transformers, class_name)
     try:
         reference = cls.from_pretrained(directory, attn_implementation="eager").eval()
@@ -358,6 +364,9 @@ def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
     except Exception as exc:
         return row | {"outcome": "lazyload error", "detail": _short(exc)}
     diffs = _differences(_tensors(model), _tensors(reference))
+    if diffs and written is not None and not _differences(_tensors(model), written):
+        return row | {"outcome": "from_pretrained fails", "detail": f"its round trip changes {len(diffs)}: "
+                      + ", ".join(diffs[:4]) + "; lazyload's load equals the model saved"}
     if diffs:
         return row | {"outcome": "differs", "detail": f"{len(diffs)}: " + ", ".join(diffs[:4])}
     got, want = _outputs(model), _outputs(reference)
