@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import signal
 import subprocess
@@ -77,12 +78,17 @@ def _shrink(config, seen):
             continue
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > small:
-            setattr(config, name, small)
+            _set_size(config, name, small)
         elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
             setattr(config, name, [min(v, small) for v in value])
     if isinstance(heads, int) and heads == kv and hasattr(config, "kv_lora_rank"):  # MLA: KV heads are heads
         config.num_key_value_heads = config.num_attention_heads
     _shrink_rotary_sections(config)
+    _shrink_backbone_stages(config)
+    _shrink_stage_heads(config)
+    _shrink_channel_groups(config)
+    for name, value in SMALL_BY_TYPE.get(getattr(config, "model_type", None), {}).items():
+        setattr(config, name, value)
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
@@ -238,13 +244,94 @@ def _shrink_rotary_sections(config) -> None:
     rope["mrope_section"] = scaled
 
 
+SMALL_BY_TYPE = {  # model type -> fields whose small value follows the model's own rule
+    "lw_detr_vit": {"num_windows": 4},  # image_size / num_windows must be a multiple of sqrt(num_windows)
+    # the cross-attention's queries and keys are as wide as the inputs (an image's 322 channels),
+    # so one head as in the published image models; and a small latent array
+    "perceiver": {"num_cross_attention_heads": 1, "d_latents": 64, "num_latents": 32, "num_self_attends_per_block": 2},
+    "funnel": {"block_sizes": [1, 1, 1]},  # its layer count is the sum of block_sizes
+    # time series: the default leaves the forecast length unset (required)
+    **dict.fromkeys(("autoformer", "informer", "time_series_transformer"), {"prediction_length": 8}),
+    # axial position embeddings: their widths add up to the hidden size, their shape multiplies to the positions
+    "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
+    "squeezebert": {"embedding_size": 64},  # the embeddings feed the first layer unprojected
+    **dict.fromkeys(("wav2vec2-bert", "wav2vec2-conformer"), {"vocab_size": 32}),  # CTC heads need one; no default
+    # the default config has no task head (published checkpoints name theirs): a small one
+    "sapiens2_head": {"upsample_out_channels": [32, 32], "conv_out_channels": [32],
+                      "scale_conv_out_channels": [32], "scale_final_hidden_sizes": [32, 32]},
+}
+SMALL_BY_CLASS = {  # class -> config fields the class itself demands of its config
+    "ReformerModelWithLMHead": {"is_decoder": True},
+    "T5GemmaEncoderModel": {"is_encoder_decoder": False},
+}
+BACKBONE_OUTPUTS = {"beit": 4}  # outputs a head needs that the default config does not pick (BEiT's FPN: 4)
+
+
+def _set_size(config, name: str, value: int) -> None:
+    """Sets a size field, except one a config derives and will not take (Funnel's and
+    ProphetNet's `num_hidden_layers`: SMALL / SMALL_BY_TYPE set the fields it comes from)."""
+    try:
+        setattr(config, name, value)
+    except NotImplementedError:
+        pass
+
+
+def _shrink_stage_heads(config) -> None:
+    """Swin-like configs give each stage its depth and head count (`depths`, `num_heads`),
+    the stage widths being `embed_dim` times a power of two: at most 2 blocks a stage, and
+    head counts that divide the small `embed_dim` (so every stage's width too)."""
+    depths, heads, width = (getattr(config, n, None) for n in ("depths", "num_heads", "embed_dim"))
+    if not (isinstance(depths, (list, tuple)) and isinstance(heads, (list, tuple)) and isinstance(width, int)):
+        return
+    config.depths = [min(d, 2) for d in depths]
+    config.num_heads = [math.gcd(h, width) for h in heads]
+
+
+def _shrink_channel_groups(config) -> None:
+    """Grouped convolutions over the hidden channels (Mimi's depthwise upsampling:
+    `upsample_groups` = hidden size) need a group count dividing the shrunk hidden size."""
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(hidden, int):
+        return
+    for name in [n for n in vars(config) if n.endswith("groups")]:
+        value = getattr(config, name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1 and hidden % value:
+            setattr(config, name, math.gcd(value, hidden))
+
+
+def _shrink_backbone_stages(config) -> None:
+    """A backbone config names one stage per layer ("stem", "stage1".."stageN") and picks
+    its outputs among them (`out_features` / `out_indices`), checked when it is read back:
+    after the layer count shrinks, the stages are named again and each picked stage moves
+    to the end (the stem stays the stem). A model that needs k outputs (a DPT neck's four)
+    keeps k layers."""
+    stages, picked = getattr(config, "stage_names", None), getattr(config, "_out_indices", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not (isinstance(stages, list) and isinstance(picked, list) and isinstance(layers, int)):
+        return
+    if stages != ["stem"] + [f"stage{i}" for i in range(1, len(stages))] or len(stages) - 1 <= layers:
+        return
+    if hasattr(config, "depths"):  # stages of several layers each (ConvNeXt, Swin): named after `depths`
+        return
+    picked = [i % len(stages) for i in picked]
+    stem, rest = [i for i in picked if i == 0], [i for i in picked if i > 0]
+    wanted = BACKBONE_OUTPUTS.get(getattr(config, "model_type", None), len(rest))
+    rest = rest if len(rest) >= wanted else list(range(1, wanted + 1))
+    layers = config.num_hidden_layers = max(layers, len(rest))
+    config.stage_names = ["stem"] + [f"stage{i}" for i in range(1, layers + 1)]
+    indices = stem + list(range(layers - len(rest) + 1, layers + 1))
+    config._out_indices, config._out_features = indices, [config.stage_names[i] for i in indices]
+
+
 def model_classes(match: list[str] | None = None, causal_lm: bool = False) -> list[tuple[str, str]]:
     """(model type, class name) for every class in transformers' auto mappings (only the
     causal LM mapping with `causal_lm`)."""
+    import transformers
     from transformers.models.auto import modeling_auto
 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    exported = set(dir(transformers))  # names only: importing each class would load every model
     types: dict[str, list[str]] = defaultdict(list)
     for name in sorted(dir(modeling_auto)):
         if causal_lm and name != "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES":
@@ -255,6 +342,8 @@ def model_classes(match: list[str] | None = None, causal_lm: bool = False) -> li
                     types[cls].append(model_type)
     rows = []
     for cls, candidates in types.items():  # a class listed under several types (aliases): its own type
+        if cls not in exported:  # a mapping may name a class transformers does not export
+            continue
         own = [t for t in candidates if CONFIG_MAPPING_NAMES.get(t) and cls.startswith(
             CONFIG_MAPPING_NAMES[t].removesuffix("Config"))]
         rows.append((sorted(own or candidates, key=len)[0], cls))
@@ -322,6 +411,16 @@ def _as_read_back(config_class, config, workdir: str):
         return config_class.from_pretrained(directory)
 
 
+def _for_class(config, class_name: str):
+    """The shrunk config with the fields its class demands (SMALL_BY_CLASS)."""
+    for name, value in SMALL_BY_CLASS.get(class_name, {}).items():
+        setattr(config, name, value)
+    return config
+
+
+_SAVED: dict[str, dict] = {}  # directory -> the tensors write_small saved there (sweep_one's second witness)
+
+
 def write_small(model_type: str, class_name: str, workdir: str) -> str:
     """A small model of the class (shrunk default config, random weights), saved with
     `save_pretrained` in about four shards under workdir/class_name; returns that directory."""
@@ -333,7 +432,7 @@ def write_small(model_type: str, class_name: str, workdir: str) -> str:
     config_class = CONFIG_MAPPING[model_type]
     if cls.config_class is not None and cls.config_class is not config_class:
         config_class = cls.config_class  # e.g. Llama4ForCausalLM takes the text config
-    config = _as_read_back(config_class, shrink(config_class()), workdir)
+    config = _as_read_back(config_class, _for_class(shrink(config_class()), class_name), workdir)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(config).eval()
@@ -342,6 +441,7 @@ def write_small(model_type: str, class_name: str, workdir: str) -> str:
             if p.is_floating_point():
                 p.add_(torch.randn_like(p) * 0.02)
     directory = os.path.join(workdir, class_name)
+    _SAVED[directory] = _tensors(model)
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     model.save_pretrained(directory, max_shard_size=max(total // 4, 1))
     return directory
@@ -350,7 +450,8 @@ def write_small(model_type: str, class_name: str, workdir: str) -> str:
 def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
     """Build, save, load both ways and compare one class. Returns a row:
     outcome in exact | differs | outputs differ | lazyload error | no small config |
-    from_pretrained fails; detail says what."""
+    from_pretrained fails (also where its load differs from the model saved while lazyload's
+    equals it); detail says what."""
     import torch
     import transformers
 
@@ -361,6 +462,7 @@ def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
         directory = write_small(model_type, class_name, workdir)
     except Exception as exc:
         return row | {"outcome": "no small config", "detail": _short(exc)}
+    written = _SAVED.pop(directory, None)
     cls = getattr(transformers, class_name)
     try:
         reference = cls.from_pretrained(directory, attn_implementation="eager").eval()
@@ -376,6 +478,9 @@ def sweep_one(model_type: str, class_name: str, workdir: str) -> dict:
     except Exception as exc:
         return row | {"outcome": "lazyload error", "detail": _short(exc)}
     diffs = _differences(_tensors(model), _tensors(reference))
+    if diffs and written is not None and not _differences(_tensors(model), written):
+        return row | {"outcome": "from_pretrained fails", "detail": f"its round trip changes {len(diffs)}: "
+                      + ", ".join(diffs[:4]) + "; lazyload's load equals the model saved"}
     if diffs:
         return row | {"outcome": "differs", "detail": f"{len(diffs)}: " + ", ".join(diffs[:4])}
     got, want = _outputs(model), _outputs(reference)

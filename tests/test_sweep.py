@@ -62,6 +62,26 @@ def test_sweep_tells_a_wrong_tensor_from_a_right_one(classes, tmp_path, monkeypa
     assert row["outcome"] == "differs", row
 
 
+def test_sweep_tells_from_pretrained_changing_the_saved_model(classes, tmp_path, monkeypatch):
+    """The second witness: where `from_pretrained` loads a tensor unlike the model that was
+    saved (transformers' renaming swaps PixioBackbone's two layer norms) while lazyload's load
+    equals the saved model, the row blames `from_pretrained`, not lazyload."""
+    import torch
+    import transformers
+
+    from_pretrained = transformers.LlamaForCausalLM.from_pretrained
+
+    def off_by_one(cls, *args, **kwargs):
+        model = from_pretrained(*args, **kwargs)
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] += 1
+        return model
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained", classmethod(off_by_one))
+    row = sweep.sweep_one(classes["LlamaForCausalLM"], "LlamaForCausalLM", str(tmp_path))
+    assert row["outcome"] == "from_pretrained fails" and "round trip" in row["detail"], row
+
+
 @pytest.mark.slow
 def test_every_class_loads_as_from_pretrained(classes):
     """The whole sweep: every class that from_pretrained loads, lazyload loads exactly."""
