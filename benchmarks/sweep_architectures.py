@@ -89,6 +89,9 @@ def _shrink(config, seen):
     _shrink_channel_groups(config)
     for name, value in SMALL_BY_TYPE.get(getattr(config, "model_type", None), {}).items():
         setattr(config, name, value)
+    _follow_shrunk_sizes(config, fields)
+    _runnable_defaults(config)
+    _model_fixups(config)
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
@@ -220,6 +223,68 @@ def _attention_within_layers(config, layers) -> None:
     blocks = getattr(config, "block_types", None)
     if isinstance(blocks, list) and len(blocks) > layers:
         config.block_types = _every_kind_first(blocks, layers)
+
+
+def _follow_shrunk_sizes(config, before: dict) -> None:
+    """Sizes a config derives in its init from a size SMALL shrinks (a field left None there:
+    RWKV's attention_hidden_size from hidden_size, xLSTM's embedding_dim and num_blocks) take
+    the shrunk value too; an MLA query head stays the sum of its parts (Longcat's qk_head_dim
+    192 = 128 + 64 is derived only when not given)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(config):
+        was = {n: before[n] for n in SMALL if isinstance(before.get(n), int) and not isinstance(before[n], bool)}
+        shrunk = {v: getattr(config, n) for n, v in was.items() if getattr(config, n) != v}
+        ambiguous = {v for n, v in was.items() if v in shrunk and getattr(config, n) != shrunk[v]}
+        for field in dataclasses.fields(config):
+            value = vars(config).get(field.name)  # per-layer fields of a heterogeneous config are not read globally
+            if (field.default is None and field.name not in SMALL and not field.name.endswith(("_token_id", "_token_index"))
+                    and isinstance(value, int) and not isinstance(value, bool)
+                    and value in shrunk and value not in ambiguous):
+                setattr(config, field.name, shrunk[value])
+    parts = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if isinstance(getattr(config, "qk_head_dim", None), int) and all(isinstance(p, int) for p in parts):
+        config.qk_head_dim = sum(parts)
+
+
+def _runnable_defaults(config) -> None:
+    """Defaults a model cannot run with: DeepSeek-V2's experts with no top-k (None until a
+    checkpoint sets it), X-MOD's adapters with no default language (its forward needs one
+    without lang_ids)."""
+    experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
+    if "num_experts_per_tok" in vars(config) and config.num_experts_per_tok is None and isinstance(experts, int):
+        config.num_experts_per_tok = min(SMALL["num_experts_per_tok"], experts)
+    languages = getattr(config, "languages", None)
+    if getattr(config, "default_language", False) is None and languages:
+        config.default_language = list(languages)[0]
+
+
+def _model_fixups(config) -> None:
+    """Rules a model type has of its own (by the config's model_type):
+    - hrm_text: num_hidden_layers is derived, num_layers_per_stack * H_cycles * (L_cycles + 1)
+      (one cache slot per layer and cycle); the layer count shrinks the stacks.
+    - blt: its forward with a cache builds DynamicCache(config=BltConfig), which has no
+      num_hidden_layers (fails at any size in transformers 5.24): run without a cache. Its
+      local encoder/decoder project from the global transformer's width (hidden_size_global,
+      not shrunk by name), and its hash embeddings have 500,002 rows per hash function.
+    - xlstm: its cache rounds the query/key width (hidden_size * qk_dim_factor) up to a
+      multiple of 64, its layers do not: a width of 128 keeps them equal.
+    - qwen4_exp_text: its indexed-attention layers need the QSA indexer sizes, all None by
+      default (one key head, budget a multiple of the compress ratio, index head >= rotary dim)."""
+    kind = getattr(config, "model_type", None)
+    if kind == "hrm_text" and isinstance(getattr(config, "num_layers_per_stack", None), int):
+        config.num_layers_per_stack = min(config.num_layers_per_stack, SMALL["num_hidden_layers"])
+        config.num_hidden_layers = config.num_layers_per_stack * config.H_cycles * (config.L_cycles + 1)
+    elif kind == "xlstm" and config.hidden_size * config.qk_dim_factor % 64:
+        config.hidden_size = config.embedding_dim = 128
+    elif kind == "blt":
+        config.use_cache = False
+        for local in (config.encoder_config, config.decoder_config):
+            local.hidden_size_global = config.global_config.hidden_size
+        config.encoder_hash_byte_group_vocab = min(config.encoder_hash_byte_group_vocab, SMALL_VOCAB)
+    elif kind == "qwen4_exp_text" and getattr(config, "indexer_n_heads", 0) is None:
+        config.indexer_n_heads, config.indexer_kv_heads, config.indexer_head_dim = 2, 1, config.head_dim
+        config.indexer_budget, config.indexer_compress_ratio = 8, 4
 
 
 ROTARY_SECTIONS_BY_DEFAULT = {"ernie4_5_vl_moe_text": 3}  # models that read a 3-part mrope_section's default
@@ -529,11 +594,15 @@ def _tp_rank(rank: int, world: int, init_file: str, directory: str, class_name: 
     dist.destroy_process_group()
 
 
+ROW_PER_CODEBOOK = ("musicgen_decoder", "musicgen_melody_decoder")  # input_ids: (batch * num_codebooks, seq)
+
+
 def _prompt(config):
     import torch
 
     g = torch.Generator().manual_seed(7)
-    return torch.randint(0, min(config.get_text_config().vocab_size, SMALL_VOCAB - 64), (1, 12), generator=g)
+    rows = config.num_codebooks if getattr(config, "model_type", None) in ROW_PER_CODEBOOK else 1
+    return torch.randint(0, min(config.get_text_config().vocab_size, SMALL_VOCAB - 64), (rows, 12), generator=g)
 
 
 def sweep_tp_one(model_type: str, class_name: str, workdir: str) -> dict:

@@ -28,6 +28,7 @@ FAMILIES = {
     "CpmAntForCausalLM": (True, "w_in.w_0 / w_in.w_1 -> w_out, a level apart; attention (position bias over all heads) whole"),
     "BigBirdForCausalLM": (True, "attention rebuilt from the config in the forward: whole; MLP split"),
     "TrOCRForCausalLM": (True, "attention reshaped to its input's width: whole; MLP split"),
+    "xLSTMForCausalLM": (True, "feed-forward proj_up_gate/proj_up -> proj_down split; mLSTM cell (q/k/v, gates) whole"),
     # transformers' own plans
     "Inkling2ForCausalLM": (True, "experts' fused gate_up_proj under 'colwise': each rank its gates and its ups"),
     "InklingForCausalLM": (True, "normed embedding kept whole; shared experts' bare 3-D tensors run local"),
@@ -107,6 +108,8 @@ def test_structural_rule_splits_only_blocks_that_can_run():
         "intermediate.dense", "output.dense"]
     assert sorted({n.rpartition(".")[0] for n in _rule("CpmAntForCausalLM")}) == [
         "ffn.ffn.w_in.w_0", "ffn.ffn.w_in.w_1", "ffn.ffn.w_out"]
+    assert sorted({n.rpartition(".")[0] for n in _rule("xLSTMForCausalLM")}) == [
+        "ffn.proj_down", "ffn.proj_up", "ffn.proj_up_gate"]  # mLSTM's out_proj: no colwise layer feeds it
 
 
 def test_a_fused_gate_up_under_colwise_holds_both_halves():
