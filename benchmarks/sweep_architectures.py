@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import signal
 import subprocess
@@ -66,6 +67,8 @@ def _shrink(config, seen):
     if id(config) in seen:
         return
     seen.add(id(config))
+    overrides = _take_per_layer_overrides(config)
+    old_layers = _layer_count(config)
     fields = config.to_dict() if hasattr(config, "to_dict") else {}
     for name, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):
@@ -80,6 +83,9 @@ def _shrink(config, seen):
     if isinstance(heads, int) and heads == kv and hasattr(config, "kv_lora_rank"):  # MLA: KV heads are heads
         config.num_key_value_heads = config.num_attention_heads
     _shrink_rotary_sections(config)
+    _shrink_per_layer(config, old_layers, overrides)
+    _shrink_state_space(config)
+    _shrink_own_rules(config)
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
@@ -100,6 +106,132 @@ def _shrink(config, seen):
         for k, v in fields.items():
             if k.endswith(("_token_id", "_token_index")) and v in renumber:
                 setattr(config, k, renumber[v])
+
+
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+LAYER_PATTERNS = ("layer_types", "layers_block_type", "attention_layers")  # one kind per layer
+KEEP_EACH_KIND = {"olmo_hybrid", "zamba", "zamba2", "granitemoehybrid"}  # hybrids: test every layer kind (OLMo-Hybrid requires both)
+SMALL_LAYERS = {"zamba": 3}  # Zamba ties its shared transformer across hybrid layers: one mamba and two hybrids
+LAYER_INDEX_LISTS = ("kv_source_layers",)  # per-layer lists whose values are layer indices
+
+
+def _layer_count(config) -> int | None:
+    """The config's own layer count (before shrinking), None for stage-wise configs
+    (Swin-like `depths`), whose lists are per stage, not per layer."""
+    if "depths" in vars(config) or "stage_names" in vars(config):
+        return None
+    counts = [vars(config)[n] for n in LAYER_COUNTS if isinstance(vars(config).get(n), int)]
+    return counts[0] if counts else None
+
+
+def _take_per_layer_overrides(config) -> dict | None:
+    """A heterogeneous config's per-layer overrides (Gemma 4's full-attention head_dim,
+    Dots3's head counts), taken off so the global fields can be read and shrunk; given
+    back, for the kept layers, by `_shrink_per_layer`."""
+    spec = vars(config).pop("_heterogeneity_spec", None)
+    return copy.deepcopy(spec.per_layer_overrides) if spec is not None else None
+
+
+def _kept_layers(config, old: int, new: int) -> list[int]:
+    """Which of the old layers the small config keeps: the first ones, or for hybrids
+    the first layer of each kind (then the first others) so every kind is loaded."""
+    if getattr(config, "model_type", None) not in KEEP_EACH_KIND:
+        return list(range(new))
+    pattern = next((vars(config)[n] for n in LAYER_PATTERNS if isinstance(vars(config).get(n), list)), [])
+    firsts = sorted({kind: pattern.index(kind) for kind in reversed(pattern)}.values())[:new]
+    rarest_first = sorted((i for i in range(old) if i not in firsts), key=lambda i: (pattern.count(pattern[i]), i))
+    return sorted(firsts + rarest_first[:new - len(firsts)])
+
+
+def _shrink_per_layer(config, old: int | None, overrides: dict | None) -> None:
+    """Every list with one entry per layer (layer_types, Gemma 3n's intermediate sizes,
+    Laguna's head counts, Mistral Large 4's KV sources, ...) cut to the kept layers; sizes
+    in them shrunk like the global field they vary (`<field>` or `<field>_per_layer`);
+    per-layer overrides kept for the kept layers, shrunk the same way."""
+    if getattr(config, "model_type", None) in SMALL_LAYERS and old is not None:
+        setattr(config, next(n for n in LAYER_COUNTS if n in vars(config)), SMALL_LAYERS[config.model_type])
+    new = _layer_count(config)
+    if old is None or new is None:
+        return
+    shared = vars(config).get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared and new < old:  # the last layers reuse earlier layers' KV
+        config.num_kv_shared_layers = new if shared >= old else max(1, min(new - 1, round(shared * new / old)))
+    kept = _kept_layers(config, old, new) if new < old else list(range(old))
+    renumber = {layer: i for i, layer in enumerate(kept)}
+    for name, value in list(vars(config).items()):
+        if not isinstance(value, list) or len(value) != old or new >= old:
+            continue
+        value = [value[i] for i in kept]
+        if name in LAYER_INDEX_LISTS:
+            value = [renumber.get(v, i) for i, v in enumerate(value)]
+        small = SMALL.get(name.removesuffix("_per_layer"))
+        if small is not None:
+            value = [min(v, small) if isinstance(v, int) else v for v in value]
+        setattr(config, name, value)
+    if overrides:
+        config.per_layer_config = {renumber[layer]: {k: min(v, SMALL[k]) if k in SMALL and isinstance(v, int) else v
+                                                     for k, v in layer_overrides.items()}
+                                   for layer, layer_overrides in overrides.items() if layer in renumber}
+
+
+STATE_SPACE_HEADS = (("expand", "num_heads", "head_dim", "n_groups"),  # Mamba-2
+                     ("mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups"))  # Bamba, GraniteMoeHybrid
+
+
+def _shrink_state_space(config) -> None:
+    """Mamba-2 heads split the inner width (expand * hidden): their count is derived again
+    from the small widths, and the groups must divide it."""
+    hidden = getattr(config, "hidden_size", None)
+    for expand, heads, head_dim, groups in STATE_SPACE_HEADS:
+        values = [vars(config).get(n) for n in (expand, heads, head_dim)]
+        if isinstance(hidden, int) and all(isinstance(v, int) for v in values):
+            width = values[0] * hidden
+            dim = min(values[2], 16, width)
+            setattr(config, head_dim, dim)
+            setattr(config, heads, width // dim)
+            if isinstance(vars(config).get(groups), int):
+                setattr(config, groups, math.gcd(getattr(config, groups), width // dim))
+
+
+DEFAULT_FIELDS = {  # model types whose default config fails its own validation: the fields that make it valid
+    "gemma4_assistant": {"text_config": {"model_type": "gemma4_text", "hidden_size_per_layer_input": 0,
+                                         "vocab_size_per_layer_input": 0}},  # an assistant has no per-layer inputs
+}
+
+
+UNSET_FIELDS = {  # model types whose defaults leave sizes the model always uses unset (None)
+    "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 64},  # every layer has MoE
+}
+
+
+def _default_config(model_type: str, config_class):
+    return config_class(**copy.deepcopy(DEFAULT_FIELDS.get(model_type, {})))
+
+
+def _shrink_own_rules(config) -> None:
+    """Fixups where a model's rule is its own."""
+    model_type = getattr(config, "model_type", None)
+    for name, value in UNSET_FIELDS.get(model_type, {}).items():
+        if getattr(config, name, None) is None:
+            setattr(config, name, value)
+    for name in ("adapter_in_dim", "adapter_input_size"):  # Dots3's vision / audio adapters read their own width
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, config.hidden_size)
+    text = getattr(config, "text_config", None)
+    for sub in vars(config).values():  # Dots3: vision and audio adapters project into the text width
+        if isinstance(getattr(sub, "adapter_out_dim", None), int) and text is not None:
+            sub.adapter_out_dim = text.hidden_size
+    if isinstance(getattr(config, "backbone_hidden_size", None), int):  # Gemma 4 assistants: the backbone's width
+        config.backbone_hidden_size = min(config.backbone_hidden_size, SMALL["hidden_size"])
+    if isinstance(getattr(config, "num_centroids", None), int):  # the vocab is split into centroids' clusters
+        config.num_centroids = min(config.num_centroids, 32)
+        config.centroid_intermediate_top_k = min(config.centroid_intermediate_top_k, 4)
+    if model_type == "xlnet":  # d_head must be d_model // n_head
+        config.d_head = config.d_model // config.n_head
+    if model_type == "gpt_neo":  # attention_layers is derived from [[pattern, repeats]] again on reading
+        pattern = config.attention_types[0][0]
+        config.attention_types = [[pattern, max(1, config.num_layers // len(pattern))]]
+        config.attention_layers = config.expand_attention_types_params(config.attention_types)
 
 
 ROTARY_SECTIONS_BY_DEFAULT = {"ernie4_5_vl_moe_text": 3}  # models that read a 3-part mrope_section's default
@@ -187,6 +319,7 @@ def _outputs(model):
     inputs = getattr(model, "dummy_inputs", None)
     if not isinstance(inputs, dict) or not inputs:
         return None
+    torch.manual_seed(0)  # forwards that draw noise (DiffusionGemma's canvas) draw the same both ways
     try:
         with torch.no_grad():
             out = model(**inputs)
@@ -219,7 +352,7 @@ def write_small(model_type: str, class_name: str, workdir: str) -> str:
     config_class = CONFIG_MAPPING[model_type]
     if cls.config_class is not None and cls.config_class is not config_class:
         config_class = cls.config_class  # e.g. Llama4ForCausalLM takes the text config
-    config = _as_read_back(config_class, shrink(config_class()), workdir)
+    config = _as_read_back(config_class, shrink(_default_config(model_type, config_class)), workdir)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(config).eval()
