@@ -86,6 +86,7 @@ def _shrink(config, seen):
     _shrink_per_layer(config, old_layers, overrides)
     _shrink_state_space(config)
     _shrink_own_rules(config)
+    _shrink_backbone_outputs(config)
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
@@ -110,8 +111,9 @@ def _shrink(config, seen):
 
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 LAYER_PATTERNS = ("layer_types", "layers_block_type", "attention_layers")  # one kind per layer
-KEEP_EACH_KIND = {"olmo_hybrid", "zamba", "zamba2", "granitemoehybrid"}  # hybrids: test every layer kind (OLMo-Hybrid requires both)
-SMALL_LAYERS = {"zamba": 3}  # Zamba ties its shared transformer across hybrid layers: one mamba and two hybrids
+KEEP_EACH_KIND = {"olmo_hybrid", "zamba", "zamba2", "granitemoehybrid", "neomme"}  # hybrids: test every layer kind (OLMo-Hybrid requires both)
+SMALL_LAYERS = {"zamba": 3,  # Zamba ties its shared transformer across hybrid layers: one mamba and two hybrids
+                "dory": 3}  # Dory: an input, a recurrent and an output layer
 LAYER_INDEX_LISTS = ("kv_source_layers",)  # per-layer lists whose values are layer indices
 
 
@@ -174,6 +176,19 @@ def _shrink_per_layer(config, old: int | None, overrides: dict | None) -> None:
                                    for layer, layer_overrides in overrides.items() if layer in renumber}
 
 
+def _shrink_backbone_outputs(config) -> None:
+    """A backbone with one stage per layer (ViT-like: stem, stage1..stageN) returns the
+    shrunk layers: indices past the last small layer point at it instead."""
+    names, layers = vars(config).get("stage_names"), getattr(config, "num_hidden_layers", None)
+    indices = vars(config).get("_out_indices")
+    if not (isinstance(layers, int) and isinstance(names, list) and isinstance(indices, (list, tuple))):
+        return
+    if names != ["stem"] + [f"stage{i}" for i in range(1, len(names))] or len(names) == layers + 1:
+        return
+    config.stage_names = ["stem"] + [f"stage{i}" for i in range(1, layers + 1)]
+    config.out_indices = sorted({min(i, layers) for i in indices})
+
+
 STATE_SPACE_HEADS = (("expand", "num_heads", "head_dim", "n_groups"),  # Mamba-2
                      ("mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups"))  # Bamba, GraniteMoeHybrid
 
@@ -204,6 +219,36 @@ UNSET_FIELDS = {  # model types whose defaults leave sizes the model always uses
 }
 
 
+WIDTH_LINKS = (  # (sub-config, field, source sub-config or "" for the config itself, field): widths validated equal
+    ("vision_config", "text_hidden_size", "text_config", "hidden_size"),  # Inkling2(-Loop): vision output is text input
+    ("vision_config", "out_hidden_size", "text_config", "hidden_size"),  # GraniteDocling
+    ("audio_config", "out_hidden_size", "text_config", "hidden_size"),  # MuseSpark
+    ("flow_head_config", "condition_dim", "", "hidden_size"),  # PocketTTS, GradiumPhononTTS
+    ("head_config", "audio_hidden_size", "audio_config", "hidden_size"),  # Nemotron 3 diarization / transcribe
+    ("adaptor_config", "hidden_size", "text_config", "hidden_size"),  # FunASR-Nano
+)
+WIDTH_LINKED_TYPES = {"inkling2", "inkling2_loop", "granite_docling", "muse_spark", "pocket_tts", "gradium_phonon_tts",
+                      "nemotron3_diarization", "nemotron3_5_transcribe", "nemo_speechlm", "fun_asr_nano"}
+
+
+MULTI_HEAD_ONLY = {  # as many KV heads as heads: ESMC validates it; the others' checkpoints fuse q|k|v and
+    "esmc", "gradium_phonon_tts", "nemotron3_5_transcribe_asr_audio",  # transformers' conversion splits the
+    "nemotron3_diarization_audio", "nemotron3_5_transcribe_word_timestamp",  # fused rows in three equal parts
+}
+
+
+def _link_widths(config) -> None:
+    """Fields that carry another (sub-)config's width, validated equal to it: set to the small width."""
+    if getattr(config, "model_type", None) not in WIDTH_LINKED_TYPES:
+        return
+    for sub, field, source, source_field in WIDTH_LINKS:
+        target, origin = getattr(config, sub, None), getattr(config, source, None) if source else config
+        if isinstance(getattr(target, field, None), int) and isinstance(getattr(origin, source_field, None), int):
+            setattr(target, field, getattr(origin, source_field))
+    if getattr(config, "model_type", None) == "fun_asr_nano":  # its adaptor's MLP is a quarter of the text width
+        config.adaptor_config.intermediate_size = config.text_config.hidden_size // 4
+
+
 def _default_config(model_type: str, config_class):
     return config_class(**copy.deepcopy(DEFAULT_FIELDS.get(model_type, {})))
 
@@ -211,6 +256,29 @@ def _default_config(model_type: str, config_class):
 def _shrink_own_rules(config) -> None:
     """Fixups where a model's rule is its own."""
     model_type = getattr(config, "model_type", None)
+    _link_widths(config)
+    if model_type in MULTI_HEAD_ONLY:
+        config.num_key_value_heads = config.num_attention_heads
+    if model_type == "wavtokenizer" or model_type == "wavtokenizer_encoder":  # no projections around the quantizer
+        config.codebook_dim = config.hidden_size
+    if model_type == "efficientloftr":  # stage widths; the last is the hidden size
+        config.out_features = [min(v, config.hidden_size) for v in config.out_features[:-1]] + [config.hidden_size]
+    if model_type == "lw_detr_vit":  # image_size / num_windows must be a multiple of sqrt(num_windows)
+        config.num_windows = 4
+    if model_type == "depth_pro":  # every sub-encoder sees patches of patch_size pixels
+        config.patch_size = config.image_model_config.image_size
+    if model_type == "dory":  # input, recurrent and output layers add up to the layer count
+        config.n_input_layers, config.n_recurrent_layers, config.n_output_layers = 1, config.num_hidden_layers - 2, 1
+    if model_type == "muse_spark_audio":  # one layer per pyramid stage: keep the stages, narrow them
+        config.num_hidden_layers = len(config.hidden_sizes)
+        config.hidden_sizes = [min(v, SMALL["hidden_size"]) for v in config.hidden_sizes]
+    adapter = getattr(config, "adapter_config", None)
+    if model_type == "molmo2" and adapter is not None:  # feature layers counted from the small ViT's end
+        adapter.vision_feature_layer = [-1 - i for i in range(len(adapter.vision_feature_layer))]
+    if model_type == "apertus1p5":  # image then audio codebooks at the top of the small vocab
+        config.vision_config.codebook_size = config.audio_config.codebook_size = 32
+        config.image_token_offset = config.text_config.vocab_size - 128
+        config.audio_token_offset = config.image_token_offset + 32
     for name, value in UNSET_FIELDS.get(model_type, {}).items():
         if getattr(config, name, None) is None:
             setattr(config, name, value)
