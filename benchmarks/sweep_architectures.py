@@ -68,7 +68,7 @@ def _shrink(config, seen):
         return
     seen.add(id(config))
     overrides = _take_per_layer_overrides(config)
-    old_layers = _layer_count(config)
+    old_layers, old_own_layers = _layer_count(config), _own_layer_count(config)
     fields = config.to_dict() if hasattr(config, "to_dict") else {}
     for name, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):
@@ -83,10 +83,10 @@ def _shrink(config, seen):
     if isinstance(heads, int) and heads == kv and hasattr(config, "kv_lora_rank"):  # MLA: KV heads are heads
         config.num_key_value_heads = config.num_attention_heads
     _shrink_rotary_sections(config)
-    _shrink_per_layer(config, old_layers, overrides)
+    _shrink_per_layer(config, old_layers, overrides, fields)
     _shrink_state_space(config)
     _shrink_own_rules(config)
-    _shrink_backbone_outputs(config)
+    _shrink_backbone_outputs(config, old_own_layers)
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
@@ -117,13 +117,17 @@ SMALL_LAYERS = {"zamba": 3,  # Zamba ties its shared transformer across hybrid l
 LAYER_INDEX_LISTS = ("kv_source_layers",)  # per-layer lists whose values are layer indices
 
 
-def _layer_count(config) -> int | None:
-    """The config's own layer count (before shrinking), None for stage-wise configs
-    (Swin-like `depths`), whose lists are per stage, not per layer."""
-    if "depths" in vars(config) or "stage_names" in vars(config):
-        return None
+def _own_layer_count(config) -> int | None:
     counts = [vars(config)[n] for n in LAYER_COUNTS if isinstance(vars(config).get(n), int)]
     return counts[0] if counts else None
+
+
+def _layer_count(config) -> int | None:
+    """The config's own layer count, None for stage-wise configs (Swin-like `depths`,
+    backbones' `stage_names`), whose lists are per stage, not per layer."""
+    if "depths" in vars(config) or "stage_names" in vars(config):
+        return None
+    return _own_layer_count(config)
 
 
 def _take_per_layer_overrides(config) -> dict | None:
@@ -134,9 +138,14 @@ def _take_per_layer_overrides(config) -> dict | None:
     return copy.deepcopy(spec.per_layer_overrides) if spec is not None else None
 
 
-def _kept_layers(config, old: int, new: int) -> list[int]:
-    """Which of the old layers the small config keeps: the first ones, or for hybrids
-    the first layer of each kind (then the first others) so every kind is loaded."""
+def _kept_layers(config, old: int, new: int, overrides: dict | None) -> list[int]:
+    """Which of the old layers the small config keeps: the first ones; for hybrids the
+    first layer of each kind (then the first others) so every kind is loaded; for a
+    heterogeneous config the first layer and the first one with overrides, so the small
+    config is heterogeneous too."""
+    if overrides and new >= 2:
+        varied = min(overrides)
+        return sorted({0 if varied else 1, varied} | set(range(new - 2)))
     if getattr(config, "model_type", None) not in KEEP_EACH_KIND:
         return list(range(new))
     pattern = next((vars(config)[n] for n in LAYER_PATTERNS if isinstance(vars(config).get(n), list)), [])
@@ -145,7 +154,16 @@ def _kept_layers(config, old: int, new: int) -> list[int]:
     return sorted(firsts + rarest_first[:new - len(firsts)])
 
 
-def _shrink_per_layer(config, old: int | None, overrides: dict | None) -> None:
+def _shrink_override(name: str, value, config, fields: dict):
+    """A per-layer override shrunk by the ratio of the global field's small value to its
+    published one (Gemma 4's full-attention head_dim 512 over 256 stays twice the small one)."""
+    small, published = getattr(config, name, None), fields.get(name)
+    if not (isinstance(value, int) and isinstance(small, int) and isinstance(published, int) and published > 0):
+        return value
+    return max(1, round(value * small / published))
+
+
+def _shrink_per_layer(config, old: int | None, overrides: dict | None, fields: dict) -> None:
     """Every list with one entry per layer (layer_types, Gemma 3n's intermediate sizes,
     Laguna's head counts, Mistral Large 4's KV sources, ...) cut to the kept layers; sizes
     in them shrunk like the global field they vary (`<field>` or `<field>_per_layer`);
@@ -158,7 +176,7 @@ def _shrink_per_layer(config, old: int | None, overrides: dict | None) -> None:
     shared = vars(config).get("num_kv_shared_layers")
     if isinstance(shared, int) and 0 < shared and new < old:  # the last layers reuse earlier layers' KV
         config.num_kv_shared_layers = new if shared >= old else max(1, min(new - 1, round(shared * new / old)))
-    kept = _kept_layers(config, old, new) if new < old else list(range(old))
+    kept = _kept_layers(config, old, new, overrides) if new < old else list(range(old))
     renumber = {layer: i for i, layer in enumerate(kept)}
     for name, value in list(vars(config).items()):
         if not isinstance(value, list) or len(value) != old or new >= old:
@@ -171,36 +189,41 @@ def _shrink_per_layer(config, old: int | None, overrides: dict | None) -> None:
             value = [min(v, small) if isinstance(v, int) else v for v in value]
         setattr(config, name, value)
     if overrides:
-        config.per_layer_config = {renumber[layer]: {k: min(v, SMALL[k]) if k in SMALL and isinstance(v, int) else v
+        config.per_layer_config = {renumber[layer]: {k: _shrink_override(k, v, config, fields)
                                                      for k, v in layer_overrides.items()}
                                    for layer, layer_overrides in overrides.items() if layer in renumber}
 
 
-def _shrink_backbone_outputs(config) -> None:
-    """A backbone with one stage per layer (ViT-like: stem, stage1..stageN) returns the
-    shrunk layers: indices past the last small layer point at it instead."""
-    names, layers = vars(config).get("stage_names"), getattr(config, "num_hidden_layers", None)
+def _shrink_backbone_outputs(config, old_layers: int | None) -> None:
+    """A backbone with one stage per layer (ViT-like: stem, stage1..stageN for N layers)
+    returns the shrunk layers: indices past the last small layer point at it instead."""
+    names, layers = vars(config).get("stage_names"), _own_layer_count(config)
     indices = vars(config).get("_out_indices")
     if not (isinstance(layers, int) and isinstance(names, list) and isinstance(indices, (list, tuple))):
         return
-    if names != ["stem"] + [f"stage{i}" for i in range(1, len(names))] or len(names) == layers + 1:
+    if "depths" in vars(config):  # Swin-like: stages of several layers, left as they are
+        return
+    if names != ["stem"] + [f"stage{i}" for i in range(1, old_layers + 1)] or layers == old_layers:
         return
     config.stage_names = ["stem"] + [f"stage{i}" for i in range(1, layers + 1)]
     config.out_indices = sorted({min(i, layers) for i in indices})
 
 
-STATE_SPACE_HEADS = (("expand", "num_heads", "head_dim", "n_groups"),  # Mamba-2
-                     ("mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups"))  # Bamba, GraniteMoeHybrid
+STATE_SPACE_HEADS = (("expand", "num_heads", "head_dim", "n_groups", "d_ssm"),  # Mamba-2
+                     ("mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_ssm"))  # Bamba, ...
 
 
 def _shrink_state_space(config) -> None:
-    """Mamba-2 heads split the inner width (expand * hidden): their count is derived again
-    from the small widths, and the groups must divide it."""
+    """Mamba-2 heads split the inner width (expand * hidden, or an explicit d_ssm): where
+    the small widths no longer add up, the head count is derived again from them, and the
+    groups must divide it."""
     hidden = getattr(config, "hidden_size", None)
-    for expand, heads, head_dim, groups in STATE_SPACE_HEADS:
+    for expand, heads, head_dim, groups, inner in STATE_SPACE_HEADS:
         values = [vars(config).get(n) for n in (expand, heads, head_dim)]
         if isinstance(hidden, int) and all(isinstance(v, int) for v in values):
-            width = values[0] * hidden
+            width = vars(config).get(inner) if isinstance(vars(config).get(inner), int) else values[0] * hidden
+            if values[1] * values[2] == width:
+                continue
             dim = min(values[2], 16, width)
             setattr(config, head_dim, dim)
             setattr(config, heads, width // dim)
@@ -259,7 +282,7 @@ def _shrink_own_rules(config) -> None:
     _link_widths(config)
     if model_type in MULTI_HEAD_ONLY:
         config.num_key_value_heads = config.num_attention_heads
-    if model_type == "wavtokenizer" or model_type == "wavtokenizer_encoder":  # no projections around the quantizer
+    if model_type in ("wavtokenizer", "wavtokenizer_encoder"):  # no projections around the quantizer
         config.codebook_dim = config.hidden_size
     if model_type == "efficientloftr":  # stage widths; the last is the hidden size
         config.out_features = [min(v, config.hidden_size) for v in config.out_features[:-1]] + [config.hidden_size]
