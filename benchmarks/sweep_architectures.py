@@ -143,10 +143,10 @@ def _kept_layers(config, old: int, new: int, overrides: dict | None) -> list[int
     first layer of each kind (then the first others) so every kind is loaded; for a
     heterogeneous config the first layer and the first one with overrides, so the small
     config is heterogeneous too."""
-    if overrides and new >= 2:
-        varied = min(overrides)
-        return sorted({0 if varied else 1, varied} | set(range(new - 2)))
     if getattr(config, "model_type", None) not in KEEP_EACH_KIND:
+        if overrides and new >= 2:
+            varied = min(overrides)
+            return sorted({0 if varied else 1, varied} | set(range(new - 2)))
         return list(range(new))
     pattern = next((vars(config)[n] for n in LAYER_PATTERNS if isinstance(vars(config).get(n), list)), [])
     firsts = sorted({kind: pattern.index(kind) for kind in reversed(pattern)}.values())[:new]
@@ -317,6 +317,9 @@ def _shrink_own_rules(config) -> None:
     if isinstance(getattr(config, "num_centroids", None), int):  # the vocab is split into centroids' clusters
         config.num_centroids = min(config.num_centroids, 32)
         config.centroid_intermediate_top_k = min(config.centroid_intermediate_top_k, 4)
+    if model_type == "dots3_note_text" and "sliding_attention" in config.layer_types:  # SWA head = nope + rope parts
+        sliding = config.per_layer_config["sliding_attention"]
+        config.head_dim = sliding.qk_nope_head_dim + sliding.qk_rope_head_dim
     if model_type == "xlnet":  # d_head must be d_model // n_head
         config.d_head = config.d_model // config.n_head
     if model_type == "gpt_neo":  # attention_layers is derived from [[pattern, repeats]] again on reading
