@@ -67,6 +67,8 @@ def _shrink(config, seen):
     if id(config) in seen:
         return
     seen.add(id(config))
+    overrides = _take_per_layer_overrides(config)
+    old_layers, old_own_layers = _layer_count(config), _own_layer_count(config)
     fields = config.to_dict() if hasattr(config, "to_dict") else {}
     for name, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):
@@ -84,6 +86,8 @@ def _shrink(config, seen):
     if isinstance(heads, int) and heads == kv and hasattr(config, "kv_lora_rank"):  # MLA: KV heads are heads
         config.num_key_value_heads = config.num_attention_heads
     _shrink_rotary_sections(config)
+    _shrink_per_layer(config, old_layers, overrides, fields)
+    _shrink_state_space(config)
     _shrink_backbone_stages(config)
     _shrink_stage_heads(config)
     _shrink_channel_groups(config)
@@ -92,6 +96,8 @@ def _shrink(config, seen):
     _follow_shrunk_sizes(config, fields)
     _runnable_defaults(config)
     _model_fixups(config)
+    _shrink_own_rules(config)
+    _shrink_backbone_outputs(config, old_own_layers)
     layers = getattr(config, "num_hidden_layers", None)
     for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
         value = getattr(config, name)
@@ -127,12 +133,13 @@ def _fill_unset(config) -> None:
     """Sizes a default config leaves None where the modeling code reads them as they are
     (Ministral's and HunYuan's head_dim, Nemotron's num_key_value_heads): the values the
     other models derive (hidden / heads; GQA with the small KV head count)."""
-    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    stored = vars(config)  # not getattr: a heterogeneous config refuses global reads of per-layer fields
+    heads, hidden = stored.get("num_attention_heads"), stored.get("hidden_size")
     if not isinstance(heads, int) or not isinstance(hidden, int) or heads <= 0:
         return
-    if "head_dim" in vars(config) and config.head_dim is None:
+    if "head_dim" in stored and stored["head_dim"] is None:
         config.head_dim = hidden // heads
-    if "num_key_value_heads" in vars(config) and config.num_key_value_heads is None:
+    if "num_key_value_heads" in stored and stored["num_key_value_heads"] is None:
         kv = SMALL["num_key_value_heads"]
         config.num_key_value_heads = kv if heads % kv == 0 else heads
 
@@ -234,8 +241,9 @@ def _follow_shrunk_sizes(config, before: dict) -> None:
 
     if dataclasses.is_dataclass(config):
         was = {n: before[n] for n in SMALL if isinstance(before.get(n), int) and not isinstance(before[n], bool)}
-        shrunk = {v: getattr(config, n) for n, v in was.items() if getattr(config, n) != v}
-        ambiguous = {v for n, v in was.items() if v in shrunk and getattr(config, n) != shrunk[v]}
+        now = {n: vars(config).get(n) for n in was}  # stored values: per-layer fields are not read globally
+        shrunk = {v: now[n] for n, v in was.items() if now[n] != v}
+        ambiguous = {v for n, v in was.items() if v in shrunk and now[n] != shrunk[v]}
         for field in dataclasses.fields(config):
             value = vars(config).get(field.name)  # per-layer fields of a heterogeneous config are not read globally
             if (field.default is None and field.name not in SMALL and not field.name.endswith(("_token_id", "_token_index"))
@@ -285,6 +293,225 @@ def _model_fixups(config) -> None:
     elif kind == "qwen4_exp_text" and getattr(config, "indexer_n_heads", 0) is None:
         config.indexer_n_heads, config.indexer_kv_heads, config.indexer_head_dim = 2, 1, config.head_dim
         config.indexer_budget, config.indexer_compress_ratio = 8, 4
+
+
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+LAYER_PATTERNS = ("layer_types", "layers_block_type", "attention_layers")  # one kind per layer
+KEEP_EACH_KIND = {"olmo_hybrid", "zamba", "zamba2", "granitemoehybrid", "neomme"}  # hybrids: test every layer kind (OLMo-Hybrid requires both)
+SMALL_LAYERS = {"zamba": 3,  # Zamba ties its shared transformer across hybrid layers: one mamba and two hybrids
+                "dory": 3}  # Dory: an input, a recurrent and an output layer
+LAYER_INDEX_LISTS = ("kv_source_layers",)  # per-layer lists whose values are layer indices
+
+
+def _own_layer_count(config) -> int | None:
+    counts = [vars(config)[n] for n in LAYER_COUNTS if isinstance(vars(config).get(n), int)]
+    return counts[0] if counts else None
+
+
+def _layer_count(config) -> int | None:
+    """The config's own layer count, None for stage-wise configs (Swin-like `depths`,
+    backbones' `stage_names`), whose lists are per stage, not per layer."""
+    if "depths" in vars(config) or "stage_names" in vars(config):
+        return None
+    return _own_layer_count(config)
+
+
+def _take_per_layer_overrides(config) -> dict | None:
+    """A heterogeneous config's per-layer overrides (Gemma 4's full-attention head_dim,
+    Dots3's head counts), taken off so the global fields can be read and shrunk; given
+    back, for the kept layers, by `_shrink_per_layer`."""
+    spec = vars(config).pop("_heterogeneity_spec", None)
+    return copy.deepcopy(spec.per_layer_overrides) if spec is not None else None
+
+
+def _kept_layers(config, old: int, new: int, overrides: dict | None) -> list[int]:
+    """Which of the old layers the small config keeps: the first ones; for hybrids the
+    first layer of each kind (then the first others) so every kind is loaded; for a
+    heterogeneous config the first layer and the first one with overrides, so the small
+    config is heterogeneous too."""
+    if getattr(config, "model_type", None) not in KEEP_EACH_KIND:
+        if overrides and new >= 2:
+            varied = min(overrides)
+            return sorted({0 if varied else 1, varied} | set(range(new - 2)))
+        return list(range(new))
+    pattern = next((vars(config)[n] for n in LAYER_PATTERNS if isinstance(vars(config).get(n), list)), [])
+    firsts = sorted({kind: pattern.index(kind) for kind in reversed(pattern)}.values())[:new]
+    rarest_first = sorted((i for i in range(old) if i not in firsts), key=lambda i: (pattern.count(pattern[i]), i))
+    return sorted(firsts + rarest_first[:new - len(firsts)])
+
+
+def _shrink_override(name: str, value, config, fields: dict):
+    """A per-layer override shrunk by the ratio of the global field's small value to its
+    published one (Gemma 4's full-attention head_dim 512 over 256 stays twice the small one)."""
+    small, published = getattr(config, name, None), fields.get(name)
+    if not (isinstance(value, int) and isinstance(small, int) and isinstance(published, int) and published > 0):
+        return value
+    return max(1, round(value * small / published))
+
+
+def _shrink_per_layer(config, old: int | None, overrides: dict | None, fields: dict) -> None:
+    """Every list with one entry per layer (layer_types, Gemma 3n's intermediate sizes,
+    Laguna's head counts, Mistral Large 4's KV sources, ...) cut to the kept layers; sizes
+    in them shrunk like the global field they vary (`<field>` or `<field>_per_layer`);
+    per-layer overrides kept for the kept layers, shrunk the same way."""
+    if getattr(config, "model_type", None) in SMALL_LAYERS and old is not None:
+        setattr(config, next(n for n in LAYER_COUNTS if n in vars(config)), SMALL_LAYERS[config.model_type])
+    new = _layer_count(config)
+    if old is None or new is None:
+        return
+    shared = vars(config).get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared and new < old:  # the last layers reuse earlier layers' KV
+        config.num_kv_shared_layers = new if shared >= old else max(1, min(new - 1, round(shared * new / old)))
+    kept = _kept_layers(config, old, new, overrides) if new < old else list(range(old))
+    renumber = {layer: i for i, layer in enumerate(kept)}
+    for name, value in list(vars(config).items()):
+        if not isinstance(value, list) or len(value) != old or new >= old:
+            continue
+        value = [value[i] for i in kept]
+        if name in LAYER_INDEX_LISTS:
+            value = [renumber.get(v, i) for i, v in enumerate(value)]
+        small = SMALL.get(name.removesuffix("_per_layer"))
+        if small is not None:
+            value = [min(v, small) if isinstance(v, int) else v for v in value]
+        setattr(config, name, value)
+    if overrides:
+        config.per_layer_config = {renumber[layer]: {k: _shrink_override(k, v, config, fields)
+                                                     for k, v in layer_overrides.items()}
+                                   for layer, layer_overrides in overrides.items() if layer in renumber}
+
+
+def _shrink_backbone_outputs(config, old_layers: int | None) -> None:
+    """A backbone with one stage per layer (ViT-like: stem, stage1..stageN for N layers)
+    returns the shrunk layers: indices past the last small layer point at it instead."""
+    names, layers = vars(config).get("stage_names"), _own_layer_count(config)
+    indices = vars(config).get("_out_indices")
+    if not (isinstance(layers, int) and isinstance(names, list) and isinstance(indices, (list, tuple))):
+        return
+    if "depths" in vars(config):  # Swin-like: stages of several layers, left as they are
+        return
+    if names != ["stem"] + [f"stage{i}" for i in range(1, old_layers + 1)] or layers == old_layers:
+        return
+    config.stage_names = ["stem"] + [f"stage{i}" for i in range(1, layers + 1)]
+    config.out_indices = sorted({min(i, layers) for i in indices})
+
+
+STATE_SPACE_HEADS = (("expand", "num_heads", "head_dim", "n_groups", "d_ssm"),  # Mamba-2
+                     ("mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_ssm"))  # Bamba, ...
+
+
+def _shrink_state_space(config) -> None:
+    """Mamba-2 heads split the inner width (expand * hidden, or an explicit d_ssm): where
+    the small widths no longer add up, the head count is derived again from them, and the
+    groups must divide it."""
+    hidden = getattr(config, "hidden_size", None)
+    for expand, heads, head_dim, groups, inner in STATE_SPACE_HEADS:
+        values = [vars(config).get(n) for n in (expand, heads, head_dim)]
+        if isinstance(hidden, int) and all(isinstance(v, int) for v in values):
+            width = vars(config).get(inner) if isinstance(vars(config).get(inner), int) else values[0] * hidden
+            if values[1] * values[2] == width:
+                continue
+            dim = min(values[2], 16, width)
+            setattr(config, head_dim, dim)
+            setattr(config, heads, width // dim)
+            if isinstance(vars(config).get(groups), int):
+                setattr(config, groups, math.gcd(getattr(config, groups), width // dim))
+
+
+DEFAULT_FIELDS = {  # model types whose default config fails its own validation: the fields that make it valid
+    "gemma4_assistant": {"text_config": {"model_type": "gemma4_text", "hidden_size_per_layer_input": 0,
+                                         "vocab_size_per_layer_input": 0}},  # an assistant has no per-layer inputs
+}
+
+
+UNSET_FIELDS = {  # model types whose defaults leave sizes the model always uses unset (None)
+    "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 64},  # every layer has MoE
+}
+
+
+WIDTH_LINKS = (  # (sub-config, field, source sub-config or "" for the config itself, field): widths validated equal
+    ("vision_config", "text_hidden_size", "text_config", "hidden_size"),  # Inkling2(-Loop): vision output is text input
+    ("vision_config", "out_hidden_size", "text_config", "hidden_size"),  # GraniteDocling
+    ("audio_config", "out_hidden_size", "text_config", "hidden_size"),  # MuseSpark
+    ("flow_head_config", "condition_dim", "", "hidden_size"),  # PocketTTS, GradiumPhononTTS
+    ("head_config", "audio_hidden_size", "audio_config", "hidden_size"),  # Nemotron 3 diarization / transcribe
+    ("adaptor_config", "hidden_size", "text_config", "hidden_size"),  # FunASR-Nano
+)
+WIDTH_LINKED_TYPES = {"inkling2", "inkling2_loop", "granite_docling", "muse_spark", "pocket_tts", "gradium_phonon_tts",
+                      "nemotron3_diarization", "nemotron3_5_transcribe", "nemo_speechlm", "fun_asr_nano"}
+
+
+MULTI_HEAD_ONLY = {  # as many KV heads as heads: ESMC validates it; the others' checkpoints fuse q|k|v and
+    "esmc", "gradium_phonon_tts", "nemotron3_5_transcribe_asr_audio",  # transformers' conversion splits the
+    "nemotron3_diarization_audio", "nemotron3_5_transcribe_word_timestamp",  # fused rows in three equal parts
+}
+
+
+def _link_widths(config) -> None:
+    """Fields that carry another (sub-)config's width, validated equal to it: set to the small width."""
+    if getattr(config, "model_type", None) not in WIDTH_LINKED_TYPES:
+        return
+    for sub, field, source, source_field in WIDTH_LINKS:
+        target, origin = getattr(config, sub, None), getattr(config, source, None) if source else config
+        if isinstance(getattr(target, field, None), int) and isinstance(getattr(origin, source_field, None), int):
+            setattr(target, field, getattr(origin, source_field))
+    if getattr(config, "model_type", None) == "fun_asr_nano":  # its adaptor's MLP is a quarter of the text width
+        config.adaptor_config.intermediate_size = config.text_config.hidden_size // 4
+
+
+def _default_config(model_type: str, config_class):
+    return config_class(**copy.deepcopy(DEFAULT_FIELDS.get(model_type, {})))
+
+
+def _shrink_own_rules(config) -> None:
+    """Fixups where a model's rule is its own."""
+    model_type = getattr(config, "model_type", None)
+    _link_widths(config)
+    if model_type in MULTI_HEAD_ONLY:
+        config.num_key_value_heads = config.num_attention_heads
+    if model_type in ("wavtokenizer", "wavtokenizer_encoder"):  # no projections around the quantizer
+        config.codebook_dim = config.hidden_size
+    if model_type == "efficientloftr":  # stage widths; the last is the hidden size
+        config.out_features = [min(v, config.hidden_size) for v in config.out_features[:-1]] + [config.hidden_size]
+    if model_type == "lw_detr_vit":  # image_size / num_windows must be a multiple of sqrt(num_windows)
+        config.num_windows = 4
+    if model_type == "depth_pro":  # every sub-encoder sees patches of patch_size pixels
+        config.patch_size = config.image_model_config.image_size
+    if model_type == "dory":  # input, recurrent and output layers add up to the layer count
+        config.n_input_layers, config.n_recurrent_layers, config.n_output_layers = 1, config.num_hidden_layers - 2, 1
+    if model_type == "muse_spark_audio":  # one layer per pyramid stage: keep the stages, narrow them
+        config.num_hidden_layers = len(config.hidden_sizes)
+        config.hidden_sizes = [min(v, SMALL["hidden_size"]) for v in config.hidden_sizes]
+    adapter = getattr(config, "adapter_config", None)
+    if model_type == "molmo2" and adapter is not None:  # feature layers counted from the small ViT's end
+        adapter.vision_feature_layer = [-1 - i for i in range(len(adapter.vision_feature_layer))]
+    if model_type == "apertus1p5":  # image then audio codebooks at the top of the small vocab
+        config.vision_config.codebook_size = config.audio_config.codebook_size = 32
+        config.image_token_offset = config.text_config.vocab_size - 128
+        config.audio_token_offset = config.image_token_offset + 32
+    for name, value in UNSET_FIELDS.get(model_type, {}).items():
+        if getattr(config, name, None) is None:
+            setattr(config, name, value)
+    for name in ("adapter_in_dim", "adapter_input_size"):  # Dots3's vision / audio adapters read their own width
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, config.hidden_size)
+    text = getattr(config, "text_config", None)
+    for sub in vars(config).values():  # Dots3: vision and audio adapters project into the text width
+        if isinstance(getattr(sub, "adapter_out_dim", None), int) and text is not None:
+            sub.adapter_out_dim = text.hidden_size
+    if isinstance(getattr(config, "backbone_hidden_size", None), int):  # Gemma 4 assistants: the backbone's width
+        config.backbone_hidden_size = min(config.backbone_hidden_size, SMALL["hidden_size"])
+    if isinstance(getattr(config, "num_centroids", None), int):  # the vocab is split into centroids' clusters
+        config.num_centroids = min(config.num_centroids, 32)
+        config.centroid_intermediate_top_k = min(config.centroid_intermediate_top_k, 4)
+    if model_type == "dots3_note_text" and "sliding_attention" in config.layer_types:  # SWA head = nope + rope parts
+        sliding = config.per_layer_config["sliding_attention"]
+        config.head_dim = sliding.qk_nope_head_dim + sliding.qk_rope_head_dim
+    if model_type == "xlnet":  # d_head must be d_model // n_head
+        config.d_head = config.d_model // config.n_head
+    if model_type == "gpt_neo":  # attention_layers is derived from [[pattern, repeats]] again on reading
+        pattern = config.attention_types[0][0]
+        config.attention_types = [[pattern, max(1, config.num_layers // len(pattern))]]
+        config.attention_layers = config.expand_attention_types_params(config.attention_types)
 
 
 ROTARY_SECTIONS_BY_DEFAULT = {"ernie4_5_vl_moe_text": 3}  # models that read a 3-part mrope_section's default
@@ -455,6 +682,7 @@ def _outputs(model):
     inputs = getattr(model, "dummy_inputs", None)
     if not isinstance(inputs, dict) or not inputs:
         return None
+    torch.manual_seed(0)  # forwards that draw noise (DiffusionGemma's canvas) draw the same both ways
     try:
         with torch.no_grad():
             out = model(**inputs)
@@ -497,7 +725,8 @@ def write_small(model_type: str, class_name: str, workdir: str) -> str:
     config_class = CONFIG_MAPPING[model_type]
     if cls.config_class is not None and cls.config_class is not config_class:
         config_class = cls.config_class  # e.g. Llama4ForCausalLM takes the text config
-    config = _as_read_back(config_class, _for_class(shrink(config_class()), class_name), workdir)
+    config = _as_read_back(config_class, _for_class(shrink(_default_config(model_type, config_class)), class_name),
+                           workdir)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(config).eval()

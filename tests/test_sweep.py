@@ -22,6 +22,7 @@ FAMILIES = [
     "Qwen2VLForConditionalGeneration", "LlavaForConditionalGeneration",              # multimodal
     "Gemma3ForConditionalGeneration", "CLIPModel", "SiglipModel",                    # meta buffers of modules with weights
     "MambaForCausalLM", "JambaForCausalLM",                                          # state-space, hybrid
+    "GraniteMoeHybridForCausalLM", "Gemma4ForCausalLM",                              # Mamba-2 hybrid, per-layer head_dim
     "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM",  # MoE
 ]
 
