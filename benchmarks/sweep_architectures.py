@@ -325,16 +325,18 @@ def _take_per_layer_overrides(config) -> dict | None:
 
 
 def _kept_layers(config, old: int, new: int, overrides: dict | None) -> list[int]:
-    """Which of the old layers the small config keeps: the first ones; for hybrids the
-    first layer of each kind (then the first others) so every kind is loaded; for a
+    """Which of the old layers the small config keeps: the first ones; where layers are of
+    several kinds the first layer of each kind (then the first others) so every kind is
+    loaded (a 2-layer Qwen3-Next keeps its full-attention layer: a cache of linear layers
+    only cannot run); for a
     heterogeneous config the first layer and the first one with overrides, so the small
     config is heterogeneous too."""
-    if getattr(config, "model_type", None) not in KEEP_EACH_KIND:
+    pattern = next((vars(config)[n] for n in LAYER_PATTERNS if isinstance(vars(config).get(n), list)), [])
+    if getattr(config, "model_type", None) not in KEEP_EACH_KIND and len(set(map(str, pattern))) < 2:
         if overrides and new >= 2:
             varied = min(overrides)
             return sorted({0 if varied else 1, varied} | set(range(new - 2)))
         return list(range(new))
-    pattern = next((vars(config)[n] for n in LAYER_PATTERNS if isinstance(vars(config).get(n), list)), [])
     firsts = sorted({kind: pattern.index(kind) for kind in reversed(pattern)}.values())[:new]
     rarest_first = sorted((i for i in range(old) if i not in firsts), key=lambda i: (pattern.count(pattern[i]), i))
     return sorted(firsts + rarest_first[:new - len(firsts)])
