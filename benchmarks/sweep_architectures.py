@@ -332,7 +332,9 @@ def _kept_layers(config, old: int, new: int, overrides: dict | None) -> list[int
     heterogeneous config the first layer and the first one with overrides, so the small
     config is heterogeneous too."""
     pattern = next((vars(config)[n] for n in LAYER_PATTERNS if isinstance(vars(config).get(n), list)), [])
-    if getattr(config, "model_type", None) not in KEEP_EACH_KIND and len(set(map(str, pattern))) < 2:
+    # (not where the last layers reuse earlier layers' KV, Gemma 3n: those must be of kinds the kept ones produce)
+    one_kind = len(set(map(str, pattern))) < 2 or vars(config).get("num_kv_shared_layers")
+    if getattr(config, "model_type", None) not in KEEP_EACH_KIND and one_kind:
         if overrides and new >= 2:
             varied = min(overrides)
             return sorted({0 if varied else 1, varied} | set(range(new - 2)))
