@@ -250,8 +250,9 @@ def _follow_shrunk_sizes(config, before: dict) -> None:
                     and isinstance(value, int) and not isinstance(value, bool)
                     and value in shrunk and value not in ambiguous):
                 setattr(config, field.name, shrunk[value])
-    parts = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
-    if isinstance(getattr(config, "qk_head_dim", None), int) and all(isinstance(p, int) for p in parts):
+    stored = vars(config)
+    parts = stored.get("qk_nope_head_dim"), stored.get("qk_rope_head_dim")
+    if isinstance(stored.get("qk_head_dim"), int) and all(isinstance(p, int) for p in parts):
         config.qk_head_dim = sum(parts)
 
 
