@@ -2,7 +2,7 @@
 (benchmarks/sweep_architectures.py), saved in several shards, and loaded by lazyload into a
 meta model: every parameter and buffer, and the outputs, equal `from_pretrained`'s.
 
-A dozen families run by default; every class transformers ships runs with `-m slow`."""
+Twenty families run by default; every class transformers ships runs with `-m slow`."""
 from __future__ import annotations
 
 import importlib.util
