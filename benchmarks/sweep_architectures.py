@@ -179,7 +179,8 @@ PP_OCR_DET_NECK = {  # PP-OCR's text detection neck (its published layout, [kern
 # Config class -> field -> value (or a function of the shrunk config): what a model type's
 # modeling code needs but its default config leaves unset or lacks, in the small sizes.
 FIXUPS = {
-    "DbrxAttentionConfig": {"rope_theta": 10000.0},  # read by DbrxAttention, not a declared field
+    "DbrxAttentionConfig": {"rope_theta": 10000.0,  # read by DbrxAttention, not a declared field
+                            "clip_qkv": 8.0},  # its forward clamps with it unconditionally (DBRX-132B's value)
     "Qwen3OmniMoeTalkerTextConfig": {"shared_expert_intermediate_size": 64},  # read by its MoE block, not declared
     "Qwen3OmniMoeTalkerConfig": {"spatial_merge_size": 2},  # read by the talker, not declared (the vision's is 2)
     "Lfm2MoeConfig": {"layer_types": _layer_pattern("conv", "full_attention"),  # no default
@@ -227,6 +228,10 @@ def _attention_within_layers(config, layers) -> None:
         if isinstance(period, int) and isinstance(start, int) and (period > layers or start >= layers):
             setattr(config, name, layers)
             setattr(config, offset, layers - 1)
+    if "attn_layer_indices" in vars(config):  # Bamba: attention at listed layers (none by default)
+        indices = config.attn_layer_indices
+        if not indices or min(indices) >= layers:
+            config.attn_layer_indices = [layers - 1]
     blocks = getattr(config, "block_types", None)
     if isinstance(blocks, list) and len(blocks) > layers:
         config.block_types = _every_kind_first(blocks, layers)

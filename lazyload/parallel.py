@@ -273,7 +273,8 @@ def _localize_attention(model: nn.Module, recorded: dict[str, Placement], heads:
         if query in PACKED_NAMES and _child(module_name, query) + ".weight" not in recorded:
             query = None  # a TP plan's own split of a fused q/k/v (CodeGen's blocks of [q v k]): its own layout
         widths = _out_widths(model, _child(module_name, query), recorded) if query else None
-        if query is None and by_plan and getattr(module, "num_key_value_groups", None) == heads.heads // kv:
+        if (query is None and by_plan and getattr(module, "num_key_value_groups", None) == heads.heads // kv
+                and _holds_split_tensors(module, module_name, recorded)):
             # a TP plan's q under another name, grouped as the model's attention: the config's local heads
             # (not Inkling2's block-residual attention, whose own groups are 1)
             module.num_key_value_groups = heads.heads // world // max(1, kv // world)
@@ -296,6 +297,16 @@ def _localize_attention(model: nn.Module, recorded: dict[str, Placement], heads:
             # scaled by the q and KV shares, not q_local // kv_local: a q projection may carry
             # more than q (Qwen3-Next's is q and an output gate per head, twice as wide)
             module.num_key_value_groups = max(1, groups * q_local * kv_full // (q_full * kv_local))
+
+
+def _holds_split_tensors(module: nn.Module, module_name: str, recorded: dict[str, Placement]) -> bool:
+    """Whether the plan split any tensor of the module (DBRX's plan splits only lm_head: its
+    attention, under names the plan does not give, keeps its bookkeeping)."""
+    for name, tensor in module.named_parameters():
+        full = _child(module_name, name)
+        if full in recorded or any(not p.is_replicate() for p in getattr(tensor, "placements", ())):
+            return True
+    return False
 
 
 def _child(module_name: str, name: str) -> str:

@@ -34,6 +34,8 @@ FAMILIES = {
     "InklingForCausalLM": (True, "normed embedding kept whole; shared experts' bare 3-D tensors run local"),
     "Qwen3NextForCausalLM": (True, "q_proj = q and a gate per head (twice as wide): KV groups kept; linear attention"),
     "JambaForCausalLM": (True, "hybrid: mamba layers and an attention layer, experts"),
+    "DbrxForCausalLM": (True, "a plan that splits only lm_head: the fused-Wqkv attention keeps its own bookkeeping"),
+    "BambaForCausalLM": (True, "hybrid: Mamba-2 layers and an attention layer"),
 }
 
 
