@@ -12,7 +12,7 @@ from torch import nn
 
 from .errors import PlanError
 from .placements import (HEAD_COUNTS, KV_NAMES, PACKED_NAMES, Q_NAMES, STYLES, Heads, Resolved, StylePlan, attention_checks,
-                         check_plan, is_conv1d, model_heads, model_tp_plan, owner_of, static_placements,
+                         check_plan, is_conv1d, model_heads, model_tp_plan, owner_of, sparse_mlps, static_placements,
                          style_placement)
 from .plan import Placement, local_regions
 from .targets import TargetSpec, model_slots
@@ -148,6 +148,10 @@ def _expanded_plan(model: nn.Module, plan: Any, experts: str) -> dict[str, str]:
     if plan == {}:
         return {}
     expanded = model._expand_parallel_plan(model_tp_plan(model, experts))
+    sparse = sparse_mlps(model)
+    if sparse:  # entries of a sparse MLP's layers (module or parameter names) are dropped
+        expanded = {k: v for k, v in expanded.items()
+                    if not ({k.rpartition(".")[0], k.rpartition(".")[0].rpartition(".")[0]} & sparse)}
     if not isinstance(plan, dict):
         return _scales_follow_weights(model, expanded)
     user = StylePlan(plan, getattr(model, "base_model_prefix", "") or "")

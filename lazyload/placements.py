@@ -170,6 +170,19 @@ def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
     return plan
 
 
+def sparse_mlps(model: nn.Module) -> set[str]:
+    """MLPs whose forward keeps only their largest activations by statistics over the whole
+    intermediate width (Gemma 3n's Gaussian top-k, `activation_sparsity` > 0): a rank holding
+    part of that width would keep others, so plan entries of their layers are not applied."""
+    def sparse(m: nn.Module) -> bool:
+        value = getattr(m, "activation_sparsity", 0)
+        return isinstance(value, (int, float)) and value > 0
+
+    if not any(sparse(m) for m in model.modules()):  # the common case: one cheap pass
+        return set()
+    return {name for name, m in model.named_modules() if sparse(m)}
+
+
 def _normed_embedding(model: nn.Module, glob: str, style: Any) -> bool:
     """A vocab-split embedding whose own forward runs a child with weights (Inkling's norm)
     on the looked-up rows: the rows are summed across ranks only after that forward, so
@@ -481,6 +494,7 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
     # Expert parallel: tensors that do not split over every rank (40 heads at world 64) are
     # split over a divisor group of ranks instead of refused; attention over one group size.
     attn = attention_group(heads, world) if experts == "ep" and heads.heads else world
+    sparse = sparse_mlps(model) if auto.entries else set()
     out = {}
     structural: dict[str, tuple[Placement, str]] = {}  # name -> (placement, style), checked in pairs at the end
     for name, spec in specs.items():
@@ -490,7 +504,7 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
         style = user.style_of_param(name)
         by_rule = style is None and not auto.entries
         if style is None and auto.entries:
-            style = auto.style_of_param(name)
+            style = None if module_name.rpartition(".")[0] in sparse else auto.style_of_param(name)
         elif style is None:
             kind, parts = structural_style(module, module_name, attr)
             if kind == "packed":

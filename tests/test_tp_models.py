@@ -36,6 +36,7 @@ FAMILIES = {
     "JambaForCausalLM": (True, "hybrid: mamba layers and an attention layer, experts"),
     "DbrxForCausalLM": (True, "a plan that splits only lm_head: the fused-Wqkv attention keeps its own bookkeeping"),
     "BambaForCausalLM": (True, "hybrid: Mamba-2 layers and an attention layer"),
+    "Gemma3nForCausalLM": (True, "MLPs with Gaussian top-k sparsity (statistics over the whole width) kept whole"),
 }
 
 
