@@ -403,9 +403,18 @@ def model_heads(model: nn.Module) -> Heads:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    heads = _config_value(config, "num_attention_heads") or _config_value(config, "n_head")
+    kv = _config_value(config, "num_key_value_heads") or heads
     return Heads(heads, kv)
+
+
+def _config_value(config: Any, name: str) -> Any:
+    """A config's global value: a heterogeneous config (per-layer overrides, Dots3 Note)
+    refuses to read a per-layer field globally; its stored global value is taken instead."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError, not an AttributeError
+        return vars(config).get(name)
 
 
 def attention_checks(name: str, last: str, placement: Placement, heads: Heads, world: int) -> Placement:
