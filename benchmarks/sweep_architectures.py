@@ -186,6 +186,8 @@ FIXUPS = {
     "Lfm2MoeConfig": {"layer_types": _layer_pattern("conv", "full_attention"),  # no default
                       "num_dense_layers": 1},  # layer 0 dense, layer 1 MoE (the default 2 leaves no expert)
     "DeepseekOcr2TextConfig": {"mlp_layer_types": _layer_pattern("dense", "sparse")},  # no default
+    # all-Mamba by default; its published hybrids (Granite 4.0-H) interleave attention layers
+    "GraniteMoeHybridConfig": {"layer_types": _layer_pattern("linear_attention", "full_attention")},
     "Dots1Config": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # no defaults
     "CohereCompassTextConfig": {"rope_parameters": _rope_per_layer_type},
     "EsmConfig": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},  # ESM-2's alphabet; no default
