@@ -99,10 +99,6 @@ def _shrink(config, seen):
     _shrink_own_rules(config)
     _shrink_backbone_outputs(config, old_own_layers)
     layers = getattr(config, "num_hidden_layers", None)
-    for name in [n for n in vars(config) if n.endswith("layer_types")]:  # layer_types, mlp_layer_types, ...
-        value = getattr(config, name)
-        if isinstance(value, list) and isinstance(layers, int) and len(value) > layers:
-            setattr(config, name, _every_kind_first(value, layers))  # one entry per layer, validated against the count
     _attention_within_layers(config, layers)
     for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(config, name, None)
@@ -211,9 +207,9 @@ def _fix_model_type(config) -> None:
 
 
 def _every_kind_first(values: list, n: int) -> list:
-    """n per-layer entries where each kind of layer comes once before any repeats: a 2-layer
-    Qwen3-Next keeps its full-attention layer (the first two of its layer_types are linear,
-    and a cache of linear layers only cannot run), Bailing its sparse MLP."""
+    """n entries of a repeating block pattern where each kind comes once before any repeats
+    (RecurrentGemma's [recurrent, recurrent, attention] in two layers keeps its attention).
+    Per-layer lists are cut by `_kept_layers`, which keeps one layer of each kind."""
     kinds = list(dict.fromkeys(values))
     return (kinds + values)[:n] if len(kinds) < n else kinds[:n]
 
