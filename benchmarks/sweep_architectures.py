@@ -68,7 +68,7 @@ def _shrink(config, seen):
         return
     seen.add(id(config))
     overrides = _take_per_layer_overrides(config)
-    old_layers, old_own_layers = _layer_count(config), _own_layer_count(config)
+    old_layers = _layer_count(config)
     fields = config.to_dict() if hasattr(config, "to_dict") else {}
     for name, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):
@@ -97,7 +97,6 @@ def _shrink(config, seen):
     _runnable_defaults(config)
     _model_fixups(config)
     _shrink_own_rules(config)
-    _shrink_backbone_outputs(config, old_own_layers)
     layers = getattr(config, "num_hidden_layers", None)
     _attention_within_layers(config, layers)
     for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
@@ -386,21 +385,6 @@ def _shrink_per_layer(config, old: int | None, overrides: dict | None, fields: d
         config.per_layer_config = {renumber[layer]: {k: _shrink_override(k, v, config, fields)
                                                      for k, v in layer_overrides.items()}
                                    for layer, layer_overrides in overrides.items() if layer in renumber}
-
-
-def _shrink_backbone_outputs(config, old_layers: int | None) -> None:
-    """A backbone with one stage per layer (ViT-like: stem, stage1..stageN for N layers)
-    returns the shrunk layers: indices past the last small layer point at it instead."""
-    names, layers = vars(config).get("stage_names"), _own_layer_count(config)
-    indices = vars(config).get("_out_indices")
-    if not (isinstance(layers, int) and isinstance(names, list) and isinstance(indices, (list, tuple))):
-        return
-    if "depths" in vars(config):  # Swin-like: stages of several layers, left as they are
-        return
-    if names != ["stem"] + [f"stage{i}" for i in range(1, old_layers + 1)] or layers == old_layers:
-        return
-    config.stage_names = ["stem"] + [f"stage{i}" for i in range(1, layers + 1)]
-    config.out_indices = sorted({min(i, layers) for i in indices})
 
 
 STATE_SPACE_HEADS = (("expand", "num_heads", "head_dim", "n_groups", "d_ssm"),  # Mamba-2
