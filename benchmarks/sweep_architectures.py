@@ -464,8 +464,6 @@ def _shrink_own_rules(config) -> None:
         config.codebook_dim = config.hidden_size
     if model_type == "efficientloftr":  # stage widths; the last is the hidden size
         config.out_features = [min(v, config.hidden_size) for v in config.out_features[:-1]] + [config.hidden_size]
-    if model_type == "lw_detr_vit":  # image_size / num_windows must be a multiple of sqrt(num_windows)
-        config.num_windows = 4
     if model_type == "depth_pro":  # every sub-encoder sees patches of patch_size pixels
         config.patch_size = config.image_model_config.image_size
     if model_type == "dory":  # input, recurrent and output layers add up to the layer count
