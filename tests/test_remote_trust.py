@@ -204,3 +204,12 @@ def test_a_remote_prequantized_checkpoint_uses_its_own_config_json(checkpoint, t
         model = build_model("llama", config, torch.bfloat16)
         ckpt.load_into(model, progress=False)
     assert_same_state(state(model), state(expected))
+
+
+def test_load_model_builds_a_remote_checkpoint_from_its_own_config_json(served):
+    from lazyload import load_model
+
+    server, url, original, config = served
+    model, report = load_model(url, dtype=torch.bfloat16, progress=False)
+    assert model.config.num_hidden_layers == config.num_hidden_layers and report.reader == "remote"
+    assert_same_state(state(model), local_state(original, config))
