@@ -9,6 +9,8 @@ Cases (one process, one after another; the S3 server is a separate process):
                     alone give the rank its shards), report.bytes_requested vs its share
   lazyload http     the same over HTTP: the tests' Range server (tests/remote_servers.py,
                     reads only the asked range of the file) in its own process
+  ... fill/cached   (--cache) world 1 with RemoteOptions(cache_dir=...): the load that fills
+                    the cache, then one answered from it (each entry's sha256 checked)
   download+load     every object downloaded (boto3; urllib over HTTP) into a temp directory,
                     then a world-1 lazyload load of it
   runai s3          runai_model_streamer.SafetensorsStreamer over the objects (every tensor
@@ -24,7 +26,7 @@ so there a GET costs in proportion to the object's size, whatever its range: man
 GETs lose to a few whole-object downloads, unlike on a real store. Compare rows, not with a
 real store.
 
-Usage: python benchmarks/bench_remote.py [--quick] [--worlds 1,2,4] [--ckpt-dir DIR] [--index-files 191]
+Usage: python benchmarks/bench_remote.py [--quick] [--worlds 1,2,4] [--ckpt-dir DIR] [--index-files 191] [--cache]
 Needs: pip install -e '.[remote-bench]'
 """
 
@@ -104,11 +106,11 @@ def meta_model(ckpt_dir):
         return LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
 
 
-def lazyload_case(path, ckpt_dir, rank, world):
+def lazyload_case(path, ckpt_dir, rank, world, options=None):
     from lazyload import LazyCheckpoint
     t = time.perf_counter()
     model = meta_model(ckpt_dir)
-    report = LazyCheckpoint(path).load_into(model, rank, world, progress=False)
+    report = LazyCheckpoint(path, remote=options).load_into(model, rank, world, progress=False)
     seconds = time.perf_counter() - t
     return dict(requested=report.bytes_requested if report.requests else None,
                 share=report.bytes_read + report.bytes_mapped, requests=report.requests,
@@ -147,6 +149,19 @@ def runai_case(paths, ckpt_dir, total):
                 seconds=time.perf_counter() - t)
 
 
+def cache_rows(where, path, ckpt_dir):
+    """World 1 with `RemoteOptions(cache_dir=...)`: the load that fills the cache, then one
+    answered from it (every entry's sha256 checked)."""
+    from lazyload.remote import RemoteOptions
+    cache = tempfile.mkdtemp(prefix="lazyload-cache-")
+    try:
+        options = RemoteOptions(cache_dir=cache)
+        return [(f"lazyload {where} {step}", "0/1", lazyload_case(path, ckpt_dir, 0, 1, options))
+                for step in ("fill", "cached")]
+    finally:
+        shutil.rmtree(cache)
+
+
 def index_many(n):
     """n small shards (8 tensors each) and their index json in the bucket; seconds to index."""
     import json
@@ -175,6 +190,7 @@ def main():
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--index-files", type=int, default=191)
     parser.add_argument("--skip-runai", action="store_true")
+    parser.add_argument("--cache", action="store_true", help="also world 1 with a cache_dir: filling it, then from it")
     common.add_clean_flag(parser)
     args = parser.parse_args()
     os.environ.setdefault("LAZYLOAD_PROGRESS", "0")
@@ -198,6 +214,8 @@ def main():
             for world in worlds:
                 for rank in range(world):
                     rows.append((f"lazyload {where}", f"{rank}/{world}", lazyload_case(path, ckpt_dir, rank, world)))
+            if where != "local" and args.cache:
+                rows += cache_rows(where, path, ckpt_dir)
             if where != "local":
                 rows.append((f"download+load {where}", "0/1",
                              download_then_load(ckpt_dir, total, http_url if where == "http" else None)))
@@ -213,11 +231,11 @@ def main():
             proc.terminate()
             proc.wait()
     print(f"\n{total / MiB:.0f} MiB checkpoint, {len(files)} files; S3 = moto on localhost (Python server)\n")
-    print(f"{'case':19s} {'rank':>6s} {'requested':>11s} {'rank share':>11s} {'GETs':>6s} {'retries':>7s} "
+    print(f"{'case':21s} {'rank':>6s} {'requested':>11s} {'rank share':>11s} {'GETs':>6s} {'retries':>7s} "
           f"{'seconds':>8s}")
     for case, rank, r in rows:
         requested = f"{r['requested'] / MiB:9.1f} M" if r["requested"] is not None else f"{'-':>11s}"
-        print(f"{case:19s} {rank:>6s} {requested} {r['share'] / MiB:9.1f} M {r['requests']:6d} "
+        print(f"{case:21s} {rank:>6s} {requested} {r['share'] / MiB:9.1f} M {r['requests']:6d} "
               f"{r['retries']:7d} {r['seconds']:8.2f}")
     print(f"\nindex of {args.index_files} files ({tensors} tensors) from S3: {seconds:.2f} s, {requests} GETs")
     if args.clean:

@@ -3,6 +3,7 @@ checkpoint's `config.json` on the meta device and load this rank's share into it
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ def load_model(path: str | os.PathLike, rank: int = 0, world: int = 1, *, dtype:
                **load_kwargs: Any) -> tuple[nn.Module, LoadReport]:
     """Build the model a checkpoint directory describes and load it; returns (model, report).
 
-    - `path`: a checkpoint directory holding `config.json` (or pass `config=`).
+    - `path`: a checkpoint directory holding `config.json` (or pass `config=`), or a URL
+      (`s3://`, `https://`, `hf://`) whose store holds it beside the files.
     - `dtype`: "auto" (default) keeps the dtype `config.json` records, else the checkpoint's
       floating dtype; a `torch.dtype` casts; None builds in torch's default dtype (float32),
       as `from_pretrained` does without `dtype`.
@@ -28,16 +30,9 @@ def load_model(path: str | os.PathLike, rank: int = 0, world: int = 1, *, dtype:
     - `model_kwargs`: passed to the class's `_from_config` (e.g. `attn_implementation`).
     - `rank`, `world`, `device` and every other keyword go to `LazyCheckpoint.load_into`.
     """
-    import transformers
-
     ckpt = LazyCheckpoint(path)
     if config is None:
-        directory = os.fspath(path) if os.path.isdir(path) else os.path.dirname(os.fspath(path))
-        if not os.path.isfile(os.path.join(directory, "config.json")):
-            raise CheckpointError(f"{directory}: no config.json to build the model from; pass config= (a "
-                                  "transformers config), or build the model yourself and call "
-                                  "LazyCheckpoint(path).load_into(model).")
-        config = transformers.AutoConfig.from_pretrained(directory)
+        config = _checkpoint_config(path, ckpt)
     cls = _model_class(config, model_class)
     build_dtype = _build_dtype(dtype, config, ckpt)
     with torch.device("meta"):
@@ -45,6 +40,29 @@ def load_model(path: str | os.PathLike, rank: int = 0, world: int = 1, *, dtype:
     model.eval()
     report = ckpt.load_into(model, rank, world, device=device, **load_kwargs)
     return model, report
+
+
+_NO_CONFIG = ("{}: no config.json to build the model from; pass config= (a transformers config), or build the "
+              "model yourself and call LazyCheckpoint(path).load_into(model).")
+
+
+def _checkpoint_config(path: str | os.PathLike, ckpt: LazyCheckpoint) -> Any:
+    """The transformers config of the config.json beside the checkpoint's files (for a URL,
+    the one its store holds, fetched while indexing)."""
+    import transformers
+
+    if ckpt.remote is None:
+        directory = os.fspath(path) if os.path.isdir(path) else os.path.dirname(os.fspath(path))
+        if not os.path.isfile(os.path.join(directory, "config.json")):
+            raise CheckpointError(_NO_CONFIG.format(directory))
+        return transformers.AutoConfig.from_pretrained(directory)
+    ckpt.index  # indexing fetches config.json, beside the headers
+    if ckpt.remote.config_json is None:
+        raise CheckpointError(_NO_CONFIG.format(path))
+    with tempfile.TemporaryDirectory(prefix="lazyload-config-") as copy:  # transformers reads configs from disk
+        with open(os.path.join(copy, "config.json"), "wb") as f:
+            f.write(ckpt.remote.config_json[1])
+        return transformers.AutoConfig.from_pretrained(copy)
 
 
 def _model_class(config: Any, model_class: type | str | None) -> type:

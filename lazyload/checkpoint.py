@@ -29,7 +29,7 @@ from .parallel import auto_parallelize, check_process_group
 from .placements import resolve_placements
 from .placer import allocate, allocate_quantized, assign, mapped_views, whole_scratch, with_whole
 from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
-from .quant.formats import Quantization as PreQuantized, detect, read_quantization_config
+from .quant.formats import Quantization as PreQuantized, detect, quantization_config_of, read_quantization_config
 from .quant.linear import to_torchao
 from .quant.onload import Quantization, QuantizedDest
 from .quant.targets import quantized_targets, swap_quantized
@@ -92,7 +92,14 @@ class LazyCheckpoint:
         return self._quantization
 
     def _detect(self, held=lambda key: False) -> PreQuantized:
-        return detect(self.index, read_quantization_config(self.files), held)
+        return detect(self.index, self._quantization_config(), held)
+
+    def _quantization_config(self) -> dict | None:
+        """The `quantization_config` of the config.json beside the files (from the store, for a URL)."""
+        if self.remote is None:
+            return read_quantization_config(self.files)
+        self.index  # indexing fetches config.json, beside the headers
+        return None if self.remote.config_json is None else quantization_config_of(*self.remote.config_json)
 
     def keys(self) -> list[str]:
         return list(self.index)

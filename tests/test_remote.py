@@ -99,7 +99,7 @@ def test_http_load_equals_the_local_load(served):
     # Every byte the server sent is counted: the index's GETs, then the load's.
     assert report.bytes_served == report.bytes_requested == report.bytes_read
     assert server.served() == report.bytes_served + _header_bytes(url)
-    assert len(gets) == report.requests + len(shard_files(directory)) + 1  # + one header GET per file, the index json
+    assert len(gets) == report.requests + len(shard_files(directory)) + 2  # + a header GET per file, index, config
 
 
 def _header_bytes(url) -> int:

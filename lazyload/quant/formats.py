@@ -66,10 +66,20 @@ def read_quantization_config(files: Sequence[str]) -> dict | None:
     if not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:  # the tensors alone still tell quantized weights
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:  # the tensors alone still tell quantized weights
         logger.warning("%s: not read (%s); quantized weights are found from the tensors alone", path, exc)
+        return None
+    return quantization_config_of(path, raw)
+
+
+def quantization_config_of(where: str, raw: bytes) -> dict | None:
+    """`quantization_config` of a config.json's bytes (`where`: its path or URL), if any."""
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:  # the tensors alone still tell quantized weights
+        logger.warning("%s: not read (%s); quantized weights are found from the tensors alone", where, exc)
         return None
     quant = config.get("quantization_config") if isinstance(config, dict) else None
     return quant if isinstance(quant, dict) else None

@@ -31,6 +31,7 @@ class HttpStore(Store):
         super().__init__(options)
         self.base = base if base.endswith("/") else base + "/"
         self.display = display or self.base  # what messages call the prefix (hf://org/repo@rev/)
+        self.endpoint = "{0.scheme}://{0.netloc}".format(urlsplit(self.base))
         self._token = token
         self.secrets = (token,) if token else ()
         self.credentials_hint = credentials_hint

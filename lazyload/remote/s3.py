@@ -17,12 +17,15 @@ allowed when named so), web identity and instance metadata. obstore's own retrie
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 
 from ..errors import RemoteError
 from .store import ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
 
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}")
 
 
 class S3Store(Store):
@@ -35,13 +38,19 @@ class S3Store(Store):
             from obstore.store import S3Store as ObjectStoreS3
         except ImportError:
             raise RemoteError(f"s3://{bucket}/: reading S3 needs obstore (pip install 'lazyload[remote]').") from None
+        if not _BUCKET.fullmatch(bucket):
+            raise RemoteError(f"s3://{ascii(bucket)[1:-1]}/: not a valid bucket name (letters, digits, '.', '-', "
+                              "'_'); check the URL.")
         self._obstore = obstore
         self.bucket = bucket
         self.secrets = tuple(os.environ[name] for name in _SECRET_ENV if os.environ.get(name))
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+        endpoint = next((os.environ[name] for name in _ENDPOINT_ENV if os.environ.get(name)), "")
         client = {"timeout": timedelta(seconds=options.timeout), "allow_http": endpoint.startswith("http://")}
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         config = {"region": region} if region else {}
+        if endpoint:  # named to obstore too: the endpoint it asks is the one the cache names
+            config["endpoint"] = endpoint
+        self.endpoint = endpoint or f"https://s3.{region or 'us-east-1'}.amazonaws.com"
         try:
             self._store = ObjectStoreS3(bucket, client_options=client, retry_config={"max_retries": 0}, **config)
         except Exception as exc:  # obstore's configuration errors
@@ -53,6 +62,7 @@ class S3Store(Store):
     def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None) -> Response:
         from obstore import exceptions as ex
 
+        self.check_key(key)
         options = {"range": (start, end)}
         if identity is not None and identity.etag:
             options["if_match"] = identity.etag  # S3 answers 412 for another version of the object
@@ -71,12 +81,16 @@ class S3Store(Store):
             raise Transient(self._say(exc)) from None  # 5xx, timeouts, dropped connections
         except OSError as exc:
             raise Transient(self._say(exc)) from None
+        except (ex.BaseError, ValueError) as exc:  # any other refusal of the client: retrying will not help
+            raise RemoteError(f"{self.url(key)}: the S3 client refused the request ({self._say(exc)}); check the "
+                              "URL and the store's configuration.") from None
         meta = result.meta
         return Response(memoryview(data), meta["size"], meta.get("e_tag"), meta.get("version"))
 
     def list(self, prefix: str) -> list[str]:
         from obstore import exceptions as ex
 
+        self.check_key(prefix, prefix=True)
         try:
             listed = self._obstore.list_with_delimiter(self._store, prefix or None)
         except (ex.NotFoundError, FileNotFoundError):
@@ -87,5 +101,27 @@ class S3Store(Store):
             raise RemoteError(f"{self.url(prefix)}: cannot list ({self._say(exc)}).") from None
         return [meta["path"] for meta in listed["objects"]]
 
+    def check_key(self, key: str, prefix: bool = False) -> None:
+        why = _key_problem(key.removesuffix("/") if prefix else key)
+        if why:
+            raise RemoteError(f"{ascii(self.url(key))[1:-1]}: not a valid S3 key ({why}); name the object "
+                              "exactly as it is stored.")
+
     def _say(self, exc: BaseException) -> str:
         return redact(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", self.secrets)
+
+
+def _key_problem(key: str) -> str | None:
+    """What makes `key` one that S3 would not read as written (obstore refuses `.`, `..` and
+    empty segments, or normalises them to another key), or None."""
+    if any(segment in (".", "..") for segment in key.split("/")):
+        return "a '.' or '..' segment"
+    if key and not all(key.split("/")):
+        return "an empty segment ('//', or a leading or trailing '/')"
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        return "a control character"
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeError:  # a lone surrogate
+        return "not UTF-8"
+    return "over 1024 bytes" if size > 1024 else None

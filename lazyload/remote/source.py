@@ -17,6 +17,8 @@ from ..index import (INDEX_JSON, CheckpointIndex, TensorEntry, _load_json, _MAX_
 from .store import ObjectIdentity, RemoteOptions, Stats, Store
 
 SCHEMES = ("s3://", "http://", "https://", "hf://")
+CONFIG_JSON = "config.json"
+MAX_CONFIG = 16 << 20  # the largest config.json read; real ones are kilobytes
 
 
 def is_remote(path: object) -> bool:
@@ -48,6 +50,7 @@ class RemoteCheckpoint:
         self.store, key = open_store(url, self.options)
         self.stats = Stats()  # indexing's requests
         self.index_json: str | None = None
+        self.config_json: tuple[str, bytes] | None = None  # (URL, bytes) of its config.json, once indexed
         self._weight_map: dict[str, str] | None = None
         if key.endswith(".safetensors"):
             keys = [key]
@@ -62,15 +65,30 @@ class RemoteCheckpoint:
         self.keys = {self.store.url(k): k for k in keys}  # file URL -> key
         self.files = list(self.keys)
 
-    def _from_index_json(self, key: str) -> list[str]:
-        url = self.store.url(key)
+    def _whole(self, key: str, limit: int, what: str) -> bytes:
+        """A small object, whole: its first `header_bytes`, then the rest (from the same
+        version of the object); refused when longer than `limit`."""
         first = self.store.get(key, 0, self.options.header_bytes, self.stats)
-        if first.size > _MAX_HEADER:
-            raise CheckpointError(f"{url}: {first.size} bytes, too big for an index json; it is not one.")
+        if first.size > limit:
+            raise CheckpointError(f"{self.store.url(key)}: {first.size} bytes, too big for {what}; it is not one.")
         raw = bytes(first.data)
-        if first.size > len(raw):  # the rest, from the same version of the object
+        if first.size > len(raw):
             identity = ObjectIdentity(first.size, first.etag, first.version)
             raw += bytes(self.store.get(key, len(raw), first.size, self.stats, identity).data)
+        return raw
+
+    def _config_json(self) -> tuple[str, bytes] | None:
+        """(URL, bytes) of the config.json beside the checkpoint's files (where a local
+        checkpoint's is read: beside its first file); None when there is none."""
+        key = posixpath.join(posixpath.dirname(self.keys[self.files[0]]), CONFIG_JSON)
+        try:
+            return self.store.url(key), self._whole(key, MAX_CONFIG, "a config.json")
+        except ObjectNotFoundError:
+            return None
+
+    def _from_index_json(self, key: str) -> list[str]:
+        url = self.store.url(key)
+        raw = self._whole(key, _MAX_HEADER, "an index json")
         folder = posixpath.dirname(key)
         names = weight_map_of(url, _load_json(url, raw, "index json"))
         self.index_json = url
@@ -87,10 +105,12 @@ class RemoteCheckpoint:
         return keys
 
     def index(self) -> CheckpointIndex:
-        """The Index, every file's header read concurrently."""
+        """The Index, every file's header read concurrently (and `config_json`, beside them)."""
         try:
-            with ThreadPoolExecutor(min(self.options.concurrency, len(self.files)) or 1) as pool:
+            with ThreadPoolExecutor(min(self.options.concurrency, len(self.files) + 1)) as pool:
+                config = pool.submit(self._config_json)
                 headers = list(pool.map(self._header, self.files))
+                self.config_json = config.result()
         finally:
             self.store.close()
         entries = [(e.key, e) for file_entries, _ in headers for e in file_entries]

@@ -121,7 +121,10 @@ def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
 
 class Store:
     """One kind of object store; subclasses implement `attempt` (and `list` where the store
-    can list). `secrets`: credential values that must never appear in a message."""
+    can list). `secrets`: credential values that must never appear in a message; `endpoint`:
+    scheme://host:port its requests go to, part of every cache entry's name."""
+
+    endpoint = ""
 
     def __init__(self, options: RemoteOptions):
         self.options = options
@@ -144,17 +147,16 @@ class Store:
     def get(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None = None) -> Response:
         """Bytes [start, end) of the object (fewer when it ends first, while indexing),
         retried on transient failures; checked against `identity` when given. With a cache,
-        ranges of an object of known identity come from it when they are there."""
-        cache = self.cache if identity is not None and identity.etag else None
-        version = f"{identity.etag}\0{identity.version}\0{identity.size}" if cache is not None else ""
-        if cache is not None:
-            data = cache.get(self.url(key), version, start, end)
+        ranges of an object of known identity (a strong ETag) come from it when they are there."""
+        entry = self.cache.path(self.endpoint, self.url(key), identity, start, end) if self.cache else None
+        if entry is not None:
+            data = self.cache.get(entry, start, end)
             if data is not None:
                 stats.cached(len(data))
                 return Response(data, identity.size, identity.etag, identity.version)
         response = self._fetch(key, start, end, stats, identity)
-        if cache is not None:
-            cache.put(self.url(key), version, start, end, response.data)
+        if entry is not None:
+            self.cache.put(entry, response.data)
         return response
 
     def _fetch(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None) -> Response:
