@@ -69,7 +69,7 @@ class RemoteCheckpoint:
             raise CheckpointError(f"{url}: {first.size} bytes, too big for an index json; it is not one.")
         raw = bytes(first.data)
         if first.size > len(raw):  # the rest, from the same version of the object
-            identity = ObjectIdentity(first.size, first.etag, first.version)
+            identity = first.identity
             raw += bytes(self.store.get(key, len(raw), first.size, self.stats, identity).data)
         folder = posixpath.dirname(key)
         names = weight_map_of(url, _load_json(url, raw, "index json"))
@@ -104,7 +104,7 @@ class RemoteCheckpoint:
     def _header(self, url: str) -> tuple[list[TensorEntry], ObjectIdentity]:
         key = self.keys[url]
         first = self.store.get(key, 0, self.options.header_bytes, self.stats)
-        identity = ObjectIdentity(first.size, first.etag, first.version)
+        identity = first.identity
         raw = bytes(first.data)
         length = header_length(url, raw[:8], identity.size)
         if 8 + length > len(raw):  # a long header: the rest, from the same version of the object
