@@ -19,7 +19,8 @@ serves the asked length from `shift` bytes later, with an honest Content-Range f
 to each 200/206; `pad` bytes of zeros follow the body (with a Content-Length that counts them,
 or none and a closed connection with `no_length`); `trickle` seconds pass between body
 bytes; `etag=False` sends Last-Modified instead of an ETag (If-Match then never matches,
-If-Unmodified-Since is honoured, as a strict server does).
+If-Unmodified-Since is honoured, as a strict server does). `query`: when set, a request
+without exactly that query string gets 403 (a presigned URL's signature).
 """
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ import time
 from dataclasses import dataclass
 from email.utils import formatdate, parsedate_to_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+_ZEROS = bytes(1 << 16)
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,15 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.token is not None and self.headers.get("Authorization") != f"Bearer {self.server.token}":
             return self._status(401)
         if self.server.redirect is not None:
-            self.send_response(302)
+            self.server.record(Logged(self.command, self.path, 302, 0, 0, self._authorized(), self._tls()))
+            self.send_response(302)  # logged first: a client that stops at the answer finds it in the log
             self.send_header("Location", self.server.redirect + self.path)
             self.send_header("Content-Length", "0")
-            self.end_headers()
-            return self.server.record(Logged(self.command, self.path, 302, 0, 0, self._authorized(), self._tls()))
-        path = os.path.join(self.server.root, self.path.split("?")[0].lstrip("/"))
+            return self.end_headers()
+        path, _, query = self.path.partition("?")
+        if self.server.query is not None and query != self.server.query:
+            return self._status(403)
+        path = os.path.join(self.server.root, unquote(path).lstrip("/"))
         if not os.path.isfile(path):
             return self._status(404)
         server = self.server
@@ -92,10 +98,10 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._status(416)
                 start, end = min(start + server.shift, size), min(end + server.shift, size)
             f.seek(start)
-            data = (f.read(end - start) if body else b"") + b"\0" * server.pad
+            data = f.read(end - start) if body else b""
         self.send_response(206 if match else 200)
         if not server.no_length:
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Length", str(len(data) + server.pad))
         if etag:
             self.send_header("ETag", etag)
         else:
@@ -119,13 +125,16 @@ class _Handler(BaseHTTPRequestHandler):
                 pass
 
     def _write(self, data: bytes) -> int:
-        """The body (a byte per `trickle` seconds when set); returns what the client took."""
+        """The body (a byte per `trickle` seconds when set), then `pad` zeros in 64 KiB pieces
+        (none held whole); returns what the client took."""
         step, sent = 1 if self.server.trickle else max(len(data), 1), 0
+        pieces = [data[i:i + step] for i in range(0, len(data), step)]
+        zeros, pad = memoryview(_ZEROS), self.server.pad
+        pieces += [zeros[:min(len(zeros), pad - i)] for i in range(0, pad, len(zeros))]
         try:
-            for i in range(0, len(data), step):
-                self.wfile.write(data[i:i + step])
-                self.wfile.flush()
-                sent += len(data[i:i + step])
+            for piece in pieces:
+                self.wfile.write(piece)
+                sent += len(piece)
                 time.sleep(self.server.trickle)
         except OSError:  # the client went away
             self.close_connection = True
@@ -136,10 +145,10 @@ class _Handler(BaseHTTPRequestHandler):
         return date is not None and int(mtime) > parsedate_to_datetime(date).timestamp()
 
     def _status(self, status: int) -> None:
+        self.server.record(Logged(self.command, self.path, status, 0, 0, self._authorized(), self._tls()))
         self.send_response(status)
         self.send_header("Content-Length", "0")
         self.end_headers()
-        self.server.record(Logged(self.command, self.path, status, 0, 0, self._authorized(), self._tls()))
 
     def _authorized(self) -> bool:
         return "Authorization" in self.headers
@@ -161,6 +170,7 @@ class RangeServer(ThreadingHTTPServer):
             self.tls.load_cert_chain(*tls)
         self.ignore_range, self.shift, self.pad, self.no_length, self.trickle, self.etag = False, 0, 0, False, 0.0, True
         self.extra_headers: dict[str, str] = {}
+        self.query: str | None = None  # when set, requests with another query string get 403
         self.content_range = lambda start, last, size: f"bytes {start}-{last}/{size}"
         self.log: list[Logged] = []
         self._faults: list = []

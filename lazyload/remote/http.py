@@ -168,8 +168,9 @@ class HttpStore(Store):
     def _check_encoding(self, key: str, response: http.client.HTTPResponse) -> None:
         encoding = (response.getheader("Content-Encoding") or "identity").strip().lower()
         if encoding != "identity":
-            raise RemoteError(f"{self.url(key)}: the server sent the bytes {encoding[:40]!r}-encoded (Content-Encoding) "
-                              "although lazyload asked for identity; byte ranges must be the stored bytes.")
+            raise RemoteError(f"{self.url(key)}: the server sent the bytes {encoding[:40]!r}-encoded "
+                              "(Content-Encoding) although lazyload asked for identity; byte ranges must be the "
+                              "stored bytes.")
 
     def _body(self, key: str, response: http.client.HTTPResponse, n: int) -> bytes:
         """The body, which must be `n` bytes: never more is read."""
