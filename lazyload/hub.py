@@ -10,6 +10,18 @@ from typing import Any
 from .errors import CheckpointError
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_NAME = re.compile(r"\w(?:[\w.-]{0,94}\w)?", re.ASCII)  # huggingface_hub's REPO_ID_REGEX, per part
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why `org/name` is not a repo id the Hub accepts (huggingface_hub's `validate_repo_id`
+    rules: ASCII letters, digits, `_ . -`, neither first nor last, at most 96 each, no `--`
+    or `..`, no `.git` end), or None."""
+    if not all(_HUB_NAME.fullmatch(part) for part in repo_id.split("/", 1)) or repo_id.count("/") != 1:
+        return "names are ASCII letters, digits, '_', '.' and '-', starting and ending with a letter or digit"
+    if "--" in repo_id or ".." in repo_id or repo_id.endswith(".git"):
+        return "no '--' or '..' and no '.git' at the end"
+    return None
 
 
 def looks_like_repo_id(path: Any) -> bool:

@@ -8,6 +8,19 @@ and part of the body of the next n requests and then closes the connection.
 `token`: when set, requests without `Authorization: Bearer <token>` get 401. `redirect`:
 when set, every GET is answered 302 to that base URL + the same path (as the Hub sends
 file downloads to its CDN). Each logged request says whether it carried an Authorization.
+`tls`: (certfile, keyfile): the port speaks https, and plain http too (told apart by the
+first byte), so that a client sent to `http://` the same host and port is seen; each
+logged request says which it came over. `self_signed(directory)` makes such a pair.
+
+Misbehaviour, for the hostile-server tests (attributes, settable while serving):
+`ignore_range` answers 200 with the whole file (as `python -m http.server` does); `shift`
+serves the asked length from `shift` bytes later, with an honest Content-Range for it;
+`content_range(start, last, size)` writes another Content-Range; `extra_headers` are added
+to each 200/206; `pad` bytes of zeros follow the body (with a Content-Length that counts them,
+or none and a closed connection with `no_length`); `trickle` seconds pass between body
+bytes; `etag=False` sends Last-Modified instead of an ETag (If-Match then never matches,
+If-Unmodified-Since is honoured, as a strict server does). `query`: when set, a request
+without exactly that query string gets 403 (a presigned URL's signature).
 """
 from __future__ import annotations
 
@@ -15,11 +28,16 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import threading
+import time
 from dataclasses import dataclass
+from email.utils import formatdate, parsedate_to_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+_ZEROS = bytes(1 << 16)
 
 
 @dataclass(frozen=True)
@@ -30,6 +48,7 @@ class Logged:
     start: int  # first byte served (0 without a range)
     sent: int  # body bytes written
     authorized: bool = False  # the request carried an Authorization header
+    tls: bool = False  # it came over https
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -53,61 +72,106 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.token is not None and self.headers.get("Authorization") != f"Bearer {self.server.token}":
             return self._status(401)
         if self.server.redirect is not None:
-            self.send_response(302)
+            self.server.record(Logged(self.command, self.path, 302, 0, 0, self._authorized(), self._tls()))
+            self.send_response(302)  # logged first: a client that stops at the answer finds it in the log
             self.send_header("Location", self.server.redirect + self.path)
             self.send_header("Content-Length", "0")
-            self.end_headers()
-            return self.server.record(Logged(self.command, self.path, 302, 0, 0, self._authorized()))
-        path = os.path.join(self.server.root, self.path.split("?")[0].lstrip("/"))
+            return self.end_headers()
+        path, _, query = self.path.partition("?")
+        if self.server.query is not None and query != self.server.query:
+            return self._status(403)
+        path = os.path.join(self.server.root, unquote(path).lstrip("/"))
         if not os.path.isfile(path):
             return self._status(404)
+        server = self.server
         with open(path, "rb") as f:
             info = os.fstat(f.fileno())
-            etag = f'"{info.st_ino:x}-{info.st_size:x}-{info.st_mtime_ns:x}"'
-            if self.headers.get("If-Match") not in (None, etag):
+            etag = f'"{info.st_ino:x}-{info.st_size:x}-{info.st_mtime_ns:x}"' if server.etag else None
+            if self.headers.get("If-Match") not in (None, etag) or self._modified_since(info.st_mtime):
                 return self._status(412)
             size, start, end = info.st_size, 0, info.st_size
-            match = _RANGE.match(self.headers.get("Range", ""))
+            match = None if server.ignore_range else _RANGE.match(self.headers.get("Range", ""))
             if match:
                 start = int(match.group(1))
                 end = min(size, int(match.group(2)) + 1) if match.group(2) else size
                 if start >= size:
                     return self._status(416)
+                start, end = min(start + server.shift, size), min(end + server.shift, size)
             f.seek(start)
             data = f.read(end - start) if body else b""
         self.send_response(206 if match else 200)
-        self.send_header("Content-Length", str(end - start))
-        self.send_header("ETag", etag)
+        if not server.no_length:
+            self.send_header("Content-Length", str(len(data) + server.pad))
+        if etag:
+            self.send_header("ETag", etag)
+        else:
+            self.send_header("Last-Modified", formatdate(info.st_mtime, usegmt=True))
         self.send_header("Accept-Ranges", "bytes")
         if match:
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+            self.send_header("Content-Range", server.content_range(start, end - 1, size))
+        for name, value in server.extra_headers.items():
+            self.send_header(name, value)
         self.end_headers()
-        if fault == "drop":  # part of the body, then the connection is gone
-            data = data[:len(data) // 2]
+        if fault == "drop" or server.no_length:  # part of the body (or all of it), then the connection is gone
+            data = data[:len(data) // 2] if fault == "drop" else data
             self.close_connection = True
-        self.wfile.write(data)
-        self.server.record(Logged(self.command, self.path, 206 if match else 200, start, len(data),
-                                  self._authorized()))
-        if fault == "drop":
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_RDWR)
+        sent = self._write(data)
+        self.server.record(Logged(self.command, self.path, 206 if match else 200, start, sent,
+                                  self._authorized(), self._tls()))
+        if self.close_connection:
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already gone
+                pass
+
+    def _write(self, data: bytes) -> int:
+        """The body (a byte per `trickle` seconds when set), then `pad` zeros in 64 KiB pieces
+        (none held whole); returns what the client took."""
+        step, sent = 1 if self.server.trickle else max(len(data), 1), 0
+        pieces = [data[i:i + step] for i in range(0, len(data), step)]
+        zeros, pad = memoryview(_ZEROS), self.server.pad
+        pieces += [zeros[:min(len(zeros), pad - i)] for i in range(0, pad, len(zeros))]
+        try:
+            for piece in pieces:
+                self.wfile.write(piece)
+                sent += len(piece)
+                time.sleep(self.server.trickle)
+        except OSError:  # the client went away
+            self.close_connection = True
+        return sent
+
+    def _modified_since(self, mtime: float) -> bool:
+        date = self.headers.get("If-Unmodified-Since")
+        return date is not None and int(mtime) > parsedate_to_datetime(date).timestamp()
 
     def _status(self, status: int) -> None:
+        self.server.record(Logged(self.command, self.path, status, 0, 0, self._authorized(), self._tls()))
         self.send_response(status)
         self.send_header("Content-Length", "0")
         self.end_headers()
-        self.server.record(Logged(self.command, self.path, status, 0, 0, self._authorized()))
 
     def _authorized(self) -> bool:
         return "Authorization" in self.headers
+
+    def _tls(self) -> bool:
+        return isinstance(self.connection, ssl.SSLSocket)
 
 
 class RangeServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, root: str, token: str | None = None, redirect: str | None = None):
+    def __init__(self, root: str, token: str | None = None, redirect: str | None = None,
+                 tls: tuple[str, str] | None = None):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.root, self.token, self.redirect = root, token, redirect
+        self.tls = None
+        if tls is not None:
+            self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.tls.load_cert_chain(*tls)
+        self.ignore_range, self.shift, self.pad, self.no_length, self.trickle, self.etag = False, 0, 0, False, 0.0, True
+        self.extra_headers: dict[str, str] = {}
+        self.query: str | None = None  # when set, requests with another query string get 403
+        self.content_range = lambda start, last, size: f"bytes {start}-{last}/{size}"
         self.log: list[Logged] = []
         self._faults: list = []
         self._lock = threading.Lock()
@@ -115,7 +179,16 @@ class RangeServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.server_address[1]}"
+
+    def get_request(self):
+        sock, address = self.socket.accept()
+        if self.tls is not None and sock.recv(1, socket.MSG_PEEK) == b"\x16":  # a TLS ClientHello
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, address
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that refused the certificate or went away: the log says what was served
 
     def __enter__(self) -> "RangeServer":
         self._thread.start()
@@ -151,6 +224,35 @@ def replace_file(path: str) -> None:
     of a new version of an object does."""
     shutil.copyfile(path, path + ".new")
     os.replace(path + ".new", path)
+
+
+def self_signed(directory) -> tuple[str, str]:
+    """(certfile, keyfile) of a self-signed certificate for 127.0.0.1 and localhost, written
+    under `directory`: trusted where SSL_CERT_FILE names the certfile, untrusted elsewhere."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    names = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1)).add_extension(names, critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    certfile, keyfile = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    with open(certfile, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(keyfile, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return certfile, keyfile
 
 
 def moto_server():

@@ -20,7 +20,7 @@ import torch
 
 from checkpoints import build_model, copy_checkpoint, header_bytes, shard_files
 from gloo import spawn_cases
-from remote_servers import RangeServer, moto_server, replace_file
+from remote_servers import RangeServer, moto_server, replace_file, self_signed
 
 SECRET = "hf_s3cr3t-token-value"  # a credential that must never show in an error
 
@@ -162,7 +162,9 @@ def test_hf_url_reads_through_the_endpoint_with_the_token(checkpoint, tmp_path, 
 
     directory, config = checkpoint("llama", "bf16")
     copy_checkpoint(directory, tmp_path / "org" / "tiny" / "resolve" / "v1.0")
-    with RangeServer(str(tmp_path), token=SECRET) as server:
+    tls = self_signed(tmp_path)  # the token goes over https only
+    monkeypatch.setenv("SSL_CERT_FILE", tls[0])
+    with RangeServer(str(tmp_path), token=SECRET, tls=tls) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("HF_TOKEN", SECRET)
         model, report = remote_load("hf://org/tiny@v1.0", config)
@@ -177,7 +179,10 @@ def test_hf_url_reads_through_the_endpoint_with_the_token(checkpoint, tmp_path, 
 def test_hf_token_goes_to_the_endpoint_only_not_to_where_it_redirects(checkpoint, tmp_path, monkeypatch):
     directory, config = checkpoint("llama", "bf16")
     copy_checkpoint(directory, tmp_path / "org" / "tiny" / "resolve" / "main")
-    with RangeServer(str(tmp_path)) as cdn, RangeServer(str(tmp_path), token=SECRET, redirect=cdn.url) as hub:
+    tls = self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", tls[0])
+    with RangeServer(str(tmp_path), tls=tls) as cdn, \
+            RangeServer(str(tmp_path), token=SECRET, redirect=cdn.url, tls=tls) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url.replace("127.0.0.1", "localhost"))  # another host than the CDN's
         monkeypatch.setenv("HF_TOKEN", SECRET)
         model, report = remote_load("hf://org/tiny", config)

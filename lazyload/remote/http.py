@@ -6,34 +6,59 @@ host. Measured against the tests' Range server (`benchmarks/bench_clients.py`; r
 GETs, one thread): 1,000 in 0.25 s with http.client, 0.42 s with obstore's HTTPStore,
 0.45-1.0 s with urllib3; 300 in 0.12, 0.14 and 0.20 s. 1 MiB ranges cost the same with
 each. Fewest microseconds per request, and no dependency.
+
+Nothing the server says is trusted: an answer must be a 206 whose `Content-Range` is
+exactly the bytes asked for, unencoded, and no longer than asked (a body is never read
+past that); a server that ignores Range is refused (it would send the whole object for
+every request). The token goes to the endpoint's own https origin only, never after a
+redirect has left it. Each attempt has a deadline for all of its reads.
 """
 from __future__ import annotations
 
+import functools
 import http.client
+import io
+import logging
 import os
+import re
 import socket
+import ssl
 import threading
-from urllib.parse import quote, urljoin, urlsplit
+import time
+from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
 
 from ..errors import RemoteError
-from .store import ObjectIdentity, RemoteOptions, Response, Store, Transient
+from ..hub import repo_id_problem
+from .store import ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
+
+logger = logging.getLogger("lazyload")
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 _TRANSIENT = (408, 425, 429, 500, 502, 503, 504)
+_MAX_HOPS = 5
+_DISCARD = 64 << 10  # a redirect's or an error's body is read up to this, to keep the connection
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+)", re.ASCII)
+_DEFAULT_PORT = {"http": 80, "https": 443}
+_UNSAFE = re.compile(r"[\x00-\x20\x7f]")  # control characters and spaces: never in a URL or a header
 
 
 class HttpStore(Store):
     """Objects under `base` (scheme://host[:port]/prefix/); keys are paths below it.
-    `token`: a bearer token sent to `base`'s host only (never to a redirect's other host)."""
+    `token`: a bearer token sent to `base`'s origin (scheme, host, port) only, and only over
+    https. `query`: appended to every object's URL (a presigned URL's signature), never shown."""
 
     def __init__(self, base: str, options: RemoteOptions, token: str | None = None, display: str | None = None,
-                 credentials_hint: str = "lazyload sends none over https://; the server must allow the read"):
+                 credentials_hint: str = "lazyload sends none over https://; the server must allow the read",
+                 query: str = ""):
         super().__init__(options)
         self.base = base if base.endswith("/") else base + "/"
         self.display = display or self.base  # what messages call the prefix (hf://org/repo@rev/)
-        self.endpoint = "{0.scheme}://{0.netloc}".format(urlsplit(self.base))
-        self._token = token
-        self.secrets = (token,) if token else ()
+        parts = urlsplit(self.base)
+        self.endpoint = f"{parts.scheme}://{parts.netloc}"
+        self._token = token if token and parts.scheme == "https" else None
+        self._origin = _origin(parts)
+        self._query = f"?{query}" if query else ""
+        self.secrets = tuple(s for s in (token, query) if s)
         self.credentials_hint = credentials_hint
         self._local = threading.local()
         self._open: set[http.client.HTTPConnection] = set()  # every thread's, to close
@@ -43,55 +68,67 @@ class HttpStore(Store):
         return self.display + key
 
     def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None) -> Response:
-        url = self.base + quote(key)
-        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-        if identity is not None and identity.etag and not identity.etag.startswith("W/"):
-            headers["If-Match"] = identity.etag  # a strong ETag: the store refuses another version (412)
-        host = urlsplit(url).netloc
-        for _ in range(5):
-            send = dict(headers)
-            if self._token and urlsplit(url).netloc == host:
-                send["Authorization"] = f"Bearer {self._token}"
-            response, data = self._request(url, send, key)
-            if response.status in _REDIRECTS and response.getheader("Location"):
-                url = urljoin(url, response.getheader("Location"))
-                continue
-            return self._answer(key, start, end, identity, response, data)
+        url = self.base + self._path(key) + self._query
+        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity", **_conditions(identity)}
+        token = self._token
+        for _ in range(_MAX_HOPS):
+            parts = urlsplit(url)
+            if _origin(parts) != self._origin:
+                token = None  # left the endpoint: no later hop gets it either (no bounce back for it)
+            send = headers if token is None else {**headers, "Authorization": f"Bearer {token}"}
+            conn = self._connection(parts.scheme, parts.netloc)
+            response = None
+            try:
+                response = self._send(conn, parts, send)
+                location = response.getheader("Location")
+                if response.status not in _REDIRECTS or not location:
+                    return self._answer(key, start, end, identity, response)
+                url = self._redirect(key, parts, location)
+                response.read(_DISCARD)
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                raise self._failure(key, parts, exc) from None
+            finally:
+                if response is None or not response.isclosed():  # a body left unread: the connection is spent
+                    self._drop(parts.scheme, parts.netloc)
         raise RemoteError(f"{self.url(key)}: too many redirects; check the URL.")
 
-    def _request(self, url: str, headers: dict, key: str) -> tuple[http.client.HTTPResponse, bytes]:
-        parts = urlsplit(url)
-        conn = self._connection(parts.scheme, parts.netloc)
-        path = parts.path + (f"?{parts.query}" if parts.query else "")
-        served = 0
-        try:
-            conn.request("GET", path, headers=headers)
-            response = conn.getresponse()
-            data = response.read()
-            return response, data
-        except http.client.IncompleteRead as exc:
-            served = len(exc.partial)
-            reason = f"connection closed after {served} of {served + (exc.expected or 0)} bytes"
-        except (OSError, http.client.HTTPException) as exc:  # timeouts, resets, a closed keep-alive
-            reason = type(exc).__name__ if isinstance(exc, socket.timeout) else f"{type(exc).__name__}: {exc}"
-        self._drop(parts.scheme, parts.netloc)
-        raise Transient(reason, served)
+    def _path(self, key: str) -> str:
+        if any(segment in (".", "..") for segment in key.split("/")):
+            raise RemoteError(f"{self.url(key)}: '.' and '..' path segments are not followed; name the object "
+                              "by its plain path.")
+        return quote(key)
 
-    def _answer(self, key, start, end, identity, response, data) -> Response:
+    def _send(self, conn: http.client.HTTPConnection, parts: SplitResult, headers: dict) -> http.client.HTTPResponse:
+        conn.deadline = time.monotonic() + self.options.timeout
+        if conn.sock is not None:  # a kept-alive connection: the send too waits at most `timeout`
+            conn.sock.settimeout(self.options.timeout)
+        conn.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""), headers=headers)
+        return conn.getresponse()
+
+    def _redirect(self, key: str, parts: SplitResult, location: str) -> str:
+        url = urljoin(parts.geturl(), location)
+        target = urlsplit(url)
+        problem = url_problem(target)
+        if problem is None and parts.scheme == "https" and target.scheme == "http":
+            problem = "a redirect from https to plain http (the answer would travel unencrypted)"
+        if problem is not None:
+            raise RemoteError(f"{self.url(key)}: {parts.hostname} redirected to {problem}; refused. Fix the "
+                              "server's redirect or read the files from where it points.")
+        return url
+
+    def _answer(self, key, start, end, identity, response) -> Response:
         status = response.status
-        if status in (200, 206):
-            size = _object_size(response, len(data))
-            if status == 200:  # the server ignored the range: the whole object came
-                data = memoryview(data)[start:end]
-            if len(data) != min(end, size) - start:
-                raise Transient(f"{len(data)} bytes instead of {min(end, size) - start}", len(data))
-            return Response(data, size, response.getheader("ETag") or response.getheader("Last-Modified"))
+        if status == 206:
+            return self._partial(key, start, end, response)
+        if status == 200:
+            return self._whole(key, start, end, response)
+        response.read(_DISCARD)
         if status in (404, 410):
             raise self.not_found(key)
         if status in (401, 403):
             raise self.denied(key, f"HTTP {status}")
         if status == 416 and identity is None and start == 0:  # an empty object, while indexing
-            return Response(b"", 0, response.getheader("ETag"))
+            return Response(b"", 0, response.getheader("ETag"), last_modified=response.getheader("Last-Modified"))
         if status in (412, 416):
             raise self.changed(key, identity)
         if status in _TRANSIENT:
@@ -99,12 +136,88 @@ class HttpStore(Store):
         raise RemoteError(f"{self.url(key)}: HTTP {status} {response.reason}; lazyload needs a server that "
                           "answers ranged GETs (206).")
 
+    def _partial(self, key: str, start: int, end: int, response: http.client.HTTPResponse) -> Response:
+        """A 206: exactly bytes [start, min(end, size)) of the object, as stored, or an error."""
+        self._check_encoding(key, response)
+        header = response.getheader("Content-Range") or ""
+        match = _CONTENT_RANGE.fullmatch(header)
+        if match is None:
+            raise RemoteError(f"{self.url(key)}: answered Content-Range {header[:80]!r}, not 'bytes START-END/SIZE' "
+                              "(in ASCII digits); the server or a proxy on the way is broken.")
+        first, last, size = (int(g) for g in match.groups())
+        if first != start or last + 1 != min(end, size) or first > last:
+            raise RemoteError(f"{self.url(key)}: answered bytes {first}-{last} of {size} when asked for bytes "
+                              f"{start}-{min(end, size) - 1}; the server or a proxy on the way is broken (these "
+                              "would be the wrong bytes).")
+        return Response(self._body(key, response, last + 1 - first), size, response.getheader("ETag"),
+                        last_modified=response.getheader("Last-Modified"))
+
+    def _whole(self, key: str, start: int, end: int, response: http.client.HTTPResponse) -> Response:
+        """A 200: the whole object, usable only when it is no longer than the range asked
+        from byte 0 (a small file's header GET); otherwise the server ignores Range."""
+        self._check_encoding(key, response)
+        length = response.getheader("Content-Length") or ""
+        if start == 0 and length.isascii() and length.isdigit() and int(length) <= end:
+            return Response(self._body(key, response, int(length)), int(length), response.getheader("ETag"),
+                            last_modified=response.getheader("Last-Modified"))
+        size = f"{length}-byte " if length.isascii() and length.isdigit() else ""
+        raise RemoteError(f"{self.url(key)}: the server ignores Range requests (it answered bytes {start}-{end - 1} "
+                          f"with 200 and the whole {size}object, as `python -m http.server` does); lazyload reads "
+                          "byte ranges and needs a server that answers them with 206 (nginx, a CDN, object "
+                          "storage), or download the files and load the directory.")
+
+    def _check_encoding(self, key: str, response: http.client.HTTPResponse) -> None:
+        encoding = (response.getheader("Content-Encoding") or "identity").strip().lower()
+        if encoding != "identity":
+            raise RemoteError(f"{self.url(key)}: the server sent the bytes {encoding[:40]!r}-encoded "
+                              "(Content-Encoding) although lazyload asked for identity; byte ranges must be the "
+                              "stored bytes.")
+
+    def _body(self, key: str, response: http.client.HTTPResponse, n: int) -> bytes:
+        """The body, which must be `n` bytes: never more is read."""
+        length = response.getheader("Content-Length")
+        if length is not None and length != str(n):
+            raise RemoteError(f"{self.url(key)}: answered {length[:40]} bytes (Content-Length) for the {n} asked; "
+                              "the server or a proxy on the way is broken.")
+        data = response.read(n)
+        if len(data) < n:
+            raise Transient(f"connection closed after {len(data)} of {n} bytes", len(data))
+        if not response.isclosed() and response.read(1):  # no Content-Length: it must end here
+            raise RemoteError(f"{self.url(key)}: the server sent more than the {n} bytes asked; the server or a "
+                              "proxy on the way is broken.")
+        return data
+
+    def _failure(self, key: str, parts: SplitResult, exc: BaseException) -> Exception:
+        """A client-side failure as Transient (worth retrying) or RemoteError (it cannot heal)."""
+        where = f"{self.url(key)}: {parts.scheme}://{parts.hostname}"
+        reason = redact(f"{type(exc).__name__}: {exc}", self.secrets)
+        if isinstance(exc, http.client.IncompleteRead):
+            return Transient(f"connection closed after {len(exc.partial)} bytes", len(exc.partial))
+        if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+            return RemoteError(f"{where}: TLS failed ({reason}); check the server's certificate (a private CA "
+                               "goes in SSL_CERT_FILE).")
+        if isinstance(exc, socket.gaierror):
+            return RemoteError(f"{where}: cannot resolve the host ({reason}); check the URL.")
+        if isinstance(exc, ConnectionRefusedError):
+            return RemoteError(f"{where}: connection refused; check the URL (host and port) and that the server is up.")
+        if isinstance(exc, OSError):  # timeouts (also the attempt's deadline), resets, a closed keep-alive
+            return Transient(type(exc).__name__ if isinstance(exc, TimeoutError) else reason)
+        return RemoteError(f"{where}: not a valid HTTP exchange ({reason}); check the URL and the server.")
+
+    @functools.cached_property
+    def _tls(self) -> ssl.SSLContext:
+        return ssl.create_default_context()  # once per store: loading the CA bundle costs milliseconds
+
     def _connection(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
         conns = self._local.__dict__.setdefault("conns", {})
         conn = conns.get((scheme, netloc))
         if conn is None:
-            cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-            conn = conns[(scheme, netloc)] = cls(netloc, timeout=self.options.timeout)
+            if scheme == "https":
+                conn = http.client.HTTPSConnection(netloc, timeout=self.options.timeout, context=self._tls)
+            else:
+                conn = http.client.HTTPConnection(netloc, timeout=self.options.timeout)
+            conn.response_class = functools.partial(_DeadlineResponse, conn)
+            conns[(scheme, netloc)] = conn
         with self._lock:  # again after a close: a closed connection reconnects on its next request
             self._open.add(conn)
         return conn
@@ -123,43 +236,133 @@ class HttpStore(Store):
             conn.close()
 
 
-def _object_size(response: http.client.HTTPResponse, length: int) -> int:
-    content_range = response.getheader("Content-Range") or ""
-    total = content_range.rpartition("/")[2]
-    return int(total) if total.isdigit() else length
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each waiting at most until `deadline` (time.monotonic()): a server
+    that trickles a byte at a time cannot hold an attempt past its timeout."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        super().__init__()
+        self._sock, self._raw, self._deadline = sock, sock.makefile("rb", buffering=0), deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the attempt's deadline passed")
+        self._sock.settimeout(left)
+        return self._raw.readinto(buffer)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    """http.client's response, reading through a `_DeadlineReader` (the connection's deadline)."""
+
+    def __init__(self, conn, sock, *args, **kwargs):
+        super().__init__(sock, *args, **kwargs)
+        self.fp.close()
+        self.fp = io.BufferedReader(_DeadlineReader(sock, conn.deadline))
+
+
+def _origin(parts: SplitResult) -> tuple[str, str | None, int | None]:
+    return parts.scheme, parts.hostname, parts.port or _DEFAULT_PORT.get(parts.scheme)
+
+
+def _conditions(identity: ObjectIdentity | None) -> dict[str, str]:
+    """The precondition that makes the store refuse another version of the object (412)."""
+    if identity is None:
+        return {}
+    if identity.etag and not identity.etag.startswith("W/"):  # a strong ETag
+        return {"If-Match": identity.etag}
+    if identity.last_modified:  # no strong ETag: the date (a date is never an ETag)
+        return {"If-Unmodified-Since": identity.last_modified}
+    return {}
+
+
+def url_problem(parts: SplitResult) -> str | None:
+    """What makes a URL unusable for lazyload, said without quoting it, or None."""
+    if parts.scheme not in ("http", "https"):
+        return f"a {parts.scheme or 'relative'}: URL; lazyload reads http:// and https:// only"
+    if _UNSAFE.search(parts.netloc + parts.query):  # a path's are escaped per request
+        return "a URL with a control character or a space"
+    if "@" in parts.netloc:
+        return "a URL with credentials (user:password@host), which would end up in messages; remove them"
+    try:
+        parts.port
+    except ValueError:
+        return "a URL with an invalid port"
+    return None if parts.hostname else "a URL without a host"
+
+
+def _shown(parts: SplitResult) -> str:
+    """A URL as messages may show it: scheme and host, never userinfo."""
+    return f"{parts.scheme}://{parts.hostname or ''}"
+
+
+def clean_token(token: str | None) -> str | None:
+    """huggingface_hub's cleaning (no CR/LF, no surrounding spaces; empty is None), then
+    anything else unfit for a header refused, without showing the token."""
+    token = (token or "").replace("\r", "").replace("\n", "").strip() or None
+    if token is not None and (_UNSAFE.search(token) or not token.isascii()):
+        raise RemoteError("the Hugging Face token (HF_TOKEN, or `hf auth login`) holds a control character, a space "
+                          "or a non-ASCII character; set it again (the token is not shown here).")
+    return token
+
+
+def _hub_settings() -> tuple[str, str | None]:
+    """(HF_ENDPOINT or the Hub, the token) as huggingface_hub finds them, HF_TOKEN without it."""
+    endpoint, token = os.environ.get("HF_ENDPOINT"), os.environ.get("HF_TOKEN")
+    try:
+        from huggingface_hub import constants, get_token
+
+        endpoint, token = endpoint or constants.ENDPOINT, get_token()
+    except ImportError:
+        pass
+    return (endpoint or "https://huggingface.co").rstrip("/"), clean_token(token)
+
+
+_HF_URL = re.compile(r"hf://([^/@]*)/([^/@]*)(?:@(refs/pr/[0-9]+|[^/]*))?(?:/(.*))?", re.DOTALL)
+_plain_http_endpoints: set[str] = set()  # warned about once each
 
 
 def hf_store(url: str, options: RemoteOptions) -> tuple[HttpStore, str]:
     """`hf://org/repo[@revision][/path]` -> (a store over its resolve URLs, the path).
     The endpoint is HF_ENDPOINT (default the Hub), the token huggingface_hub's (HF_TOKEN,
     or `hf auth login`) when it is installed, else HF_TOKEN."""
-    rest = url[len("hf://"):]
-    parts = rest.split("/")
-    if len(parts) < 2 or not parts[0] or not parts[1] or parts[0] in ("datasets", "spaces"):
-        raise RemoteError(f"{url}: an hf:// URL names a model repo, hf://org/name[@revision][/path] (datasets "
-                          "and spaces are not supported).")
-    name, _, revision = parts[1].partition("@")
-    repo, path = f"{parts[0]}/{name}", "/".join(parts[2:])
-    revision = revision or "main"
-    endpoint = os.environ.get("HF_ENDPOINT")
-    token = os.environ.get("HF_TOKEN")
-    try:
-        from huggingface_hub import constants, get_token
-
-        endpoint = endpoint or constants.ENDPOINT
-        token = get_token()
-    except ImportError:
-        pass
-    endpoint = (endpoint or "https://huggingface.co").rstrip("/")
+    match = _HF_URL.fullmatch(url)
+    if match is None or match.group(1) in ("datasets", "spaces") or match.group(3) == "":
+        raise RemoteError(f"{url[:200]}: an hf:// URL names a model repo, hf://org/name[@revision][/path] "
+                          "(datasets and spaces are not supported).")
+    namespace, name, revision, path = match.groups()
+    repo, revision = f"{namespace}/{name}", revision or "main"
+    problem = repo_id_problem(repo) or ("a control character in the revision" if _UNSAFE.search(revision) else None)
+    if problem is not None:
+        raise RemoteError(f"{url[:200]}: not a Hub repo ({problem}); check the URL.")
+    endpoint, token = _hub_settings()
+    parts = urlsplit(endpoint)
+    problem = "a control character or a space" if _UNSAFE.search(endpoint) else url_problem(parts)
+    if problem is not None:
+        raise RemoteError(f"HF_ENDPOINT: {problem}; set it to https://host[:port] (it is not shown here).")
+    if parts.scheme == "http" and endpoint not in _plain_http_endpoints:
+        _plain_http_endpoints.add(endpoint)
+        logger.warning("lazyload: HF_ENDPOINT %s is plain http: no token is sent to it (it would travel "
+                       "unencrypted), so only public repos can be read; use https://", _shown(parts))
     base = f"{endpoint}/{repo}/resolve/{quote(revision, safe='')}/"
     return HttpStore(base, options, token, display=f"hf://{repo}@{revision}/",
-                     credentials_hint="HF_TOKEN, or `hf auth login`"), path
+                     credentials_hint="HF_TOKEN, or `hf auth login`; it goes to an https:// endpoint only"), path or ""
 
 
 def http_store(url: str, options: RemoteOptions) -> tuple[HttpStore, str]:
-    """`http(s)://host/path` -> (a store over the host, the path)."""
+    """`http(s)://host/path[?query]` -> (a store over the host, the path). The path is taken
+    as the URL spells it (percent-escapes decoded once, encoded again per request); the query
+    (a presigned URL's signature) goes with every request and into no message."""
     parts = urlsplit(url)
-    if parts.username or parts.password:
-        raise RemoteError(f"{parts.scheme}://{parts.hostname}{parts.path}: credentials in the URL are not "
-                          "supported (they would end up in messages).")
-    return HttpStore(f"{parts.scheme}://{parts.netloc}/", options), parts.path.lstrip("/")
+    problem = url_problem(parts)
+    if problem is not None:
+        raise RemoteError(f"{_shown(parts)}: {problem}.")
+    return (HttpStore(f"{parts.scheme}://{parts.netloc}/", options, query=parts.query),
+            unquote(parts.path.lstrip("/")))

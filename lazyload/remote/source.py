@@ -72,8 +72,8 @@ class RemoteCheckpoint:
         if first.size > limit:
             raise CheckpointError(f"{self.store.url(key)}: {first.size} bytes, too big for {what}; it is not one.")
         raw = bytes(first.data)
-        if first.size > len(raw):
-            identity = ObjectIdentity(first.size, first.etag, first.version)
+        if first.size > len(raw):  # the rest, from the same version of the object
+            identity = first.identity
             raw += bytes(self.store.get(key, len(raw), first.size, self.stats, identity).data)
         return raw
 
@@ -124,7 +124,7 @@ class RemoteCheckpoint:
     def _header(self, url: str) -> tuple[list[TensorEntry], ObjectIdentity]:
         key = self.keys[url]
         first = self.store.get(key, 0, self.options.header_bytes, self.stats)
-        identity = ObjectIdentity(first.size, first.etag, first.version)
+        identity = first.identity
         raw = bytes(first.data)
         length = header_length(url, raw[:8], identity.size)
         if 8 + length > len(raw):  # a long header: the rest, from the same version of the object

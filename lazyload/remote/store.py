@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ..errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError, RemoteError
 from .cache import RangeCache
 
+MAX_BACKOFF = 10.0  # seconds: the longest wait between two attempts, before jitter
 RERUN = "re-run the load (and re-index: a new LazyCheckpoint) once the checkpoint is complete and stable."
 
 
@@ -34,8 +35,11 @@ class RemoteOptions:
       tensor is fetched over several connections.
     - `header_bytes`: the first GET of each file while indexing; a header that fits is read
       in one request, a longer one costs a second.
-    - `retries`, `backoff`: attempts after a transient failure, the first wait in seconds
-      (doubled each time, with jitter). `timeout`: seconds per request.
+    - `retries`, `backoff`: attempts after a transient failure (a timeout, a dropped
+      connection, HTTP 408/429/5xx), the first wait in seconds (doubled each time, at most
+      `MAX_BACKOFF`, with jitter); a failure that cannot heal (TLS, an unknown host, a
+      refused connection, an invalid URL) is not retried. `timeout`: seconds per attempt,
+      from the request to its last byte (a server trickling bytes cannot stretch it).
     - `cache_dir`: keep every fetched range of tensor bytes in this directory (`cache.py`),
       so that loading again at the same rank and world fetches none of them; None (the
       default) writes nothing to disk."""
@@ -53,11 +57,14 @@ class RemoteOptions:
 @dataclass(frozen=True)
 class ObjectIdentity:
     """What an object was when its header was read: a later GET that finds another ETag,
-    version or size is refused (as a local file replaced since it was indexed is)."""
+    version, size or date is refused (as a local file replaced since it was indexed is).
+    `etag` is the store's ETag only (None without one); `last_modified` its HTTP date,
+    which conditions a GET by `If-Unmodified-Since` where there is no strong ETag."""
 
     size: int
     etag: str | None
     version: str | None = None
+    last_modified: str | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,11 @@ class Response:
     size: int  # the whole object's
     etag: str | None
     version: str | None = None
+    last_modified: str | None = None
+
+    @property
+    def identity(self) -> ObjectIdentity:
+        return ObjectIdentity(self.size, self.etag, self.version, self.last_modified)
 
 
 class Transient(Exception):
@@ -119,6 +131,11 @@ def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
     return _SECRET_FIELDS.sub(lambda m: m.group(1) + m.group(2) + "***", text)
 
 
+def backoff(first: float, attempt: int) -> float:
+    """The wait before retry `attempt + 1` (before jitter): `first`, doubled each time, capped."""
+    return min(first * 2.0 ** min(attempt, 64), MAX_BACKOFF)
+
+
 class Store:
     """One kind of object store; subclasses implement `attempt` (and `list` where the store
     can list). `secrets`: credential values that must never appear in a message; `endpoint`:
@@ -160,7 +177,6 @@ class Store:
         return response
 
     def _fetch(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None) -> Response:
-        wait = self.options.backoff
         for attempt in range(self.options.retries + 1):
             try:
                 response = self.attempt(key, start, end, identity)
@@ -170,8 +186,7 @@ class Store:
                     raise RemoteError(f"{self.url(key)}: bytes {start}..{end} still failing after "
                                       f"{self.options.retries} retries ({redact(str(exc), self.secrets)}); check "
                                       "the store and the network, then load again.") from None
-                time.sleep(wait * (0.5 + random.random()))
-                wait *= 2
+                time.sleep(backoff(self.options.backoff, attempt) * (0.5 + random.random()))
                 continue
             stats.add(end - start, len(response.data), retried=False)
             if identity is not None:
@@ -180,9 +195,10 @@ class Store:
         raise AssertionError("unreachable")
 
     def check(self, key: str, identity: ObjectIdentity, response: Response) -> None:
-        found = ObjectIdentity(response.size, response.etag, response.version)
+        found = response.identity
         for what, old, new in (("size", identity.size, found.size), ("ETag", identity.etag, found.etag),
-                               ("version", identity.version, found.version)):
+                               ("version", identity.version, found.version),
+                               ("Last-Modified", identity.last_modified, found.last_modified)):
             if old != new:
                 raise ObjectChangedError(f"{self.url(key)}: changed since it was indexed ({what} {old} when "
                                          f"indexed, {new} now); {RERUN}")
