@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", default=None, help="'tp', 'ep', or a JSON object of glob -> transformers TP style")
     p.add_argument("--config", default=None, help="config.json or its directory (default: the checkpoint's)")
     p.add_argument("--max-file-bytes", type=int, default=None, help="cut a rank's file by layer past this size")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds files (never SRC)")
     args = parser.parse_args(argv)
     from .errors import LazyLoadError
     from .summary import format_plan, inspect_checkpoint
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
             plan = json.loads(args.plan) if args.plan and args.plan.lstrip().startswith("{") else args.plan
             print(save_sharded(args.src, args.out, args.world, plan, config=args.config,
-                               max_file_bytes=args.max_file_bytes))
+                               max_file_bytes=args.max_file_bytes, overwrite=args.overwrite))
         elif args.command == "plan":
             print(format_plan(args.path, args.world, args.config))
         else:
