@@ -20,9 +20,10 @@ def _hashes(directory) -> dict[str, str]:
 
 
 @pytest.fixture
-def source(checkpoint, tmp_path):
+def source(checkpoint, tmp_path, capsys):
     """A private copy (real bytes, no hard links) of a small sharded checkpoint."""
     directory, _ = checkpoint("llama")
+    capsys.readouterr()  # what writing it printed
     return shutil.copytree(directory, tmp_path / "src")
 
 
