@@ -2,6 +2,8 @@
 checkpoint's `config.json` on the meta device and load this rank's share into it."""
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 import tempfile
 from typing import Any
@@ -10,7 +12,8 @@ import torch
 from torch import nn
 
 from .checkpoint import LazyCheckpoint
-from .errors import CheckpointError
+from .dtypes import dtype_named
+from .errors import ArgumentError, CheckpointError
 from .report import LoadReport
 
 
@@ -23,13 +26,15 @@ def load_model(path: str | os.PathLike, rank: int = 0, world: int = 1, *, dtype:
     - `path`: a checkpoint directory holding `config.json` (or pass `config=`), or a URL
       (`s3://`, `https://`, `hf://`) whose store holds it beside the files.
     - `dtype`: "auto" (default) keeps the dtype `config.json` records, else the checkpoint's
-      floating dtype; a `torch.dtype` casts; None builds in torch's default dtype (float32),
+      floating dtype; a `torch.dtype` or its name ("bfloat16", "bf16", "float16") casts; None builds in torch's default dtype (float32),
       as `from_pretrained` does without `dtype`.
     - `model_class`: a transformers class (or its name); default the first of the config's
       `architectures`, else `AutoModelForCausalLM`, else `AutoModel`.
     - `model_kwargs`: passed to the class's `_from_config` (e.g. `attn_implementation`).
     - `rank`, `world`, `device` and every other keyword go to `LazyCheckpoint.load_into`.
     """
+    _check_keywords(load_kwargs)
+    dtype = dtype_named(dtype)
     ckpt = LazyCheckpoint(path)
     if config is None:
         config = _checkpoint_config(path, ckpt)
@@ -65,6 +70,18 @@ def _checkpoint_config(path: str | os.PathLike, ckpt: LazyCheckpoint) -> Any:
         return transformers.AutoConfig.from_pretrained(copy)
 
 
+def _check_keywords(load_kwargs: dict) -> None:
+    """A keyword neither load_model nor load_into takes, refused before the model is built."""
+    own = [p for p in inspect.signature(load_model).parameters if p not in ("path", "load_kwargs")]
+    passed_on = [p for p in inspect.signature(LazyCheckpoint.load_into).parameters if p not in ("self", "model")]
+    for name in load_kwargs:
+        if name not in passed_on:
+            near = difflib.get_close_matches(name, own + passed_on, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else "."
+            raise ArgumentError(f"load_model got an unknown keyword {name!r}{hint} It takes {', '.join(own)} and "
+                                f"every keyword of LazyCheckpoint.load_into ({', '.join(passed_on[3:])}).")
+
+
 def _model_class(config: Any, model_class: type | str | None) -> type:
     import transformers
 
@@ -90,7 +107,7 @@ def _build_dtype(dtype: torch.dtype | str | None, config: Any, ckpt: LazyCheckpo
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
-        raise CheckpointError(f"dtype must be 'auto', None or a torch.dtype, got {dtype!r}.")
+        raise ArgumentError(f"dtype must be 'auto', None, a torch.dtype or its name ('bfloat16'), got {dtype!r}.")
     recorded = getattr(config, "dtype", None)
     if isinstance(recorded, str):
         recorded = getattr(torch, recorded, None)

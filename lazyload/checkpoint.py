@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from .buffers import fill_meta_buffers, meta_buffers_to_recompute
 from .devices import target_device, use_device
+from .dtypes import dtype_named
 from .agreement import Agreement, NoAgreement, agreement
 from .engine import run_schedule, settle_failure
 from .errors import ArgumentError, DtypeError, PlanError, ReadError
@@ -32,7 +33,7 @@ from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, quantization_config_of, read_quantization_config
 from .quant.linear import to_torchao
 from .quant.onload import Quantization, QuantizedDest
-from .quant.targets import quantized_targets, swap_quantized
+from .quant.targets import quantized_targets, saved_bytes, swap_quantized
 from .readers import MmapReader, choose_reader, must_release_pages
 from .remote import RemoteCheckpoint, RemoteOptions, is_remote
 from .report import LoadReport, MemorySampler, size
@@ -68,6 +69,7 @@ class LazyCheckpoint:
 
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *, trust_pickle: bool = False,
                  remote: RemoteOptions | None = None):
+        _check_paths(paths)
         self._paths = paths
         self.trust_pickle = trust_pickle
         self._index: CheckpointIndex | None = None
@@ -152,8 +154,8 @@ class LazyCheckpoint:
         - `device`: where the tensors go; default the model's device, for a meta model
           `cuda:$LOCAL_RANK` when CUDA is available, else CPU.
         - `dtype`: None keeps each model tensor's dtype (casting from the checkpoint); "auto"
-          keeps the checkpoint's; a floating `torch.dtype` for every floating tensor
-          (integer tensors keep theirs).
+          keeps the checkpoint's; a floating `torch.dtype` (or its name: "bfloat16", "bf16",
+          "float16") for every floating tensor (integer tensors keep theirs).
         - `strict`: True refuses missing, unexpected and mismatched tensors. False ignores
           unexpected checkpoint tensors and treats missing and mismatched model tensors as
           `missing` says.
@@ -210,6 +212,7 @@ class LazyCheckpoint:
               max_host_bytes: int | None, release_pages: bool, shards_only: bool,
               quantize: str | Quantization | None) -> LoadReport:
         start = time.perf_counter()
+        dtype = dtype_named(dtype)
         _check_arguments(model, dtype, missing, reader)
         if self.remote is not None and reader != "auto":
             raise ArgumentError(f"reader={reader!r} reads local files; a remote checkpoint ({self._paths}) is read "
@@ -253,6 +256,7 @@ class LazyCheckpoint:
         quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
         dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0], quant), dtype)
                   for name, expr in mapping.exprs.items()}
+        full_dtypes = {name: dtypes[name] for name in quantized}
         dtypes.update({name: qconfig.torch_dtype for name in quantized})
         shape_of = lambda key: index[key].shape  # noqa: E731
         whole = whole_scratch(mapping.exprs, {n: s.shape for n, s in specs.items()}, dtypes, quantized, shape_of)
@@ -338,6 +342,9 @@ class LazyCheckpoint:
                             peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
                             reader=chosen.name, prefetched=chosen.prefetching, released_pages=release_pages,
                             pinned_bytes=engine.pinned_bytes,
+                            quantized=[name.rpartition(".")[0] for name in quantized],
+                            quantized_to=qconfig.describe() if quantized else "",
+                            bytes_saved=saved_bytes({n: dests[n] for n in quantized}, full_dtypes),
                             h2d_bytes=engine.h2d_bytes, h2d_seconds=engine.h2d_seconds,
                             **(chosen.stats.fields() if hasattr(chosen, "stats") else {}))
         logger.info("%s", report)
@@ -366,6 +373,17 @@ def _problems(report: LoadReport, missing: str) -> str:
     parts = [f"{unfilled} model tensors not filled from the checkpoint ({fate})"] if unfilled else []
     parts += [f"{len(report.unexpected)} checkpoint tensors not used"] if report.unexpected else []
     return ", ".join(parts)
+
+
+def _check_paths(paths: Any) -> None:
+    """Something other than paths (the model, with the arguments swapped) is refused with what goes where."""
+    items = paths if isinstance(paths, (list, tuple)) else [paths]
+    wrong = next((p for p in items if not isinstance(p, (str, os.PathLike))), None)
+    if wrong is not None or not items:
+        got = f"a {type(wrong).__name__}" if items else "an empty list"
+        model = " (a model: it goes to load_into)" if isinstance(wrong, nn.Module) else ""
+        raise ArgumentError(f"LazyCheckpoint takes the checkpoint: a directory, file, list of files, glob, repo id "
+                            f"or URL; got {got}{model}. Use LazyCheckpoint(path).load_into(model, rank, world).")
 
 
 def _check_arguments(model: Any, dtype: Any, missing: str, reader: str) -> None:

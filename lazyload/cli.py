@@ -1,50 +1,121 @@
 """`lazyload inspect PATH` and `lazyload plan PATH --world N` (from headers only), and
-`lazyload reshard SRC OUT --world N` (writes a pre-sharded copy)."""
+`lazyload reshard SRC OUT --world N` (writes a pre-sharded copy). Every failure is one line
+on stderr and exit status 2."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+
+PATH_HELP = ("the checkpoint: a directory, a .safetensors file, an index or description json, a glob, a Hugging "
+             "Face repo id already in the local cache, or a URL (s3://bucket/prefix/, https://host/path/, "
+             "hf://org/repo[@revision])")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (the usage is in --help)."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def byte_count(text: str) -> int:
+    """'1GB' (10^9), '1GiB' or '1G' (2^30), '512MiB', '4096': a number of bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size; write e.g. 4096, 500MB, 1GB, 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = _Parser(prog="lazyload", description="Look into a safetensors checkpoint and plan or write its "
+                                                  "tensor-parallel split, from the headers alone.")
+    parser.add_argument("--version", action="version", version=f"lazyload {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    world = "the number of tensor-parallel ranks"
+    config = "the model's config.json or the directory holding it (default: the checkpoint's)"
+    p = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes per file and per layer (headers only)")
+    p.add_argument("path", help=PATH_HELP)
+    p = sub.add_parser("plan", help="per rank bytes to read, tensors and warnings for a TP world (headers only)")
+    p.add_argument("path", help=PATH_HELP)
+    p.add_argument("--world", type=int, required=True, help=world)
+    p.add_argument("--config", default=None, help=config + "; needed for a URL")
+    p.add_argument("--single-file", action="store_true",
+                   help="plan one shard of a checkpoint of several files alone (otherwise an error: pass the "
+                        "directory)")
+    p = sub.add_parser("reshard", help="write SRC pre-sharded for a TP world: one safetensors file per rank")
+    p.add_argument("src", help="the checkpoint to read: " + PATH_HELP.removeprefix("the checkpoint: "))
+    p.add_argument("out", help="a new or empty directory to write to (never SRC; see --overwrite)")
+    p.add_argument("--world", type=int, required=True, help=world + " to write for")
+    p.add_argument("--plan", default=None, help="'tp', 'ep', or a JSON object of glob -> transformers TP style")
+    p.add_argument("--config", default=None, help=config)
+    p.add_argument("--max-file-bytes", type=byte_count, default=None,
+                   help="cut a rank's file by layer past this size: bytes, or with a unit (500MB, 1GB = 10^9, "
+                        "1GiB = 2^30)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds files (never SRC)")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> str:
+    from .summary import format_plan, inspect_checkpoint
+
+    if args.command == "reshard":
+        from .writers import save_sharded
+
+        plan = json.loads(args.plan) if args.plan and args.plan.lstrip().startswith("{") else args.plan
+        return save_sharded(args.src, args.out, args.world, plan, config=args.config,
+                            max_file_bytes=args.max_file_bytes, overwrite=args.overwrite)
+    if args.command == "plan":
+        return format_plan(args.path, args.world, args.config, single_file=args.single_file)
+    return inspect_checkpoint(args.path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lazyload")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes per file and per layer (headers only)")
-    p.add_argument("path")
-    p = sub.add_parser("plan", help="per rank bytes to read, tensors and warnings for a TP world (headers only)")
-    p.add_argument("path")
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--config", default=None, help="config.json or its directory (default: the checkpoint's)")
-    p = sub.add_parser("reshard", help="write SRC pre-sharded for a TP world: one safetensors file per rank")
-    p.add_argument("src")
-    p.add_argument("out")
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--plan", default=None, help="'tp', 'ep', or a JSON object of glob -> transformers TP style")
-    p.add_argument("--config", default=None, help="config.json or its directory (default: the checkpoint's)")
-    p.add_argument("--max-file-bytes", type=int, default=None, help="cut a rank's file by layer past this size")
-    args = parser.parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else 2
     from .errors import LazyLoadError
-    from .summary import format_plan, inspect_checkpoint
 
     try:
-        if args.command == "reshard":
-            from .writers import save_sharded
-
-            plan = json.loads(args.plan) if args.plan and args.plan.lstrip().startswith("{") else args.plan
-            print(save_sharded(args.src, args.out, args.world, plan, config=args.config,
-                               max_file_bytes=args.max_file_bytes))
-        elif args.command == "plan":
-            print(format_plan(args.path, args.world, args.config))
-        else:
-            print(inspect_checkpoint(args.path))
+        text = _run(args)
     except LazyLoadError as exc:
-        print(f"lazyload: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     except ImportError as exc:  # `plan` builds the model with transformers
-        print(f"lazyload: error: {exc.name or exc} is not installed; pip install 'lazyload[hf]'.", file=sys.stderr)
-        return 2
+        return _fail(f"{exc.name or exc} is not installed; pip install 'lazyload[hf]'.")
+    except json.JSONDecodeError as exc:
+        return _fail(f"--plan {args.plan!r} is no JSON object ({exc}); pass 'tp', 'ep' or {{\"glob\": \"style\"}}.")
+    except OSError as exc:
+        return _fail(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
+    except KeyboardInterrupt:
+        return _fail("interrupted")
+    except Exception as exc:  # a bug: still one line; LAZYLOAD_DEBUG=1 shows the traceback
+        if os.environ.get("LAZYLOAD_DEBUG"):
+            raise
+        return _fail(f"unexpected {type(exc).__name__}: {exc} (a bug in lazyload: please report it, with the "
+                     "traceback LAZYLOAD_DEBUG=1 prints)")
+    return _print(text)
+
+
+def _fail(message: str) -> int:
+    print(f"lazyload: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+def _print(text: str) -> int:
+    """Print; a reader that stops early (`| head`) is no failure and no traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,11 @@ class ArgumentError(LazyLoadError):
     passed as the model, an invalid `key_map` regex, an unknown `missing=` choice)."""
 
 
+class OutputError(ArgumentError):
+    """A writer's output directory cannot be used: it is the source checkpoint's directory
+    (or inside it, or holds it), or it already holds files and `overwrite` was not given."""
+
+
 class CheckpointError(LazyLoadError):
     """The checkpoint files themselves are unusable: unreadable header, duplicate key,
     index json naming a key its file lacks, unknown dtype, data outside the file."""

@@ -343,16 +343,42 @@ def _key_map_note(mapping: Mapping) -> str:
             f"({KEY_MAP_HELP}).")
 
 
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")
+
+
+def _layer_counts(names: Sequence[str]) -> dict[str, int]:
+    """Container of numbered layers ('model.layers') -> how many layer numbers its names use."""
+    numbers: dict[str, set[int]] = defaultdict(set)
+    for name in names:
+        if (m := _NUMBERED.match(name)) is not None:
+            numbers[m.group(1)].add(int(m.group(2)))
+    return {container: len(n) for container, n in numbers.items()}
+
+
+def layer_count_hint(model_names: Sequence[str], checkpoint_names: Sequence[str],
+                     problems: Sequence[str]) -> str | None:
+    """One line when the model and the checkpoint number another count of layers (a config
+    that does not match the checkpoint) and `problems` (missing or unexpected names) lie in them."""
+    in_model, in_checkpoint = _layer_counts(model_names), _layer_counts(checkpoint_names)
+    for container in _layer_counts(problems):
+        count = in_model.get(container)
+        if count is not None and in_checkpoint.get(container, count) != count:
+            return (f"the model has {count} layers and the checkpoint {in_checkpoint[container]} ({container}): check "
+                    "the config (num_hidden_layers, or n_layer / num_layers) matches the checkpoint's config.json.")
+    return None
+
+
 def check_mapping(mapping: Mapping, index: CheckpointIndex, targets: MappingT[str, TargetSpec]) -> None:
     """Raise the first problem of a strict load, naming what is wrong and what to do."""
-    hint = prefix_hint(mapping)
+    layers = layer_count_hint(list(targets), index.names(), mapping.missing + mapping.unexpected)
+    hint = layers or prefix_hint(mapping)
     first = f"{hint[0].upper()}{hint[1:]}\n" if hint else ""
     if mapping.missing:
         keys = index.names()
         lines = []
         for name in mapping.missing[:20]:
             near = difflib.get_close_matches(name, keys, n=3, cutoff=0.5)
-            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            hint = f" (did you mean {', '.join(near)}?)" if near and not layers else ""
             lines.append(f"  {name}{hint}")
         more = f"\n  ... and {len(mapping.missing) - 20} more" if len(mapping.missing) > 20 else ""
         raise MissingKeysError(

@@ -135,6 +135,9 @@ class LoadReport:
       during the load only, then unlocked); 0 on CPU.
     - `h2d_bytes`, `h2d_seconds`: the host-to-device copies of a GPU load and their GPU time
       (CUDA events): bytes / seconds is their rate.
+    - `quantized`: the modules quantized on load (`quantize=`), `quantized_to` what they
+      hold (e.g. "int8, a float32 scale per 128 input columns"), `bytes_saved` the bytes
+      their weights take less than in full precision (scales counted).
     - `requests`, `retries`, `bytes_requested`, `bytes_served`: a remote checkpoint's ranged
       GETs for this rank (every attempt, retries among them), the bytes they asked for and
       the bytes that arrived (gaps merged into a GET included); 0 for local files.
@@ -166,6 +169,9 @@ class LoadReport:
     pinned_bytes: int = 0
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0
+    quantized: list[str] = field(default_factory=list)
+    quantized_to: str = ""
+    bytes_saved: int = 0
     requests: int = 0
     retries: int = 0
     bytes_requested: int = 0
@@ -194,6 +200,7 @@ class LoadReport:
                     ("unexpected (not read)", self.unexpected), ("recomputed buffers", self.recomputed_buffers),
                     ("checkpoint keys of computed buffers, not loaded", self.ignored_buffer_keys),
                     ("other pipeline stages' (not read)", self.other_stages),
+                    (f"quantized to {self.quantized_to}, {size(self.bytes_saved)} saved", self.quantized),
                     (f"read whole, converted by transformers' own operation ({size(sum(self.read_whole.values()))})",
                      list(self.read_whole))]
         for title, names in sections:

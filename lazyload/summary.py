@@ -10,20 +10,33 @@ from typing import Any
 
 import torch
 
-from .errors import ArgumentError, MappingError
+from .errors import ArgumentError, LazyLoadError, MappingError, PlanError
 from .formats import open_index, resolve
 from .hub import local_path
 from .index import CheckpointIndex
 from .mapping import map_model, prefix_hint
 from .placements import model_heads, resolve_placements
 from .plan import REPLICATE, check_rank, plan_for_rank
+from .remote import RemoteCheckpoint, is_remote
 from .report import group_layers, size
 from .schedule import layer_of
 from .targets import model_slots, model_specs
 
 
 def _index(path: str) -> CheckpointIndex:
-    return open_index(resolve(local_path(path)))
+    """Local or remote (s3://, https://, hf://), as LazyCheckpoint reads it."""
+    return RemoteCheckpoint(path).index() if is_remote(path) else open_index(resolve(local_path(path)))
+
+
+def _check_whole(path: str, single_file: bool) -> None:
+    """One shard of a checkpoint of several files plans only its own tensors: refused unless asked."""
+    if single_file or is_remote(path) or not os.path.isfile(path) or not path.endswith(".safetensors"):
+        return
+    siblings = resolve(os.path.dirname(os.path.abspath(path))).files
+    if len(siblings) > 1:
+        raise ArgumentError(f"{path}: one of the {len(siblings)} files of the checkpoint in "
+                            f"{os.path.dirname(os.path.abspath(path))}; pass the directory to plan the whole "
+                            "checkpoint, or --single-file to plan this file alone.")
 
 
 def inspect_checkpoint(path: str) -> str:
@@ -73,6 +86,9 @@ def _config(path: str, config: Any) -> Any:
         return config
     from transformers import AutoConfig
 
+    if config is None and is_remote(path):
+        raise ArgumentError(f"{path}: a remote checkpoint's config.json is not fetched; pass --config with the "
+                            "model's config.json (or the directory holding it).")
     path = local_path(path)
     source = os.fspath(local_path(config)) if config is not None else (
         path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
@@ -92,12 +108,13 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> t
     """Per rank: bytes to read and tensors, from the checkpoint headers and a meta model of
     `config` (a transformers config, or a directory/file holding config.json; default: the
     checkpoint's directory). Returns (ranks, warnings). A world that cannot be planned is
-    a PlanError, a checkpoint none of whose keys fit the model a MappingError."""
+    a PlanError naming the worlds that can, a checkpoint none of whose keys fit the model a
+    MappingError."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     check_rank(0, world)
-    index = _index(path)
     config = _config(path, config)
+    index = _index(path)
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config)
@@ -113,17 +130,16 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> t
     warnings = [hint] if hint else []
     warnings += [f"{len(mapping.missing)} model tensors missing from the checkpoint"] if mapping.missing else []
     warnings += [f"{len(mapping.unexpected)} checkpoint tensors unused"] if mapping.unexpected else []
-    dtypes = {n: index[e.keys()[0]].dtype for n, e in mapping.exprs.items()}
-    ranks = []
-    for rank in range(world):
-        resolved = resolve_placements(model, specs, [], plan, rank, world)
-        _, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
-                                 resolved.placements, rank, world)
-        sharded = sum(1 for n in mapping.exprs if resolved.placements.get(n, REPLICATE).kind != "replicate")
-        ranks.append(RankPlan(rank, sum(i.nbytes for i in items), len(mapping.exprs), sharded))
+    rank_plan = lambda rank, w: _rank_plan(model, specs, mapping, index, plan, rank, w)  # noqa: E731
+    try:
+        ranks = [rank_plan(rank, world)[0] for rank in range(world)]
+    except PlanError as exc:
+        worlds = [w for w in range(1, max(world, 8) + 1) if w != world and _plans(rank_plan, w)]
+        raise PlanError(f"{exc} Worlds that work (of 1 to {max(world, 8)}): "
+                        f"{', '.join(map(str, worlds)) or 'none'}.") from exc
+    placements = rank_plan(world - 1, world)[1]
     heads = model_heads(model)
-    if world > 1 and heads.kv_heads and world > heads.kv_heads and any(
-            p.groups for p in resolved.placements.values()):
+    if world > 1 and heads.kv_heads and world > heads.kv_heads and any(p.groups for p in placements.values()):
         warnings.append(f"{heads.kv_heads} KV heads replicated over {world} ranks: each KV head is read by "
                         f"{world // heads.kv_heads} ranks")
     if world > 1 and not any(r.sharded for r in ranks):
@@ -132,7 +148,28 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None) -> t
     return ranks, warnings
 
 
-def format_plan(path: str, world: int, config: Any = None) -> str:
+def _rank_plan(model, specs, mapping, index, plan, rank: int, world: int) -> tuple[RankPlan, dict]:
+    """One rank's RankPlan, and its placements."""
+    placements = resolve_placements(model, specs, [], plan, rank, world).placements
+    dtypes = {n: index[e.keys()[0]].dtype for n, e in mapping.exprs.items()}
+    _, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes, placements,
+                             rank, world)
+    sharded = sum(1 for n in mapping.exprs if placements.get(n, REPLICATE).kind != "replicate")
+    return RankPlan(rank, sum(i.nbytes for i in items), len(mapping.exprs), sharded), placements
+
+
+def _plans(rank_plan, world: int) -> bool:
+    """Whether `world` can be planned (its first and last ranks: where uneven splits show)."""
+    try:
+        rank_plan(0, world)
+        rank_plan(world - 1, world)
+    except LazyLoadError:
+        return False
+    return True
+
+
+def format_plan(path: str, world: int, config: Any = None, *, single_file: bool = False) -> str:
+    _check_whole(path, single_file)
     ranks, warnings = plan_ranks(path, world, config)
     lines = [f"{path}: world {world}", f"{'rank':>4}  {'bytes to read':>15}  {'tensors':>7}  {'sharded':>7}"]
     lines += [f"{r.rank:>4}  {r.bytes_to_read:>15,}  {r.tensors:>7}  {r.sharded:>7}" for r in ranks]

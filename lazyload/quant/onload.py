@@ -80,6 +80,11 @@ class Quantization:
             return cls(quantize)
         raise ArgumentError(f"quantize={quantize!r}: use None, 'int8', 'fp8' or lazyload.Quantization(...).")
 
+    def describe(self) -> str:
+        """What the quantized weights hold, in words (for the LoadReport)."""
+        scales = f"per {self.group_size} input columns" if self.group_size else "per row"
+        return f"{self.dtype}, a float32 scale {scales}" + (" (torchao)" if self.torchao else "")
+
     def skips(self, module_name: str, not_convert: tuple[str, ...] = ()) -> bool:
         if any(re.search(p, module_name) for p in DEFAULT_SKIP + self.skip):
             return True

@@ -25,6 +25,13 @@ def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict
             for name, axis in axes.items() if name in exprs}  # a tensor not filled is left as it is
 
 
+def saved_bytes(dests: dict, full_dtypes: dict) -> int:
+    """Bytes the quantized targets (name -> QuantizedDest) hold less than they would in their
+    full-precision dtype (name -> torch.dtype), their scales counted."""
+    return sum(dest.data.numel() * full_dtypes[name].itemsize - dest.data.nbytes - dest.scale.nbytes
+               for name, dest in dests.items())
+
+
 def swap_quantized(model: nn.Module, grids: dict[str, Grid], config: Quantization) -> None:
     """Swap the modules of the quantized targets (on meta; the load fills them)."""
     linears = {name.rpartition(".")[0]: grid.group for name, grid in grids.items()

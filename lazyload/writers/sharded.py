@@ -32,6 +32,7 @@ from ..placements import resolve_placements
 from ..plan import ReadItem, check_rank, plan_for_rank
 from ..readers import PreadReader
 from ..schedule import default_budget, layer_of, schedule
+from .output import check_output, source_dirs, staged_directory
 from ..targets import model_slots, model_specs
 
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
@@ -40,16 +41,21 @@ _CONFIGS = ("config.json", "generation_config.json")
 
 def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | str | None = None, *,
                  model: nn.Module | None = None, config: Any = None, max_file_bytes: int | None = None,
-                 max_host_bytes: int | None = None) -> str:
+                 max_host_bytes: int | None = None, overwrite: bool = False) -> str:
     """Write `src` (any checkpoint lazyload reads, or a LazyCheckpoint) pre-sharded for `world`
     ranks into `out_dir`; returns the path of its `lazyload_sharded.json`.
 
     The split is the one `load_into(model, rank, world, plan=plan)` makes: `model` (best on
     meta) or one built on meta from `config` (a transformers config or a directory with
     config.json; default the source's directory). A rank's file is cut into several, by layer,
-    when it would pass `max_file_bytes`. Host memory stays about one layer of one rank."""
+    when it would pass `max_file_bytes`. Host memory stays about one layer of one rank.
+
+    `out_dir` must be new or empty, or `overwrite=True` replaces it; the source's own directory
+    (or one inside it) is an OutputError, refused before anything is written. The files are
+    written to a hidden directory beside `out_dir` that becomes `out_dir` only when complete."""
     check_rank(0, world)
     index = _index_of(src)
+    check_output(out_dir, source_dirs(_local_paths(src) + list(index.files)), overwrite)
     model = model if model is not None else _meta_model(config, src)
     view = _names_as_tensors(index)
     slots, aliases = model_slots(model)
@@ -70,7 +76,15 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
         if name not in boxes:
             boxes[name][0].append(full_box(view[name].shape))
     pieces = _pieces(view, boxes, world)
-    os.makedirs(out_dir, exist_ok=True)
+    with staged_directory(out_dir) as staging:
+        _write_layout(staging, pieces, index, view, world, max_file_bytes, max_host_bytes)
+        _copy_configs(src, staging)
+    return os.path.join(out_dir, LAYOUT_JSON)
+
+
+def _write_layout(out_dir: str, pieces: dict, index: CheckpointIndex, view: CheckpointIndex, world: int,
+                  max_file_bytes: int | None, max_host_bytes: int | None) -> None:
+    """Every rank's files, then `lazyload_sharded.json` that describes them."""
     files, records = [], defaultdict(list)
     for rank in range(world):
         for part, chunk in enumerate(_cut(pieces[rank], view, max_file_bytes)):
@@ -83,12 +97,15 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
     doc = {"format": FORMAT, "version": VERSION, "world": world, "files": files,
            "tensors": {name: {"shape": list(view[name].shape), "dtype": _DTYPE_NAMES[view[name].dtype],
                               "pieces": records[name]} for name in view}}
-    _copy_configs(src, out_dir)
-    path = os.path.join(out_dir, LAYOUT_JSON)
-    with open(path + ".tmp", "w") as f:
+    with open(os.path.join(out_dir, LAYOUT_JSON), "w") as f:
         json.dump(doc, f, indent=1)
-    os.replace(path + ".tmp", path)  # written last: a partial output is not a checkpoint
-    return path
+
+
+def _local_paths(src: Any) -> list:
+    """The path(s) the user named as the source, for the output check (a LazyCheckpoint's files come from its index)."""
+    if isinstance(src, (str, os.PathLike)):
+        return [src]
+    return [p for p in src if isinstance(p, (str, os.PathLike))] if isinstance(src, (list, tuple)) else []
 
 
 def _copy_configs(src: Any, out_dir: str | os.PathLike) -> None:
