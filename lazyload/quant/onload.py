@@ -150,7 +150,7 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
     groups = -(-cols // g)
     rows_of = values.reshape(-1, cols)
     data2, scale2 = data.reshape(-1, cols), scale.reshape(-1, groups)  # copies of non-contiguous views
-    step = max(1, (GPU_CHUNK if values.device.type == "cuda" else CPU_CHUNK) // (groups * g))
+    step = chunk_rows(values.device, groups * g)
     for r in range(0, rows_of.shape[0], step):
         w = rows_of[r:r + step]
         scratch = torch.zeros((w.shape[0], groups * g), dtype=torch.float32, device=w.device)
@@ -169,6 +169,12 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
         data.copy_(data2.view(data.shape))
     if scale2.data_ptr() != scale.data_ptr() or not scale.is_contiguous():
         scale.copy_(scale2.view(scale.shape))
+
+
+def chunk_rows(device: torch.device, width: int) -> int:
+    """Rows of `width` float32 elements quantized per step: a cache-sized scratch on the CPU,
+    a large one on a GPU, where each step costs about a dozen kernel launches."""
+    return max(1, (GPU_CHUNK if device.type == "cuda" else CPU_CHUNK) // width)
 
 
 def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement, rank: int, world: int,
