@@ -361,13 +361,12 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader | RemoteR
 
 def _close(arena: Arena | None, copies: CudaCopies | None) -> EngineStats:
     """Wait for the copies, then unpin the staging (no copy from it is in flight past here)."""
-    pinned = (arena.pinned_bytes if arena is not None else 0)
+    pinned = (arena.pinned_bytes if arena is not None else 0) + (copies.pinned_bytes if copies is not None else 0)
     h2d = (0, 0.0)
     try:
         if copies is not None:
             h2d = copies.finish()
     finally:
-        pinned += copies.pinned_bytes if copies is not None else 0
         if arena is not None:
             arena.close()
     return EngineStats(pinned, *h2d)

@@ -295,6 +295,15 @@ def test_staging_that_cannot_be_pinned_goes_through_bounce_buffers(llama, gpu):
     assert report.pinned_bytes == 0 and report.h2d_bytes == sum(n for n, _ in standin.copies)
 
 
+def test_pinned_bytes_count_the_bounce_buffers(llama, gpu):
+    directory, config = llama
+    standin = gpu()
+    _, report = load(directory, config, torch.bfloat16, dict(reader="mmap", release_pages=True))
+    bounce = 2 * engine.BOUNCE_BYTES  # a pinned bounce buffer per worker that copied pageable pages
+    assert report.pinned_bytes >= bounce and report.pinned_bytes % bounce == 0
+    assert_clean(standin)
+
+
 def test_a_whole_tensor_conversion_through_the_cuda_branch(whole, gpu):
     want = whole_model(whole)
     LazyCheckpoint(whole).load_into(want, reader="pread", progress=False)
