@@ -17,6 +17,13 @@ are compared bit for bit.
 | device index | (two GPUs) a fresh process with LOCAL_RANK=1 loads to cuda:1 by default and with `device="cuda:1"`, and leaves no CUDA context on GPU 0 |
 | one visible GPU | a fresh process with CUDA_VISIBLE_DEVICES=<one GPU> and LOCAL_RANK=1 loads to cuda:0 |
 | in place | a real bf16 Llama on the GPU loaded with `device="cuda"`: every tensor keeps its `data_ptr`, `max_memory_allocated` grows by less than 10% of the model |
+| fp8 checkpoint | an FP8 block-scaled Llama (blocks 16x16) dequantized to bf16, kept (`quantize="fp8"`), and rank 1 of 2: GPU load = CPU load, bit for bit |
+| quantize | int8 and fp8 quantize-on-load (groups of 16): GPU = CPU, bit for bit |
+| whole conversion | Inkling2 (experts' gate/up interleaved by transformers' operation on whole sources): GPU = CPU |
+| remote | a checkpoint served over HTTP on 127.0.0.1 (ranged GETs into pinned staging), cast to fp16: GPU = CPU |
+| unpinned | `cudaHostRegister` refused for real: the load goes through bounce buffers, = the files, and the next kernel launch raises no stale CUDA error |
+| second load | (two GPUs) a fresh process with LOCAL_RANK=1: two loads without `device=` both land on cuda:1, which stays current |
+| quantize speed | int8 quantize on load of the ~1.3 GB Llama: seconds per GB beyond the same load in bf16 |
 | h2d | lazyload's own host-to-device copies (`report.h2d_bytes` / `h2d_seconds`, timed with CUDA events) against a pinned `copy_` of the same bytes, warm and cold page cache, and their share of the load |
 
 `--cpu-smoke` (no CUDA needed; CI runs it): the same cases' CPU halves on tiny checkpoints,
@@ -232,8 +239,9 @@ def case_race(run):
     cycles = run.sleep_cycles
     original = CudaCopies.h2d
 
-    def delayed(self, dst, src):  # runs on the side stream: the copy starts `cycles` later
-        torch.cuda._sleep(cycles)
+    def delayed(self, dst, src):  # on the copy stream: the copy starts `cycles` later
+        with torch.cuda.stream(self.copy_stream):
+            torch.cuda._sleep(cycles)
         original(self, dst, src)
 
     def load(dtype):
@@ -325,6 +333,131 @@ def case_conversions(run):
         rows.append(row("conversions", f"{label}, rank 1 of 2: = the CPU load of that rank",
                         differences(model.state_dict(), cpu.state_dict())))
     return rows
+
+
+# --------------------------------------------------------------------------- GPU = CPU
+
+def cpu_state(model_of, directory, **kw):
+    """The model's state as lazyload loads it to the CPU (mmap reader, no staging)."""
+    model = model_of()
+    LazyCheckpoint(directory).load_into(model, device="cpu", progress=False, **kw)
+    return model.state_dict()
+
+
+def gpu_vs_cpu(run, case, check, model_of, directory, **kw):
+    """A row: the load to run.device (staged) bit for bit the CPU load, same arguments."""
+    want = cpu_state(model_of, directory, **kw)
+    model = model_of()
+    report = run.load(model, directory, **kw)
+    where = {t.device.type for t in model.state_dict().values()}
+    problems = differences(model.state_dict(), want) + ([f"tensors on {where}"] if where != {run.device} else [])
+    return row(case, check, problems, f"{len(want)} tensors, {report.h2d_bytes / 2**20:.1f} MiB copied")
+
+
+def fp8_checkpoint(run):
+    from quant_checkpoints import write_fp8_checkpoint
+
+    source, config = run.tiny("llama", "bf16")
+    directory, _ = run.written("llama-fp8", lambda target: write_fp8_checkpoint(source, target, block=(16, 16)))
+    return directory, config
+
+
+def case_quantized(run):
+    """Pre-quantized checkpoints (their boxes copied part by part) and quantize on load."""
+    from lazyload import Quantization
+
+    fp8, config = fp8_checkpoint(run)
+    plain, _ = run.tiny("llama", "fp32")
+    llama = lambda dtype: (lambda: build_model("llama", config, dtype))  # noqa: E731
+    return [
+        gpu_vs_cpu(run, "fp8 checkpoint", "block-scaled, dequantized to bf16: GPU = CPU", llama(torch.bfloat16), fp8),
+        gpu_vs_cpu(run, "fp8 checkpoint", "block-scaled, kept (quantize='fp8'): GPU = CPU", llama(torch.bfloat16),
+                   fp8, quantize="fp8"),
+        gpu_vs_cpu(run, "fp8 checkpoint", "block-scaled, rank 1 of 2, dequantized: GPU = CPU", llama(torch.bfloat16),
+                   fp8, rank=1, world=2),
+        gpu_vs_cpu(run, "quantize", "int8 on load: GPU = CPU", llama(torch.float32), plain,
+                   quantize=Quantization("int8", 16)),
+        gpu_vs_cpu(run, "quantize", "fp8 on load: GPU = CPU", llama(torch.float32), plain,
+                   quantize=Quantization("fp8", 16)),
+    ]
+
+
+def case_whole(run):
+    import sweep_architectures
+    import transformers
+
+    directory = os.path.join(run.work, "inkling2", "Inkling2TextModel")
+    if not os.path.exists(os.path.join(directory, "config.json")):  # written by the sweep, checked there
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        outcome = sweep_architectures.sweep_one("inkling2_text", "Inkling2TextModel", os.path.dirname(directory))
+        if outcome["outcome"] != "exact":
+            return [row("whole conversion", "the checkpoint loads on the CPU as from_pretrained", False, str(outcome))]
+    cls = transformers.Inkling2TextModel
+    config = cls.config_class.from_pretrained(directory)
+
+    def model():
+        with torch.device("meta"):
+            return cls._from_config(config, dtype=torch.float32).eval()
+    return [gpu_vs_cpu(run, "whole conversion", "Inkling2 experts interleaved on the rank: GPU = CPU", model,
+                       directory)]
+
+
+def case_remote(run):
+    from remote_servers import RangeServer
+
+    directory, config = run.tiny("llama", "bf16")
+    root = tempfile.mkdtemp(dir=run.work)
+    shutil.copytree(directory, os.path.join(root, "ckpt"))
+    want = cpu_state(lambda: build_model("llama", config, torch.float16), directory, dtype=torch.float16)
+    with RangeServer(root) as server:
+        model = build_model("llama", config, torch.float16)
+        LazyCheckpoint(server.url + "/ckpt/").load_into(model, device=run.device, dtype=torch.float16, progress=False)
+    shutil.rmtree(root, ignore_errors=True)
+    return [row("remote", "HTTP checkpoint (ranged GETs, pinned staging), cast to fp16: GPU = CPU",
+                differences(model.state_dict(), want))]
+
+
+def case_unpinned(run):
+    """cudaHostRegister refused (memlock limits, WSL2): bounce buffers, and no CUDA error left."""
+    check = "pinning refused: = the files, and the next kernel launch raises nothing"
+    if not run.cuda:
+        return [skip("unpinned", check, "needs CUDA")]
+    directory, config = run.mixed()
+    real = torch.cuda.cudart()
+
+    class Refusing(PinCounter):
+        def cudaHostRegister(self, ptr, size, flags):
+            return self.real.cudaHostRegister(0, size, flags)  # a real refusal: CUDA's last error is set
+
+    model = mixed_meta_model(config)
+    with patch.object(torch.cuda, "cudart", lambda: Refusing(real)):
+        report = run.load(model, directory)
+    problems = against_files(model, file_tensors(directory))
+    try:
+        torch.ones(4, device=run.device).add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        problems.append(f"a kernel after the load failed: {exc}")
+    return [row("unpinned", check, problems + ([f"pinned {report.pinned_bytes} B"] if report.pinned_bytes else []))]
+
+
+def case_quantize_speed(run):
+    check = "int8 quantize on load, time per GB of weights (against the same load in bf16)"
+    if not run.cuda:
+        return [skip("quantize speed", check, "needs CUDA")]
+    directory, config = run.big()
+    seconds = {}
+    for label, quantize in (("bf16", None), ("int8", "int8")):
+        model = build_model("llama", config, torch.bfloat16)
+        torch.cuda.synchronize()
+        report = run.load(model, directory, quantize=quantize)
+        torch.cuda.synchronize()
+        seconds[label] = report.seconds
+        size = report.bytes_read
+        del model
+    extra = max(0.0, seconds["int8"] - seconds["bf16"])
+    return [row("quantize speed", check, True, f"{extra / (size / GB):.2f} s/GB extra ({seconds['int8']:.2f} s "
+                f"vs {seconds['bf16']:.2f} s for {size / GB:.2f} GB)")]
 
 
 def case_in_place(run):
@@ -455,7 +588,24 @@ def child_one_visible(run):
                 f"LOCAL_RANK=1: lands on {want}", problems)]
 
 
-CHILDREN = {"dtensor": child_dtensor, "device-index": child_device_index, "one-visible": child_one_visible}
+def child_second_load(run):
+    """Two loads without device= in a fresh process with LOCAL_RANK=1: both on cuda:1, and
+    cuda:1 stays this process's current device."""
+    directory, config = run.tiny("llama", "bf16")
+    want = torch.device("cuda", 1) if run.cuda else torch.device("cpu")
+    problems = []
+    for attempt in ("first", "second"):
+        model = build_model("llama", config, torch.bfloat16)
+        run.load(model, directory, device=None)
+        where = {t.device for t in model.state_dict().values()}
+        problems += [f"{attempt} load on {where}"] if where != {want} else []
+    if run.cuda and torch.cuda.current_device() != 1:
+        problems.append(f"current device {torch.cuda.current_device()} after the loads")
+    return [row("second load", f"LOCAL_RANK=1: a second load_into(device=None) stays on {want}", problems)]
+
+
+CHILDREN = {"dtensor": child_dtensor, "device-index": child_device_index, "second-load": child_second_load,
+            "one-visible": child_one_visible}
 
 
 def free_port():
@@ -488,10 +638,13 @@ def case_fresh_processes(run):
     gpus = torch.cuda.device_count() if run.cuda else 0
     children = [("dtensor", {"LOCAL_RANK": "0"}, "dtensor", "1-rank mesh")]
     if run.cuda and gpus < 2:
-        skipped = [skip("device index", "LOCAL_RANK=1 lands on cuda:1, no context on GPU 0", "needs two GPUs")]
+        skipped = [skip("device index", "LOCAL_RANK=1 lands on cuda:1, no context on GPU 0", "needs two GPUs"),
+                   skip("second load", "LOCAL_RANK=1: a second load_into(device=None) stays on cuda:1",
+                        "needs two GPUs")]
     else:
         skipped = []
         children.append(("device-index", {"LOCAL_RANK": "1"}, "device index", "LOCAL_RANK=1"))
+        children.append(("second-load", {"LOCAL_RANK": "1"}, "second load", "LOCAL_RANK=1"))
     shown = os.environ.get("CUDA_VISIBLE_DEVICES")  # this process's GPUs: the child sees the last one
     visible = {"CUDA_VISIBLE_DEVICES": shown.split(",")[-1] if shown else str(gpus - 1)} if run.cuda else {}
     children.append(("one-visible", dict(visible, LOCAL_RANK="1"), "one visible GPU", "LOCAL_RANK=1"))
@@ -500,8 +653,8 @@ def case_fresh_processes(run):
     return in_fresh_processes(run, children) + skipped
 
 
-CASES = (case_reference, case_race, case_mixed, case_mmap, case_conversions, case_in_place, case_fresh_processes,
-         case_h2d)
+CASES = (case_reference, case_race, case_mixed, case_mmap, case_conversions, case_quantized, case_whole, case_remote,
+         case_unpinned, case_in_place, case_fresh_processes, case_h2d, case_quantize_speed)
 
 
 def main():

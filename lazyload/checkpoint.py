@@ -221,6 +221,9 @@ class LazyCheckpoint:
         check_rank(rank, world)
         index = self.index.for_rank(rank, world)  # copies of a replicated piece: this rank's own file
         device = target_device(device, model)  # concrete (cuda:N), checked to exist
+        # Current now, before anything below allocates on it (a first allocation initialises
+        # CUDA and leaves device 0 current): DeviceMesh, later loads and `.to("cuda")` agree.
+        use_device(device)
 
         # Mapping: model tensors as expressions over checkpoint tensors.
         slots, aliases = model_slots(model)
@@ -260,9 +263,10 @@ class LazyCheckpoint:
         dtypes.update({name: qconfig.torch_dtype for name in quantized})
         shape_of = lambda key: index[key].shape  # noqa: E731
         whole = whole_scratch(mapping.exprs, {n: s.shape for n, s in specs.items()}, dtypes, quantized, shape_of)
-        if whole and max_host_bytes is not None and max_host_bytes < max(whole.values()):
-            name = max(whole, key=whole.get)  # conversions run on whole sources: they hold them all
-            raise PlanError(f"max_host_bytes={max_host_bytes} is smaller than what {name} needs ({whole[name]} "
+        whole_host = whole if device.type == "cpu" else {}  # on a GPU the conversions run there
+        if whole_host and max_host_bytes is not None and max_host_bytes < max(whole_host.values()):
+            name = max(whole_host, key=whole_host.get)  # conversions run on whole sources: they hold them all
+            raise PlanError(f"max_host_bytes={max_host_bytes} is smaller than what {name} needs ({whole_host[name]} "
                             "bytes): its conversion runs on its whole source tensors; raise it to at least that.")
         # Buffers left on meta, computed now: one that cannot be is refused while the model is untouched.
         loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
@@ -274,7 +278,6 @@ class LazyCheckpoint:
         if quantized:
             swap_quantized(model, quantized, qconfig)
             slots, _ = model_slots(model)
-        use_device(device)  # before any mesh is made: DeviceMesh then agrees
         if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
             slots, _ = model_slots(model)  # parameters became DTensors: placements from them
             placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
@@ -283,7 +286,7 @@ class LazyCheckpoint:
         targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
                                        placements.placements, rank, world)
         dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
-        release_pages = release_pages or must_release_pages(items, dest_bytes, world)
+        release_pages = release_pages or must_release_pages(items, dest_bytes if device.type == "cpu" else 0, world)
         chosen = choose_reader(reader, device, release_pages, items, index, world, self.remote)
         views: dict[str, torch.Tensor] = {}
         copies = items
@@ -292,7 +295,7 @@ class LazyCheckpoint:
         # Views of warm pages need nothing more; cold ones are paged in by the schedule.
         copy_groups = schedule(copies)
         groups = schedule(items) if chosen.prefetching else copy_groups
-        budget = max_host_bytes if max_host_bytes is not None else max([default_budget(copy_groups), *whole.values()])
+        budget = max_host_bytes if max_host_bytes is not None else max([default_budget(copy_groups), *whole_host.values()])
         largest = max((item.nbytes for item in copies), default=0)
         if budget < largest:
             raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "

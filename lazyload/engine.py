@@ -3,9 +3,11 @@
 Reads run in a small thread pool (file reads and tensor copies release the GIL). What is
 read but not yet placed is bounded by the byte budget: the pread and remote readers stage
 into an arena of exactly that size; the mmap reader counts the bytes of its slices in flight.
-With a GPU destination (`CudaCopies`), the workers copy their staged (pinned) bytes to the
-device on one side stream, cast there, and free a staging range only once its copy is done,
-so that the copy of one item overlaps the read of the next. Every worker thread first makes
+With a GPU destination (`CudaCopies`), every item is staged; the workers copy their staged
+(pinned) bytes to the device on a copy stream, cast there on a second stream, and free a
+staging range only once its copy is done (also when the placing failed), so that the copy
+of one item overlaps the read of the next; pageable sources (mmap pages) go through a small
+pinned bounce buffer per worker. Every worker thread first makes
 the destination its current device (`use_device`): CUDA's current device is per thread, and
 a thread left on device 0 would create a context there (about 500 MB) on leaving a stream.
 
@@ -13,8 +15,9 @@ Cold pages (mmap reader with `prefetching`): a single prefetch thread announces 
 layer's exact page ranges while this one is placed, so that the storage reads ahead of the
 copies; targets that are views of the mapping (`mapped`) are paged in rather than copied.
 
-Failures: a read that fails (ReadError from the reader, or any OSError) stops the run and
-becomes a ReadError naming the file and tensor, with the targets whose every item was
+Failures: a read that fails (ReadError from the reader, or any OSError), or a placing that
+fails (any exception: a GPU out of memory in a cast), stops the run and becomes a
+ReadError naming the file and tensor, with the targets whose every item was
 placed (`loaded`), the others (`not_loaded`), and among those the ones some of whose bytes
 were already being written (`partly_written`); the pool is drained first, so the lists are
 final (see `Progress`).
@@ -31,15 +34,16 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from .errors import ReadError
 from .expr import apply_ops
-from .placer import assign, box_of, copy_into
+from .placer import WholeDest, assign, box_of, copy_into
 from .plan import ReadItem
 from .quant.dequant import QuantizedBox
+from .quant.onload import QuantizedDest
 from .readers import Arena, MmapReader, PreadReader, RemoteReader, byte_runs
 from .schedule import Group
 from .targets import Slot, current_tensor, local_tensor
@@ -75,54 +79,159 @@ class EngineStats:
     h2d_seconds: float = 0.0
 
 
-class CudaCopies:
-    """Host-to-device copies into CUDA destinations, all on one side stream of the device:
-    one stream, so that the temporaries of casts come from one pool of torch's caching
-    allocator (it keeps a pool per stream). Worker threads share it; each waits for an
-    event recorded after its own copy, so a staging range is reused only once its bytes
-    have landed."""
+BOUNCE_BYTES = 4 << 20  # a slot of a worker's pinned bounce buffer (two slots: fill one while the other copies)
 
-    def __init__(self, device: torch.device):
+
+class CudaCopies:
+    """Host-to-device copies into CUDA destinations, and the casts there. Two streams of the
+    device, shared by the worker threads: `copy_stream` carries only the copies (each between
+    its two timing events, enqueued under `_lock`, so `h2d_seconds` times copies alone), and
+    `stream` the casts, dequantizing and quantizing, which wait for their copies' events: one
+    stream, so that their temporaries come from one pool of torch's caching allocator (it
+    keeps a pool per stream). `place` returns once its item is on the device, so a staging
+    range is freed only once its bytes have landed, also when the placing failed.
+
+    `pinned_sources`: the sources are page-locked (the staging arena, pinned), so copies from
+    them are asynchronous. Pageable sources (mmap pages, staging CUDA refused to pin) are
+    copied by the worker, page faults included, into its own pinned bounce buffer first, a
+    chunk at a time and outside the lock; copies from pageable memory would block the
+    enqueuing thread (CUDA stages them itself), and so every other worker, under the lock."""
+
+    def __init__(self, device: torch.device, pinned_sources: bool):
         self.device = device
+        self.pinned_sources = pinned_sources
+        self.copy_stream = torch.cuda.Stream(device)
         self.stream = torch.cuda.Stream(device)
         self._lock = threading.Lock()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self._local = threading.local()
+        self._bounces: list[Arena] = []
         # Destinations were allocated (or last used) on the current stream: let it finish.
         torch.cuda.current_stream(device).synchronize()
 
-    def place(self, dest: torch.Tensor, item: ReadItem, source: torch.Tensor) -> None:
-        """Copy the item's host bytes into its box of `dest`; returns once they are there."""
-        with torch.cuda.stream(self.stream):
-            box = box_of(dest, item) if isinstance(dest, torch.Tensor) else None  # else quantized on the GPU
-            shaped = apply_ops(source, item.ops)
-            if box is not None and shaped.dtype == box.dtype and shaped.is_contiguous() and box.is_contiguous():
-                self.h2d(box, shaped)  # the bytes land in place: one copy
-            else:  # raw bytes over PCIe, then cast / transpose / strided write on the GPU
-                raw = torch.empty(source.shape, dtype=source.dtype, device=self.device)
-                self.h2d(raw, source)
-                copy_into(dest, item, raw)
-            done = torch.cuda.Event()
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(bounce.pinned_bytes for bounce in self._bounces)
+
+    def place(self, dest: torch.Tensor | QuantizedDest | WholeDest, item: ReadItem,
+              source: torch.Tensor | QuantizedBox) -> None:
+        """Copy the item's host bytes into its box of `dest` (or its parts to the device, then
+        dequantized, quantized, or kept there); returns once they are there."""
+        done = torch.cuda.Event(blocking=True)  # blocking: a waiting thread sleeps instead of spinning
+        uploaded: list[torch.Tensor] = []  # device copies the casts read: freed once `done`
+        try:
+            with torch.cuda.stream(self.stream):
+                self._place(dest, item, source, uploaded)
+        finally:  # also after a failure: no copy from the staging is in flight once this returns
             done.record(self.stream)
-        self.wait(done)
+            self.wait(done)
+
+    def _place(self, dest, item: ReadItem, source: torch.Tensor | QuantizedBox, uploaded: list) -> None:
+        if isinstance(source, QuantizedBox):  # a pre-quantized box: each part to the device
+            parts = QuantizedBox(*(self.upload(part, uploaded) if part is not None else None for part in source))
+            return copy_into(dest, item, parts)
+        box = box_of(dest, item) if isinstance(dest, torch.Tensor) else None  # else quantized on the GPU
+        shaped = apply_ops(source, item.ops)
+        if box is not None and shaped.dtype == box.dtype and shaped.is_contiguous() and box.is_contiguous():
+            self.h2d(box, shaped)  # the bytes land in place: one copy
+        else:  # raw bytes over PCIe, then cast / transpose / strided write on the GPU
+            copy_into(dest, item, self.upload(source, uploaded))
+
+    def upload(self, source: torch.Tensor, uploaded: list) -> torch.Tensor:
+        """A device copy of host `source`, allocated from the copy stream's pool (its only
+        writer) and kept in `uploaded` until the casts that read it are done."""
+        with torch.cuda.stream(self.copy_stream):
+            raw = torch.empty(source.shape, dtype=source.dtype, device=self.device)
+        uploaded.append(raw)
+        self.h2d(raw, source)
+        return raw
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # Events and copy enqueued together: on the shared stream, nothing runs between them.
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with self._lock:
-            start.record(self.stream)
+        """Copy host `src` into device `dst` (same shape, `dst` contiguous); the cast stream
+        waits for it."""
+        if self.pinned_sources:
+            self._copy(dst, src)
+            return
+        bounce = self._bounce()
+        for part_dst, part_src in host_chunks(dst, src, BOUNCE_BYTES // src.element_size()):
+            staged = bounce.take(part_src)  # waits until the slot's previous copy has landed
+            staged.copy_(part_src)  # page faults and memcpy here, outside the lock
+            bounce.landing(self._copy(part_dst, staged))
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        start = torch.cuda.Event(enable_timing=True, blocking=True)
+        end = torch.cuda.Event(enable_timing=True, blocking=True)
+        with self._lock, torch.cuda.stream(self.copy_stream):  # nothing else between the two events
+            start.record(self.copy_stream)
             dst.copy_(src, non_blocking=True)
-            end.record(self.stream)
+            end.record(self.copy_stream)
             self._timed.append((start, end, src.nbytes))
+        self.stream.wait_event(end)
+        return end
+
+    def _bounce(self) -> "Bounce":
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            bounce = self._local.bounce = Bounce(self.wait)
+            with self._lock:
+                self._bounces.append(bounce.arena)
+        return bounce
 
     @staticmethod
     def wait(event: torch.cuda.Event) -> None:
         event.synchronize()
 
     def finish(self) -> tuple[int, float]:
-        """Wait for every copy; (bytes, seconds) of the host-to-device copies."""
-        self.stream.synchronize()
-        seconds = sum(start.elapsed_time(end) for start, end, _ in self._timed) / 1e3
-        return sum(n for _, _, n in self._timed), seconds
+        """Wait for every copy and cast, unpin the bounce buffers; (bytes, seconds) of the
+        host-to-device copies."""
+        try:
+            self.copy_stream.synchronize()
+            self.stream.synchronize()
+            seconds = sum(start.elapsed_time(end) for start, end, _ in self._timed) / 1e3
+            return sum(n for _, _, n in self._timed), seconds
+        finally:
+            for arena in self._bounces:
+                arena.close()
+
+
+class Bounce:
+    """A worker's pinned bounce buffer: two slots of BOUNCE_BYTES used in turn, each reused
+    only once the copy from it has landed (its event waited on)."""
+
+    def __init__(self, wait: Callable[[torch.cuda.Event], None]):
+        self.arena = Arena(2 * BOUNCE_BYTES, pin=True)
+        self._wait = wait
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """The next slot, as a tensor of `like`'s dtype and shape."""
+        self._turn ^= 1
+        if self._events[self._turn] is not None:
+            self._wait(self._events[self._turn])
+        start = self._turn * BOUNCE_BYTES
+        return self.arena.buffer[start:start + like.nbytes].view(like.dtype).view(like.shape)
+
+    def landing(self, event: torch.cuda.Event) -> None:
+        self._events[self._turn] = event
+
+
+def host_chunks(dst: torch.Tensor, src: torch.Tensor, n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(dst, src) parts of at most `n` elements each: flat runs of a contiguous `src`, else
+    rows (and parts of rows) of a strided one. `dst` is contiguous, of `src`'s shape."""
+    if src.numel() <= n:
+        yield dst, src
+    elif src.is_contiguous():
+        flat_dst, flat_src = dst.view(-1), src.view(-1)
+        for a in range(0, flat_src.numel(), n):
+            yield flat_dst[a:a + n], flat_src[a:a + n]
+    elif src[0].numel() > n:  # one row is too long: its own parts
+        for i in range(src.shape[0]):
+            yield from host_chunks(dst[i], src[i], n)
+    else:
+        rows = n // src[0].numel()
+        for a in range(0, src.shape[0], rows):
+            yield dst[a:a + rows], src[a:a + rows]
 
 
 class Progress:
@@ -151,9 +260,13 @@ class Progress:
     def failure(self, exc: BaseException, item: ReadItem | None) -> ReadError:
         """A ReadError naming the file and tensor, listing what is loaded; call once no
         worker runs any more."""
-        reason = str(exc) if isinstance(exc, ReadError) else (
-            f"{getattr(exc, 'filename', None) or (item.entry.file if item else 'a checkpoint file')}: "
-            f"{exc.strerror or exc}")
+        if isinstance(exc, ReadError):
+            reason = str(exc)
+        elif isinstance(exc, OSError):
+            reason = (f"{getattr(exc, 'filename', None) or (item.entry.file if item else 'a checkpoint file')}: "
+                      f"{exc.strerror or exc}")
+        else:  # placing it failed (e.g. a GPU out of memory in a cast): the targets are as after a read error
+            reason = f"placing it failed with {type(exc).__name__}: {exc}"
         where = f" (reading tensor {item.entry.key!r} of {item.entry.file} for {item.target})" if item else ""
         loaded = [t for t in self._left if t in self.done]
         not_loaded = [t for t in self._left if t not in self.done]
@@ -208,20 +321,28 @@ def _workers(reader: object) -> int:
     return 8 if isinstance(reader, (PreadReader, RemoteReader)) else min(4, cores)
 
 
+def uses_cuda(device: torch.device) -> bool:
+    """Whether the destination is a GPU: its items are staged and copied by `CudaCopies`."""
+    return device.type == "cuda"
+
+
 def run_schedule(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, dests: dict[str, torch.Tensor],
                  budget: int, on_bytes: Callable[[int], None] = lambda n: None,
                  mapped: frozenset[str] = frozenset()) -> EngineStats:
     """Read and place every item. `mapped`: targets whose destination is already a view of
     the file mapping; their items are only paged in (mmap reader), costing no host budget."""
     device = next(iter(dests.values())).device if dests else torch.device("cpu")
-    cuda = device.type == "cuda"
+    cuda = uses_cuda(device)
     # This thread's CUDA calls (stream, pinning) go to the destination's context, not GPU 0's.
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
-        arena = Arena(budget, pin=cuda) if isinstance(reader, (PreadReader, RemoteReader)) else None  # staged reads
-        copies = CudaCopies(device) if cuda else None
-        h2d = (0, 0.0)
         progress = Progress(groups, dests)
-        try:
+        arena: Arena | None = None
+        copies: CudaCopies | None = None
+        try:  # made inside: a failure in either still unpins what the other pinned
+            if isinstance(reader, (PreadReader, RemoteReader)):  # staged reads
+                arena = Arena(budget, pin=cuda)
+            if cuda:
+                copies = CudaCopies(device, pinned_sources=arena is not None and arena.pinned_bytes > 0)
             _run(groups, reader, dests, budget, on_bytes, mapped, device, arena, copies, progress)
             if mapped:
                 try:
@@ -234,13 +355,20 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader | RemoteR
         except (ReadError, OSError) as exc:  # opening or announcing, outside any item
             raise progress.failure(exc, None) from exc
         finally:
-            try:
-                if copies is not None:
-                    h2d = copies.finish()  # no copy from the staging is in flight past here
-            finally:
-                pinned = arena.pinned_bytes if arena is not None else 0
-                if arena is not None:
-                    arena.close()
+            stats = _close(arena, copies)
+    return stats
+
+
+def _close(arena: Arena | None, copies: CudaCopies | None) -> EngineStats:
+    """Wait for the copies, then unpin the staging (no copy from it is in flight past here)."""
+    pinned = (arena.pinned_bytes if arena is not None else 0) + (copies.pinned_bytes if copies is not None else 0)
+    h2d = (0, 0.0)
+    try:
+        if copies is not None:
+            h2d = copies.finish()
+    finally:
+        if arena is not None:
+            arena.close()
     return EngineStats(pinned, *h2d)
 
 
@@ -261,7 +389,7 @@ def _run(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, d
             source = reader.read_into(item, buf)
             if staged:
                 place(item, source)
-        except (ReadError, OSError) as exc:
+        except Exception as exc:  # a read, or a placing (a cast out of GPU memory): the run stops
             raise ItemFailed(item, exc) from exc
         finally:
             if staged:
@@ -274,7 +402,7 @@ def _run(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, d
             source = reader.read(item)
             place(item, source)
             reader.release(item, source)
-        except (ReadError, OSError) as exc:
+        except Exception as exc:
             raise ItemFailed(item, exc) from exc
         finally:
             in_flight.release(item.nbytes)
@@ -308,7 +436,7 @@ def _run(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, d
                     if item.target in mapped:
                         pending.append(pool.submit(populate_task, item))
                     elif arena is not None:
-                        direct = direct_target(dests[item.target], item)
+                        direct = direct_target(dests[item.target], item) if copies is None else None
                         buf = direct if direct is not None else arena.alloc(item.nbytes)
                         pending.append(pool.submit(pread_task, item, buf, direct is None))
                     else:

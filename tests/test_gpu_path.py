@@ -303,5 +303,6 @@ def test_gpu_check_cpu_smoke_runs_its_cpu_halves(tmp_path):
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     cases = {line.split("|")[1].strip() for line in table[2:]}
     assert {"reference", "race", "mixed dtypes", "mmap", "conversions", "in place", "dtensor", "device index",
-            "one visible GPU", "pinned", "h2d"} <= cases, cases
+            "one visible GPU", "pinned", "h2d", "fp8 checkpoint", "quantize", "whole conversion", "remote",
+            "second load", "unpinned", "quantize speed"} <= cases, cases
     assert all("| FAIL |" not in line for line in table)

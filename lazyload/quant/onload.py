@@ -6,7 +6,8 @@ row: `scale = amax(|w|) / qmax` over each group, `q = w / scale` (rounded and cl
 ±127 for int8, cast to float8_e4m3fn for fp8, whose largest value is 448). Each group's
 scale depends only on that group's bytes, so a tensor-parallel rank whose slice starts and
 ends on group boundaries computes exactly the world=1 values of its slice. Vectorised over a
-few rows at a time (a float32 scratch of about a megabyte), never a Python loop per group.
+few rows at a time (a float32 scratch of about a megabyte on the CPU, cache-sized; 64 MiB on
+a GPU, where small chunks would make the load launch-bound), never a Python loop per group.
 """
 from __future__ import annotations
 
@@ -20,14 +21,13 @@ import torch
 from ..errors import ArgumentError, PlanError
 from ..expr import Expr, Piece, ShapeOf, apply_ops, box_shape
 from ..plan import Placement, ReadItem, local_regions
-from .dequant import QuantizedBox
+from .dequant import CPU_CHUNK, GPU_CHUNK, QuantizedBox
 
 QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # Kept in full precision unless asked: the output head and MoE routers (embeddings and
 # norms are no Linear layers, so never quantized).
 DEFAULT_SKIP = (r"(^|\.)lm_head$", r"(^|\.)(gate|router)$")
-CHUNK = 1 << 18  # float32 elements of scratch per step (1 MiB)
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
     groups = -(-cols // g)
     rows_of = values.reshape(-1, cols)
     data2, scale2 = data.reshape(-1, cols), scale.reshape(-1, groups)  # copies of non-contiguous views
-    step = max(1, CHUNK // (groups * g))
+    step = chunk_rows(values.device, groups * g)
     for r in range(0, rows_of.shape[0], step):
         w = rows_of[r:r + step]
         scratch = torch.zeros((w.shape[0], groups * g), dtype=torch.float32, device=w.device)
@@ -163,7 +163,7 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
         blocks = scratch.view(w.shape[0], groups, g)
         amax = blocks.abs().amax(-1)
         s = amax / qmax
-        s[s == 0] = 1.0  # an all-zero group: any scale gives zeros back
+        s.masked_fill_(s == 0, 1.0)  # an all-zero group: any scale gives zeros back (no host sync)
         blocks.div_(s.unsqueeze(-1))
         if dest.data.dtype == torch.int8:
             blocks.round_()
@@ -174,6 +174,12 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
         data.copy_(data2.view(data.shape))
     if scale2.data_ptr() != scale.data_ptr() or not scale.is_contiguous():
         scale.copy_(scale2.view(scale.shape))
+
+
+def chunk_rows(device: torch.device, width: int) -> int:
+    """Rows of `width` float32 elements quantized per step: a cache-sized scratch on the CPU,
+    a large one on a GPU, where each step costs about a dozen kernel launches."""
+    return max(1, (GPU_CHUNK if device.type == "cuda" else CPU_CHUNK) // width)
 
 
 def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement, rank: int, world: int,

@@ -10,6 +10,7 @@ gathered in memory, when that costs at most SPAN_WASTE times the pages of the ex
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -94,10 +95,31 @@ def _pin(buffer: torch.Tensor) -> int:
     synchronous (staged by the driver) but still correct."""
     code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, HOST_REGISTER_PORTABLE))
     if code != 0:
+        clear_cuda_error()  # else the user's next kernel launch would raise this error as its own
         logger.warning("could not pin %d bytes of staging memory (CUDA error %d); copying to the GPU from "
                        "pageable memory instead (slower)", buffer.nbytes, code)
         return 0
     return buffer.nbytes
+
+
+def loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process loaded (torch's), or None (statically linked,
+    or no CUDA). torch's `cudart()` bindings lack cudaGetLastError; dlopen of a library
+    already loaded returns that same library, so its per-thread last error is the one
+    torch's kernel launches check."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "/libcudart.so" in line), None)
+    except OSError:
+        return None
+    return ctypes.CDLL(path) if path else None
+
+
+def clear_cuda_error() -> None:
+    """Reset CUDA's last error of this thread (cudaGetLastError), after a refused call."""
+    cudart = loaded_cudart()
+    if cudart is not None:
+        cudart.cudaGetLastError()
 
 
 class PreadReader:
