@@ -131,4 +131,10 @@ def main() -> int:
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("LAZYLOAD_PROGRESS", "0")
-    sys.exit(main())
+    code = main()  # the process group is destroyed; an exception exits through Python as usual
+    # Exit at once, without interpreter teardown: torch keeps the gloo process group and its
+    # threads alive past destroy_process_group (DTensor's caches hold the device mesh), and
+    # gloo threads alive during teardown occasionally abort a run that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

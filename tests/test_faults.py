@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from checkpoints import build_model, shard_files
+from gloo import end_rank
 
 READERS = ["pread", "mmap"]
 K = 3  # the read that fails
@@ -457,9 +458,9 @@ def _dist_worker(rank, world, init_file, directory, corrupt, faulty, errors):
         _dist_cases(rank, world, directory, corrupt, faulty)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    end_rank()
 
 
 DEADLINE = 240  # seconds for a whole job: a hang fails the test instead of hanging CI

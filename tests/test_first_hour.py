@@ -25,7 +25,7 @@ from torch import nn
 import lazyload.checkpoint
 from checkpoints import (build_model, copy_checkpoint, fixed_input, meta_tensors, outputs, reference_model,
                          rewrite_tensor_in_checkpoint, shard_files)
-from gloo import spawn_collecting
+from gloo import end_rank, spawn_collecting
 from lazyload import (ArgumentError, DtypeError, LazyCheckpoint, LazyLoadError, LoadReport, MissingKeysError,
                       Placement, PlanError)
 from lazyload.errors import CheckpointError
@@ -447,9 +447,9 @@ def _dist_worker(rank, world, init_file, args, errors):
             _dist_cases(rank, world, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    end_rank()
 
 
 def test_world2_tied_embeddings_and_process_group_checks(checkpoint, llama, tmp_path):

@@ -1,6 +1,8 @@
 """README's commands are what CI and users run: keep them complete and in step with .ci/run."""
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,3 +20,13 @@ def test_readme_opens_with_the_two_commands():
     assert len(first) >= 2
     assert first[0].endswith("python examples/load_llama.py")
     assert first[1].endswith("python -m pytest")
+
+
+def test_the_test_extra_installs_deepspeed_without_building_ops():
+    """tests/test_deepspeed.py runs in CI only if the test command installs DeepSpeed, and
+    DeepSpeed installs on a machine without CUDA only with DS_BUILD_OPS=0."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(req.startswith("deepspeed") for req in extras["test"])
+    command = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
+    assert "DS_BUILD_OPS=0 pip install -e '.[test]'" in command
