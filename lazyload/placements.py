@@ -9,7 +9,9 @@ Placements are found, per parameter, in this order:
    ranks, GPT-2's fused Conv1D): a plain local tensor with a recorded share.
 3. The parameter already has a local shape (the user's own parallel layers): the sharded dim
    is the one where the checkpoint is `k` times larger (`k == world`: plain shard; `k` a
-   divisor of world: KV-style groups); `plan=` may say "packed" for fused ones.
+   divisor of world: KV-style groups); `plan=` may say "packed" for fused ones. Other local
+   sizes, and every layer DeepSpeed's AutoTP made, are read by AutoTP's shard-size rule
+   (`autotp.py`: KV heads or 64-column grains, so a rank may hold more, or nothing).
 4. Only for a model that none of the above made parallel, and only when world > 1: the
    model's own transformers TP plan (or, without one, a structural rule by module name),
    with `plan=` entries (glob -> style in transformers' `base_model_tp_plan` format, or
@@ -18,7 +20,7 @@ Placements are found, per parameter, in this order:
    is a PlanError.
 
 Uneven splits: a plan of ours refuses them (PlanError before any byte is read); a DTensor's
-layout (torch.chunk: the last ranks hold less or nothing) is followed as it is.
+layout (torch.chunk: the last ranks hold less or nothing) and AutoTP's are followed as they are.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .autotp import autotp_placement, is_autotp_layer
 from .errors import PlanError
 from .targets import TargetSpec, is_dtensor
 from .plan import Placement, REPLICATE, check_rank, local_regions
@@ -588,26 +591,37 @@ def _tensor_of(model: nn.Module, name: str) -> torch.Tensor:
 
 
 def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank, world) -> Placement | None:
-    """Case 3: a model tensor that is this rank's share of the checkpoint tensor."""
+    """Case 3: a model tensor that is this rank's share of the checkpoint tensor: the even
+    split (or KV-style groups, or the `plan=` style), else DeepSpeed AutoTP's uneven one; a
+    layer AutoTP made is read by AutoTP's rule alone."""
     if world == 1 or len(ckpt_shape) != len(model_shape):
         return None
     dims = [d for d, (c, m) in enumerate(zip(ckpt_shape, model_shape)) if c != m]
-    if len(dims) != 1 or not model_shape[dims[0]] or ckpt_shape[dims[0]] % model_shape[dims[0]]:
+    if len(dims) != 1:
         return None
-    dim = dims[0]
-    k = ckpt_shape[dim] // model_shape[dim]
+    module, module_name, _ = owner_of(model, name)
     style = StylePlan(explicit).style_of_param(name) if explicit else None
+    if style is None and is_autotp_layer(module):
+        return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
     if style is not None:
-        module, _, _ = owner_of(model, name)
         candidate = style_placement(style, name, len(ckpt_shape), is_conv1d(module))
-    elif k == world:
-        candidate = Placement("shard", dim)
-    elif world % k == 0:
-        candidate = Placement("shard", dim, groups=k)
     else:
-        return None
+        candidate = _even_share(ckpt_shape[dims[0]], model_shape[dims[0]], dims[0], world)
+    if candidate is None:
+        return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
     try:
         local_shape, _ = local_regions(name, ckpt_shape, candidate, rank, world)
     except PlanError:
         return None
     return candidate if local_shape == model_shape else None
+
+
+def _even_share(full: int, local: int, dim: int, world: int) -> Placement | None:
+    """A plain shard where the checkpoint's dim is `world` times the model's, KV-style groups
+    where it is a divisor of world times."""
+    if not local or full % local:
+        return None
+    k = full // local
+    if k == world:
+        return Placement("shard", dim)
+    return Placement("shard", dim, groups=k) if world % k == 0 else None
