@@ -43,6 +43,7 @@ from .plan import Placement, REPLICATE, check_rank, local_regions
 _COLWISE = {"colwise", "colwise_gather_output", "colwise_rep", "local_colwise", "gather"}
 _SPLIT_OUTPUT = {"colwise", "local_colwise"}  # colwise styles whose output stays split on the rank
 _ROWWISE = {"rowwise", "rowwise_split_input", "rowwise_rep", "local_rowwise"}
+_SPLIT_INPUT_ROWWISE = {"rowwise", "local_rowwise"}  # fed the rank's split activations
 _PACKED_COLWISE = {"packed_colwise", "local_packed_colwise"}
 _PACKED_ROWWISE = {"packed_rowwise", "local_packed_rowwise"}
 _EMBEDDING = {"embedding_rowwise": 0, "embedding_colwise": 1}
@@ -71,6 +72,10 @@ BERT_BLOCKS = {"self", "intermediate", "output", "w_in"}  # a parent one level b
 # from the config for inputs too short for block-sparse; TrOCR reshapes its output to its
 # input's width.
 WHOLE_ATTENTION = {"BigBirdSelfAttention", "BigBirdBlockSparseAttention", "TrOCRAttention"}
+# Modules whose forward reads a child embedding's rows off its weight, outside the embedding
+# (Gemma 4's pad embedding, `language_model.embed_tokens.weight[pad_token_id]`): a vocab-split
+# weight would be a shard there, so that embedding stays whole. Class name -> child.
+WEIGHT_READERS = {"Gemma4Model": "language_model.embed_tokens"}
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # an attention module's q head count
 
 
@@ -173,10 +178,39 @@ def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
     return plan
 
 
-def sparse_mlps(model: nn.Module) -> set[str]:
+def whole_modules(model: nn.Module, auto: StylePlan) -> set[str]:
+    """Modules whose forward cannot run on the split a transformers plan gives them, so its
+    entries on them and their layers are not applied (the structural rule's kept-whole blocks,
+    for a plan): sparse MLPs, blocks with an inner rowwise layer, embeddings read outside."""
+    if not auto.entries:
+        return set()
+    whole = _sparse_mlps(model)
+    widths: dict[str, set[int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and auto.lookup(name) in _SPLIT_INPUT_ROWWISE:
+            widths.setdefault(name.rpartition(".")[0], set()).add(module.out_features)
+    # Rowwise layers of different widths fed the rank's split activations in one block (Doge's
+    # dt_proj, one value per KV head for the dynamic mask, beside o_proj): only one is the
+    # block's output; the other's summed full width meets the rank's heads inside the forward.
+    # (A rowwise layer that splits a whole input itself, MuseSpark's pre_expert_proj, is not.)
+    whole |= {block for block, w in widths.items() if len(w) > 1}
+    for name, module in model.named_modules():
+        child = WEIGHT_READERS.get(type(module).__name__)
+        if child is not None:
+            whole.add(f"{name}.{child}" if name else child)
+    return whole
+
+
+def in_whole_module(name: str, whole: set[str]) -> bool:
+    """A module or parameter name that is, or sits in (module, or its layer), a whole module."""
+    parent = name.rpartition(".")[0]
+    return bool(whole) and bool({name, parent, parent.rpartition(".")[0]} & whole)
+
+
+def _sparse_mlps(model: nn.Module) -> set[str]:
     """MLPs whose forward keeps only their largest activations by statistics over the whole
     intermediate width (Gemma 3n's Gaussian top-k, `activation_sparsity` > 0): a rank holding
-    part of that width would keep others, so plan entries of their layers are not applied."""
+    part of that width would keep others."""
     def sparse(m: nn.Module) -> bool:
         value = getattr(m, "activation_sparsity", 0)
         return isinstance(value, (int, float)) and value > 0
@@ -506,7 +540,7 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
     # Expert parallel: tensors that do not split over every rank (40 heads at world 64) are
     # split over a divisor group of ranks instead of refused; attention over one group size.
     attn = attention_group(heads, world) if experts == "ep" and heads.heads else world
-    sparse = sparse_mlps(model) if auto.entries else set()
+    whole = whole_modules(model, auto)
     out = {}
     structural: dict[str, tuple[Placement, str]] = {}  # name -> (placement, style), checked in pairs at the end
     for name, spec in specs.items():
@@ -516,7 +550,7 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
         style = user.style_of_param(name)
         by_rule = style is None and not auto.entries
         if style is None and auto.entries:
-            style = None if module_name.rpartition(".")[0] in sparse else auto.style_of_param(name)
+            style = None if in_whole_module(name, whole) else auto.style_of_param(name)
         elif style is None:
             kind, parts = structural_style(module, module_name, attr)
             if kind == "packed":
