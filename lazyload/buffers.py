@@ -123,17 +123,16 @@ def _from_pretrained_dtypes(model: nn.Module, metas: dict[str, torch.Tensor],
     dtype: the one the model's constructor gives it under the default dtype d (from_pretrained
     builds the model so, then `empty_like` + `_init_weights`): float32 for rotary inv_freq,
     d for Gemma 3's embed_scale. A meta model built in another dtype, or cast with .to(), has
-    lost that, so it is built again, on meta (no tensor memory, a fraction of a second). Models
-    that cannot be rebuilt from their config keep the buffers' current dtypes."""
+    lost that, and neither the model nor its config (`config.dtype` is the checkpoint's, whatever
+    the user built) tells, so it is always built again, on meta (no tensor memory, a fraction of
+    a second even at 405B). Models that cannot be rebuilt from their config keep the buffers'
+    current dtypes."""
     current = {n: t.dtype for n, t in metas.items()}
     floating = Counter(d for d in loaded.values() if d.is_floating_point)
     config = getattr(model, "config", None)
     if not floating or config is None or not hasattr(type(model), "_from_config"):
         return current
     dtype = floating.most_common(1)[0][0]
-    built = getattr(config, "dtype", None)  # what transformers built it under
-    if (getattr(torch, built, None) if isinstance(built, str) else built) == dtype:
-        return current  # as from_pretrained(dtype=dtype) builds it, unless cast there and back
     try:
         with torch.device("meta"):
             fresh = type(model)._from_config(copy.deepcopy(config), dtype=dtype)

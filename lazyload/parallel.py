@@ -12,8 +12,8 @@ from torch import nn
 
 from .errors import PlanError
 from .placements import (HEAD_COUNTS, KV_NAMES, PACKED_NAMES, Q_NAMES, STYLES, Heads, Resolved, StylePlan, attention_checks,
-                         check_plan, is_conv1d, model_heads, model_tp_plan, owner_of, sparse_mlps, static_placements,
-                         style_placement)
+                         check_plan, in_whole_module, is_conv1d, model_heads, model_tp_plan, owner_of, static_placements,
+                         style_placement, whole_modules)
 from .plan import Placement, local_regions
 from .targets import TargetSpec, model_slots
 
@@ -147,14 +147,14 @@ def _expanded_plan(model: nn.Module, plan: Any, experts: str) -> dict[str, str]:
     expands it, `plan=` overriding it where it matches (`plan={}`: nothing)."""
     if plan == {}:
         return {}
-    expanded = model._expand_parallel_plan(model_tp_plan(model, experts))
-    sparse = sparse_mlps(model)
-    if sparse:  # entries of a sparse MLP's layers (module or parameter names) are dropped
-        expanded = {k: v for k, v in expanded.items()
-                    if not ({k.rpartition(".")[0], k.rpartition(".")[0].rpartition(".")[0]} & sparse)}
+    own = model_tp_plan(model, experts)
+    expanded = model._expand_parallel_plan(own)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    whole = whole_modules(model, StylePlan(own, prefix))  # blocks that cannot run split: their entries dropped
+    expanded = {k: v for k, v in expanded.items() if not in_whole_module(k, whole)}
     if not isinstance(plan, dict):
         return _scales_follow_weights(model, expanded)
-    user = StylePlan(plan, getattr(model, "base_model_prefix", "") or "")
+    user = StylePlan(plan, prefix)
     for module_name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name

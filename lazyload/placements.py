@@ -9,7 +9,9 @@ Placements are found, per parameter, in this order:
    ranks, GPT-2's fused Conv1D): a plain local tensor with a recorded share.
 3. The parameter already has a local shape (the user's own parallel layers): the sharded dim
    is the one where the checkpoint is `k` times larger (`k == world`: plain shard; `k` a
-   divisor of world: KV-style groups); `plan=` may say "packed" for fused ones.
+   divisor of world: KV-style groups); `plan=` may say "packed" for fused ones. Other local
+   sizes, and every layer DeepSpeed's AutoTP made, are read by AutoTP's shard-size rule
+   (`autotp.py`: KV heads or 64-column grains, so a rank may hold more, or nothing).
 4. Only for a model that none of the above made parallel, and only when world > 1: the
    model's own transformers TP plan (or, without one, a structural rule by module name),
    with `plan=` entries (glob -> style in transformers' `base_model_tp_plan` format, or
@@ -18,7 +20,7 @@ Placements are found, per parameter, in this order:
    is a PlanError.
 
 Uneven splits: a plan of ours refuses them (PlanError before any byte is read); a DTensor's
-layout (torch.chunk: the last ranks hold less or nothing) is followed as it is.
+layout (torch.chunk: the last ranks hold less or nothing) and AutoTP's are followed as they are.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .autotp import autotp_placement, is_autotp_layer
 from .errors import PlanError
 from .targets import TargetSpec, is_dtensor
 from .plan import Placement, REPLICATE, check_rank, local_regions
@@ -40,6 +43,7 @@ from .plan import Placement, REPLICATE, check_rank, local_regions
 _COLWISE = {"colwise", "colwise_gather_output", "colwise_rep", "local_colwise", "gather"}
 _SPLIT_OUTPUT = {"colwise", "local_colwise"}  # colwise styles whose output stays split on the rank
 _ROWWISE = {"rowwise", "rowwise_split_input", "rowwise_rep", "local_rowwise"}
+_SPLIT_INPUT_ROWWISE = {"rowwise", "local_rowwise"}  # fed the rank's split activations
 _PACKED_COLWISE = {"packed_colwise", "local_packed_colwise"}
 _PACKED_ROWWISE = {"packed_rowwise", "local_packed_rowwise"}
 _EMBEDDING = {"embedding_rowwise": 0, "embedding_colwise": 1}
@@ -68,6 +72,10 @@ BERT_BLOCKS = {"self", "intermediate", "output", "w_in"}  # a parent one level b
 # from the config for inputs too short for block-sparse; TrOCR reshapes its output to its
 # input's width.
 WHOLE_ATTENTION = {"BigBirdSelfAttention", "BigBirdBlockSparseAttention", "TrOCRAttention"}
+# Modules whose forward reads a child embedding's rows off its weight, outside the embedding
+# (Gemma 4's pad embedding, `language_model.embed_tokens.weight[pad_token_id]`): a vocab-split
+# weight would be a shard there, so that embedding stays whole. Class name -> child.
+WEIGHT_READERS = {"Gemma4Model": "language_model.embed_tokens"}
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # an attention module's q head count
 
 
@@ -170,10 +178,39 @@ def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
     return plan
 
 
-def sparse_mlps(model: nn.Module) -> set[str]:
+def whole_modules(model: nn.Module, auto: StylePlan) -> set[str]:
+    """Modules whose forward cannot run on the split a transformers plan gives them, so its
+    entries on them and their layers are not applied (the structural rule's kept-whole blocks,
+    for a plan): sparse MLPs, blocks with an inner rowwise layer, embeddings read outside."""
+    if not auto.entries:
+        return set()
+    whole = _sparse_mlps(model)
+    widths: dict[str, set[int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and auto.lookup(name) in _SPLIT_INPUT_ROWWISE:
+            widths.setdefault(name.rpartition(".")[0], set()).add(module.out_features)
+    # Rowwise layers of different widths fed the rank's split activations in one block (Doge's
+    # dt_proj, one value per KV head for the dynamic mask, beside o_proj): only one is the
+    # block's output; the other's summed full width meets the rank's heads inside the forward.
+    # (A rowwise layer that splits a whole input itself, MuseSpark's pre_expert_proj, is not.)
+    whole |= {block for block, w in widths.items() if len(w) > 1}
+    for name, module in model.named_modules():
+        child = WEIGHT_READERS.get(type(module).__name__)
+        if child is not None:
+            whole.add(f"{name}.{child}" if name else child)
+    return whole
+
+
+def in_whole_module(name: str, whole: set[str]) -> bool:
+    """A module or parameter name that is, or sits in (module, or its layer), a whole module."""
+    parent = name.rpartition(".")[0]
+    return bool(whole) and bool({name, parent, parent.rpartition(".")[0]} & whole)
+
+
+def _sparse_mlps(model: nn.Module) -> set[str]:
     """MLPs whose forward keeps only their largest activations by statistics over the whole
     intermediate width (Gemma 3n's Gaussian top-k, `activation_sparsity` > 0): a rank holding
-    part of that width would keep others, so plan entries of their layers are not applied."""
+    part of that width would keep others."""
     def sparse(m: nn.Module) -> bool:
         value = getattr(m, "activation_sparsity", 0)
         return isinstance(value, (int, float)) and value > 0
@@ -503,7 +540,7 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
     # Expert parallel: tensors that do not split over every rank (40 heads at world 64) are
     # split over a divisor group of ranks instead of refused; attention over one group size.
     attn = attention_group(heads, world) if experts == "ep" and heads.heads else world
-    sparse = sparse_mlps(model) if auto.entries else set()
+    whole = whole_modules(model, auto)
     out = {}
     structural: dict[str, tuple[Placement, str]] = {}  # name -> (placement, style), checked in pairs at the end
     for name, spec in specs.items():
@@ -513,7 +550,7 @@ def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) 
         style = user.style_of_param(name)
         by_rule = style is None and not auto.entries
         if style is None and auto.entries:
-            style = None if module_name.rpartition(".")[0] in sparse else auto.style_of_param(name)
+            style = None if in_whole_module(name, whole) else auto.style_of_param(name)
         elif style is None:
             kind, parts = structural_style(module, module_name, attr)
             if kind == "packed":
@@ -588,26 +625,37 @@ def _tensor_of(model: nn.Module, name: str) -> torch.Tensor:
 
 
 def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank, world) -> Placement | None:
-    """Case 3: a model tensor that is this rank's share of the checkpoint tensor."""
+    """Case 3: a model tensor that is this rank's share of the checkpoint tensor: the even
+    split (or KV-style groups, or the `plan=` style), else DeepSpeed AutoTP's uneven one; a
+    layer AutoTP made is read by AutoTP's rule alone."""
     if world == 1 or len(ckpt_shape) != len(model_shape):
         return None
     dims = [d for d, (c, m) in enumerate(zip(ckpt_shape, model_shape)) if c != m]
-    if len(dims) != 1 or not model_shape[dims[0]] or ckpt_shape[dims[0]] % model_shape[dims[0]]:
+    if len(dims) != 1:
         return None
-    dim = dims[0]
-    k = ckpt_shape[dim] // model_shape[dim]
+    module, module_name, _ = owner_of(model, name)
     style = StylePlan(explicit).style_of_param(name) if explicit else None
+    if style is None and is_autotp_layer(module):
+        return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
     if style is not None:
-        module, _, _ = owner_of(model, name)
         candidate = style_placement(style, name, len(ckpt_shape), is_conv1d(module))
-    elif k == world:
-        candidate = Placement("shard", dim)
-    elif world % k == 0:
-        candidate = Placement("shard", dim, groups=k)
     else:
-        return None
+        candidate = _even_share(ckpt_shape[dims[0]], model_shape[dims[0]], dims[0], world)
+    if candidate is None:
+        return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
     try:
         local_shape, _ = local_regions(name, ckpt_shape, candidate, rank, world)
     except PlanError:
         return None
     return candidate if local_shape == model_shape else None
+
+
+def _even_share(full: int, local: int, dim: int, world: int) -> Placement | None:
+    """A plain shard where the checkpoint's dim is `world` times the model's, KV-style groups
+    where it is a divisor of world times."""
+    if not local or full % local:
+        return None
+    k = full // local
+    if k == world:
+        return Placement("shard", dim)
+    return Placement("shard", dim, groups=k) if world % k == 0 else None

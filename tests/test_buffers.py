@@ -158,6 +158,26 @@ def test_buffers_get_from_pretrained_dtype_after_cast(checkpoint):
     assert torch.equal(outputs(model, config), outputs(ref, config))
 
 
+def test_buffers_get_from_pretrained_dtype_after_cast_with_checkpoint_config(checkpoint):
+    """The same cast with the config read back from the bfloat16 checkpoint, so config.dtype says
+    bfloat16 although the model was built in float32 and cast: the buffers' dtypes are decided
+    from a fresh build, not from the config, and the logits are from_pretrained's."""
+    import transformers as tf
+
+    directory, _ = checkpoint("llama4_text", "bf16")
+    config = tf.AutoConfig.from_pretrained(directory, attn_implementation="eager")
+    assert config.dtype == torch.bfloat16
+    with torch.device("meta"):
+        model = tf.Llama4ForCausalLM(config).to(torch.bfloat16).eval()
+
+    load(directory, model)
+
+    ref = reference_model("llama4_text", directory, torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == model.model.rotary_emb.original_inv_freq.dtype == torch.float32
+    assert_same_weights(model, ref)
+    assert torch.equal(outputs(model, config), outputs(ref, config))
+
+
 def test_buffers_get_from_pretrained_dtype_with_dtype_auto(checkpoint):
     """Built in float32, loaded with dtype="auto" from a bfloat16 checkpoint: from_pretrained
     (dtype=bfloat16) has Gemma 3's embed_scale in bfloat16 (made under the default dtype) but

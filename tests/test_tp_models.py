@@ -37,6 +37,8 @@ FAMILIES = {
     "DbrxForCausalLM": (True, "a plan that splits only lm_head: the fused-Wqkv attention keeps its own bookkeeping"),
     "BambaForCausalLM": (True, "hybrid: Mamba-2 layers and an attention layer"),
     "Gemma3nForCausalLM": (True, "MLPs with Gaussian top-k sparsity (statistics over the whole width) kept whole"),
+    "DogeForCausalLM": (True, "plan splits dt_proj rowwise (the dynamic mask, one value per KV head): attention whole"),
+    "Gemma4ForConditionalGeneration": (True, "forward reads embed_tokens.weight[pad_token_id]: that embedding whole"),
 }
 
 
