@@ -17,6 +17,10 @@ def autotp_load_matches_world1(rank: int, world: int, directory: str, init_file:
     the model."""
     os.environ.update(DS_ACCELERATOR="cpu", LAZYLOAD_PROGRESS="0", LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), RANK=str(rank), WORLD_SIZE=str(world))
+    # DeepSpeed's CPU all-reduce names its shared-memory buffers by MASTER_ADDR and MASTER_PORT
+    # alone: unset (a file:// rendezvous), two jobs on one host (two test runs at once) share
+    # them and sum each other's partial products. The spawning process's pid names this job.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(os.getppid()))
     torch.set_num_threads(1)
     import deepspeed
     import transformers
