@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .autotp import autotp_placement, is_autotp_layer
+from .tp.autotp import autotp_placement, is_autotp_layer
 from .errors import PlanError
 from .targets import TargetSpec, is_dtensor
 from .plan import Placement, REPLICATE, check_rank, local_regions
