@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 from .errors import PlanError
-from .placements import (HEAD_COUNTS, KV_NAMES, PACKED_NAMES, Q_NAMES, STYLES, Heads, Resolved, StylePlan, attention_checks,
-                         check_plan, in_whole_module, is_conv1d, model_heads, model_tp_plan, owner_of, static_placements,
-                         style_placement, whole_modules)
+from .names import KV_NAMES, PACKED_NAMES, Q_NAMES
+from .tp.heads import HEAD_COUNTS, Heads, attention_checks, model_heads
+from .tp.placements import Resolved, owner_of, plain_specs, static_placements
+from .tp.structural import is_conv1d
+from .tp.styles import STYLES, StylePlan, check_plan, in_whole_module, model_tp_plan, style_placement, whole_modules
 from .plan import Placement, local_regions
-from .targets import TargetSpec, model_slots
+from .targets import model_slots
 
 
 def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str = "tp") -> nn.Module:
@@ -82,7 +84,7 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
             module, _, attr = owner_of(model, alias)
             module._parameters[attr] = model.get_parameter(source)
     else:
-        static = {} if plan == {} else static_placements(model, _plain_specs(model), plan or experts, world)
+        static = {} if plan == {} else static_placements(model, plain_specs(model), plan or experts, world)
         for name, placement in static.items():
             module, _, attr = owner_of(model, name)
             if not (isinstance(module, nn.Linear) or is_conv1d(module)):
@@ -226,9 +228,6 @@ def _install_dense_experts(module: nn.Module, mesh: Any, rank: int, world: int) 
 
     module.forward = ep_forward
 
-
-def _plain_specs(model: nn.Module) -> dict:
-    return {n: TargetSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
 
 
 def _kv_entry(name: str) -> str:

@@ -28,7 +28,7 @@ from ..formats.logical import Layout, Part
 from ..formats.sharded import FORMAT, LAYOUT_JSON, VERSION
 from ..index import _DTYPES, CheckpointIndex, TensorEntry
 from ..mapping import Mapping, check_mapping, map_model, natural_key
-from ..placements import resolve_placements
+from ..tp.placements import resolve_placements
 from ..plan import ReadItem, check_rank, plan_for_rank
 from ..readers import PreadReader
 from ..schedule import default_budget, layer_of, schedule
