@@ -6,3 +6,6 @@ One module per job, in dependency order (each imports only those above it):
 without a plan), `placements` (each target's Placement for a rank, validated before any
 byte is read) and `runnable` (`parallelize`: DTensor styles, head bookkeeping, hooks).
 The projection name tables the formats share live below both, in `lazyload.names`."""
+from .runnable import parallelize
+
+__all__ = ["parallelize"]

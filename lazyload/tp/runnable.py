@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PlanError
-from .names import KV_NAMES, PACKED_NAMES, Q_NAMES
-from .tp.heads import HEAD_COUNTS, Heads, attention_checks, model_heads
-from .tp.placements import Resolved, owner_of, plain_specs, static_placements
-from .tp.structural import is_conv1d
-from .tp.styles import STYLES, StylePlan, check_plan, in_whole_module, model_tp_plan, style_placement, whole_modules
-from .plan import Placement, local_regions
-from .targets import model_slots
+from ..errors import PlanError
+from ..names import KV_NAMES, PACKED_NAMES, Q_NAMES
+from ..plan import Placement, local_regions
+from ..targets import model_slots
+from .heads import HEAD_COUNTS, Heads, attention_checks, model_heads
+from .placements import Resolved, owner_of, plain_specs, static_placements
+from .structural import is_conv1d
+from .styles import STYLES, StylePlan, check_plan, in_whole_module, model_tp_plan, style_placement, whole_modules
 
 
 def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str = "tp") -> nn.Module:
