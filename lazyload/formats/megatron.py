@@ -27,7 +27,8 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..expr import Chunk, Expr, Source
-from ..index import CheckpointIndex, TensorEntry
+from ..headers import TensorEntry
+from ..index import CheckpointIndex
 from . import torch_files
 from .logical import Layout, Part, check_part_shapes
 
