@@ -69,7 +69,7 @@ def rank_plan(directory, model, world, rank, plan=None):
     """(targets, items) of one rank, as load_into plans them, and the seconds it took."""
     from lazyload.index import CheckpointIndex, resolve_files
     from lazyload.mapping import map_model
-    from lazyload.placements import resolve_placements
+    from lazyload.tp.placements import resolve_placements
     from lazyload.plan import plan_for_rank
     from lazyload.targets import model_slots, model_specs
 

@@ -533,7 +533,7 @@ def child_dtensor(run):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lazyload.parallel import parallelize
+    from lazyload.tp import parallelize
 
     directory, config = run.tiny("llama", "bf16")
     dist.init_process_group("nccl" if run.cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",

@@ -4,7 +4,7 @@ from .auto import load_model
 from .checkpoint import LazyCheckpoint
 from .errors import (ArgumentError, CheckpointError, DeviceError, DtypeError, LazyLoadError, MappingError, MetaBufferError,
                      MissingKeysError, OutputError, PlanError, RankFailedError, ReadError, ShapeMismatchError, UnexpectedKeysError)
-from .index import TensorEntry
+from .headers import TensorEntry
 from .plan import Placement
 from .quant.onload import Quantization
 from .report import LoadReport

@@ -15,7 +15,7 @@ from torch import nn
 
 from .errors import MetaBufferError
 from .report import group_layers
-from .targets import Slot, current_tensor, local_tensor, model_slots
+from .targets import Slot, current_tensor, local_tensor, model_slots, tensors_swapped
 
 logger = logging.getLogger("lazyload")
 
@@ -24,7 +24,7 @@ def meta_buffers_to_recompute(model: nn.Module, loaded: MappingT[str, torch.dtyp
                               also: set[str] = frozenset()) -> dict[str, tuple[Slot, torch.Tensor]]:
     """The buffers on meta that the checkpoint does not fill (`loaded`: name -> dtype of what
     it fills), computed now on `device`, before a byte is read, as `from_pretrained` computes
-    them: by the model's own `_init_weights` (`_run_init`, which never reads a loaded value, so
+    them: by the model's own `_init_weights` (`_init_buffers`, which never reads a loaded value, so
     before or after the load is the same), in the dtype from_pretrained gives them. The model is
     left as it was; `fill_meta_buffers` puts them in. A buffer the init does not write, or an
     init that fails, is refused here. `also`: real buffers to recompute the same way (left
@@ -39,7 +39,7 @@ def meta_buffers_to_recompute(model: nn.Module, loaded: MappingT[str, torch.dtyp
     values = {n: torch.empty(t.shape, dtype=dtypes[n], device=device) for n, t in metas.items()}
     hint = "Build the model with these buffers real (outside the meta device), or register them after the load."
     try:
-        unwritten = _run_init(model, targets, values)
+        unwritten = _init_buffers(model, targets, values)
     except Exception as exc:  # the model's own code
         raise MetaBufferError(f"computing the buffers {_names(targets)} with the model's _init_weights failed "
                               f"({type(exc).__name__}: {exc}). {hint}") from exc
@@ -68,7 +68,7 @@ def _put_buffer(slot: Slot, tensor: torch.Tensor) -> None:
         module._buffers[attr] = tensor
 
 
-def _run_init(model: nn.Module, targets: dict[str, Slot], values: dict[str, torch.Tensor]) -> list[str]:
+def _init_buffers(model: nn.Module, targets: dict[str, Slot], values: dict[str, torch.Tensor]) -> list[str]:
     """Put `values` in place of the target buffers and run on them what `from_pretrained` runs
     (`initialize_weights`): the `_init_weights` of the nearest (sub)model that has one, on each
     owning module and its ancestors, children first (an ancestor's init may compute a child's buffer, e.g.
@@ -91,29 +91,24 @@ def _run_init(model: nn.Module, targets: dict[str, Slot], values: dict[str, torc
         return missing
 
     target_ids = {id(current_tensor(s)) for s in targets.values()}
-    swapped = []
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for attr, tensor in table.items():
-                if tensor is None or id(tensor) in target_ids:
-                    continue
-                stand_in = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-                if isinstance(tensor, nn.Parameter):
-                    stand_in = nn.Parameter(stand_in, requires_grad=tensor.requires_grad)
-                stand_in._is_hf_initialized = True
-                swapped.append((table, attr, tensor))
-                table[attr] = stand_in
-    for name, value in values.items():
-        _put_buffer(targets[name], value)
-    versions = {name: value._version for name, value in values.items()}
-    try:
+
+    def stand_in(is_parameter: bool, attr: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        if id(tensor) in target_ids:
+            return None
+        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        if isinstance(tensor, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+        meta._is_hf_initialized = True
+        return meta
+
+    with tensors_swapped(model.modules(), stand_in):
+        for name, value in values.items():
+            _put_buffer(targets[name], value)
+        versions = {name: value._version for name, value in values.items()}
         with torch.no_grad():
             for name, module in reversed(list(model.named_modules())):
                 if name in wanted and inits[name] is not None:
                     inits[name](module)
-    finally:
-        for table, attr, tensor in swapped:
-            table[attr] = tensor
     return [n for n, v in values.items() if v._version == versions[n]]
 
 

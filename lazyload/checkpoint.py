@@ -26,8 +26,8 @@ from .formats import CheckpointSource, open_index, resolve
 from .index import CheckpointIndex, TensorEntry
 from .mapping import KeyMap, check_casts, check_mapping, held_by, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
-from .parallel import auto_parallelize, check_process_group
-from .placements import resolve_placements
+from .tp.runnable import auto_parallelize, check_process_group
+from .tp.placements import resolve_placements
 from .placer import allocate, allocate_quantized, assign, mapped_views, whole_scratch, with_whole
 from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, quantization_config_of, read_quantization_config

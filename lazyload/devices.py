@@ -92,6 +92,14 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def use_device_in_thread(device: torch.device) -> None:
+    """A worker thread's `use_device`, unconditional: CUDA's current device is per thread
+    (device 0 in a new one, whatever the process chose); work there on another device would
+    create a context on GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _visible(count: int) -> str:
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     return f"{count} CUDA device{'s' if count != 1 else ''} visible" + (

@@ -38,6 +38,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from .devices import use_device_in_thread as use_device  # the read pool's initializer
 from .errors import ReadError
 from .expr import apply_ops
 from .placer import WholeDest, assign, box_of, copy_into
@@ -282,13 +283,6 @@ class ItemFailed(Exception):
     def __init__(self, item: ReadItem, cause: BaseException):
         super().__init__(item, cause)
         self.item, self.cause = item, cause
-
-
-def use_device(device: torch.device) -> None:
-    """Worker thread initializer: CUDA's current device is per thread (device 0 in a new
-    one); work there on another device would create a context on GPU 0."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
 
 
 def worker_pool(workers: int, device: torch.device) -> ThreadPoolExecutor:

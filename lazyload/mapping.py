@@ -245,22 +245,46 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     (`other_stages`): such keys go to `other_stages`, unread, instead of being unexpected."""
     computed = set(buffers) - set(targets) - set(aliases)
     resolver = _Resolver(set(targets) | computed, aliases, base_prefix, key_map, renames, converts)
-    ignored_buffer_keys = []
     leaf = lambda key: quant.leaves.get(key) or index.expr(key)  # noqa: E731
-    exprs: dict[str, Expr] = {}
-    from_alias: dict[str, Expr] = {}
-    groups: dict[str, tuple[Any, dict[int, list[str]]]] = {}
-    unexpected = []
-    for key in index.natural_names(quant.siblings):  # a tensor split over files is one name
+    matched = _match_keys(index, resolver, computed, aliases, quant, leaf)
+    exprs = _with_converted(matched, aliases, leaf, index.shape_of)
+    unexpected, legacy_keys, other_stages = _unexpected_keys(matched.unexpected, ignore_unexpected, quant, buffers,
+                                                             other_stage)
+    ignored_missing = _matcher(ignore_missing)
+    unfilled = [n for n in targets if n not in exprs]
+    missing = [n for n in unfilled if not ignored_missing(n)]
+    mismatched = _drop_unfit(exprs, targets, index, unexpected)
+    return Mapping(exprs, missing, unexpected, mismatched,
+                   ignored_buffer_keys=sorted(matched.ignored_buffer_keys + legacy_keys, key=natural_key),
+                   other_stages=other_stages, expected_missing=[n for n in unfilled if n not in set(missing)])
+
+
+@dataclass
+class _Matched:
+    """What each checkpoint name resolved to: expressions by target, those for tied names
+    (by the target they share), per-source key groups of conversions, and the rest."""
+    exprs: dict[str, Expr] = field(default_factory=dict)
+    from_alias: dict[str, Expr] = field(default_factory=dict)
+    groups: dict[str, tuple[Any, dict[int, list[str]]]] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    ignored_buffer_keys: list[str] = field(default_factory=list)
+
+
+def _match_keys(index: CheckpointIndex, resolver: _Resolver, computed: set[str], aliases: MappingT[str, str],
+                quant: Quantization, leaf: Callable[[str], Expr]) -> _Matched:
+    """Each checkpoint name (a tensor split over files is one name) to the target it fills."""
+    matched = _Matched()
+    exprs, from_alias = matched.exprs, matched.from_alias
+    for key in index.natural_names(quant.siblings):
         hit = resolver.resolve(key)
         if hit is None:
-            unexpected.append(key)
+            matched.unexpected.append(key)
             continue
         name, convert, source_index = hit
         if name in computed:
-            ignored_buffer_keys.append(key)
+            matched.ignored_buffer_keys.append(key)
         elif convert is not None:
-            groups.setdefault(name, (convert, defaultdict(list)))[1][source_index].append(key)
+            matched.groups.setdefault(name, (convert, defaultdict(list)))[1][source_index].append(key)
         elif name in aliases:
             from_alias.setdefault(aliases[name], leaf(key))
         elif name in exprs:
@@ -268,8 +292,15 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
                                f"{exprs[name]} and by {key!r}; drop one (key_map can rename it).")
         else:
             exprs[name] = leaf(key)
-    shape_of = index.shape_of
-    for first_name, (convert, by_source) in groups.items():
+    return matched
+
+
+def _with_converted(matched: _Matched, aliases: MappingT[str, str], leaf: Callable[[str], Expr],
+                    shape_of: ShapeOf) -> dict[str, Expr]:
+    """The matched expressions, with the conversions' built and a tied name's filling the
+    target it shares where that target has none of its own."""
+    exprs, from_alias = matched.exprs, matched.from_alias
+    for first_name, (convert, by_source) in matched.groups.items():
         for name, expr in _build_converted(convert, by_source, first_name, leaf, shape_of).items():
             if name in aliases:
                 from_alias.setdefault(aliases[name], expr)
@@ -277,16 +308,27 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
                 exprs[name] = expr
     for name, expr in from_alias.items():
         exprs.setdefault(name, expr)
+    return exprs
 
+
+def _unexpected_keys(unmatched: list[str], ignore_unexpected: Sequence[str], quant: Quantization,
+                     buffers: Collection[str], other_stage: Callable[[str], bool] | None
+                     ) -> tuple[list[str], list[str], list[str]]:
+    """(unexpected, legacy buffer keys, other stages' keys) of the keys that matched no
+    target, less those `ignore_unexpected` or the quantization format ignores."""
     ignored = _matcher((*ignore_unexpected, *quant.ignored))
-    unexpected = [k for k in unexpected if not ignored(k)]
+    unexpected = [k for k in unmatched if not ignored(k)]
     legacy = _matcher([p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)])
     legacy_keys, unexpected = _split(unexpected, legacy)
-    ignored_buffer_keys += legacy_keys
     other_stages, unexpected = _split(unexpected, other_stage)
-    ignored_missing = _matcher(ignore_missing)
-    unfilled = [n for n in targets if n not in exprs]
-    missing = [n for n in unfilled if not ignored_missing(n)]
+    return unexpected, legacy_keys, other_stages
+
+
+def _drop_unfit(exprs: dict[str, Expr], targets: MappingT[str, TargetSpec], index: CheckpointIndex,
+                unexpected: list[str]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """Takes out of `exprs` those that fill no target (their keys join `unexpected`) and
+    those of another shape than their target; returns the latter as (name, checkpoint
+    shape, model shape)."""
     mismatched = []
     for name, expr in list(exprs.items()):
         if name not in targets:
@@ -294,15 +336,13 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
             del exprs[name]
             continue
         try:
-            shape = expr.shape(shape_of)
+            shape = expr.shape(index.shape_of)
         except ValueError as exc:
             raise MappingError(f"model tensor {name!r} cannot be built from {expr}: {exc}.") from exc
         if shape != targets[name].shape:
             mismatched.append((name, shape, targets[name].shape))
             del exprs[name]
-    return Mapping(exprs, missing, unexpected, mismatched,
-                   ignored_buffer_keys=sorted(ignored_buffer_keys, key=natural_key), other_stages=other_stages,
-                   expected_missing=[n for n in unfilled if n not in set(missing)])
+    return mismatched
 
 
 def _prefixes(names: Sequence[str], others: set[str]) -> dict[str, int]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .errors import ArgumentError, MissingKeysError
-from .targets import Slot, current_tensor, local_tensor
+from .targets import Slot, current_tensor, local_tensor, tensors_swapped
 
 CHOICES = ("init", "keep", "error")
 
@@ -63,30 +63,32 @@ def initial_values(model: nn.Module, names: list[str], slots: dict[str, Slot],
                 f"{', '.join(own)}: not in the checkpoint, and {type(model.get_submodule(module_name)).__name__} "
                 "has no initialisation lazyload can run (no _init_weights, no reset_parameters). Load them from "
                 "another file, or pass missing='keep' to leave them as they are.", own)
-        values.update(_run_init(model.get_submodule(module_name), init, own, slots, local_shapes, dtypes, device))
+        values.update(_init_module_tensors(model.get_submodule(module_name), init, own, slots, local_shapes, dtypes,
+                                           device))
     return values
 
 
-def _run_init(module: nn.Module, init: Callable[[nn.Module], None], names: list[str], slots: dict[str, Slot],
-              local_shapes: dict, dtypes: dict, device: torch.device) -> dict[str, torch.Tensor]:
+def _init_module_tensors(module: nn.Module, init: Callable[[nn.Module], None], names: list[str],
+                         slots: dict[str, Slot], local_shapes: dict, dtypes: dict,
+                         device: torch.device) -> dict[str, torch.Tensor]:
+    """`init` run on `module` with fresh tensors for `names` (NaN-filled, so what it leaves
+    unset shows) and meta stand-ins for its other tensors; the fresh tensors' values."""
     attrs = {name.rpartition(".")[2]: name for name in names}
-    params, buffers = dict(module._parameters), dict(module._buffers)
-    try:
-        for table in (module._parameters, module._buffers):
-            for attr, tensor in table.items():
-                if tensor is None:
-                    continue
-                if attr in attrs:
-                    name = attrs[attr]
-                    fresh = torch.empty(local_shapes[name], dtype=dtypes[name], device=device)
-                    if fresh.is_floating_point():
-                        fresh.fill_(float("nan"))  # what init leaves unset shows
-                    else:
-                        fresh.zero_()
-                else:
-                    fresh = torch.empty_like(local_tensor(tensor), device="meta")
-                table[attr] = nn.Parameter(fresh, requires_grad=slots[attrs[attr]].requires_grad if attr in attrs
-                                           else tensor.requires_grad) if table is module._parameters else fresh
+
+    def stand_in(is_parameter: bool, attr: str, tensor: torch.Tensor) -> torch.Tensor:
+        if attr in attrs:
+            name = attrs[attr]
+            fresh = torch.empty(local_shapes[name], dtype=dtypes[name], device=device)
+            if fresh.is_floating_point():
+                fresh.fill_(float("nan"))  # what init leaves unset shows
+            else:
+                fresh.zero_()
+        else:
+            fresh = torch.empty_like(local_tensor(tensor), device="meta")
+        return nn.Parameter(fresh, requires_grad=slots[attrs[attr]].requires_grad if attr in attrs
+                            else tensor.requires_grad) if is_parameter else fresh
+
+    with tensors_swapped([module], stand_in):
         try:
             with torch.no_grad():
                 init(module)
@@ -103,8 +105,3 @@ def _run_init(module: nn.Module, init: Callable[[nn.Module], None], names: list[
                                        "pass missing='keep'.", [name])
             out[name] = value
         return out
-    finally:
-        module._parameters.clear()
-        module._parameters.update(params)
-        module._buffers.clear()
-        module._buffers.update(buffers)

@@ -17,7 +17,8 @@ import torch
 from .errors import PlanError
 from .expr import Box, Expr, ScaleRef, Whole, box_numel, full_box
 from .gcpause import no_cycle_collection
-from .index import CheckpointIndex, TensorEntry
+from .headers import TensorEntry
+from .index import CheckpointIndex
 
 
 KINDS = ("replicate", "shard", "packed", "box")

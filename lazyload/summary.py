@@ -15,7 +15,8 @@ from .formats import open_index, resolve
 from .hub import local_path
 from .index import CheckpointIndex
 from .mapping import map_model, prefix_hint
-from .placements import model_heads, resolve_placements
+from .tp.heads import model_heads
+from .tp.placements import resolve_placements
 from .plan import REPLICATE, check_rank, plan_for_rank
 from .remote import RemoteCheckpoint, is_remote
 from .report import group_layers, size

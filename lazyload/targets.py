@@ -3,8 +3,10 @@ holds it, so ties survive), and the `TargetSpec`s the checkpoint must fill. Noth
 reads the checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -81,3 +83,25 @@ def is_dtensor(tensor: object) -> bool:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank fills); any other tensor as it is."""
     return tensor._local_tensor if is_dtensor(tensor) else tensor
+
+
+@contextlib.contextmanager
+def tensors_swapped(modules: Iterable[nn.Module],
+                    stand_in: Callable[[bool, str, torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+    """Each parameter or buffer of `modules` for which `stand_in(is_parameter, attr, tensor)`
+    gives a tensor is swapped for it meanwhile, and put back afterwards, whatever happened:
+    how the model's own init runs on chosen tensors while every other one is a meta stand-in
+    (an init computes nothing on meta, so no other tensor changes, and none is copied)."""
+    swapped = []
+    try:
+        for module in modules:
+            for table in (module._parameters, module._buffers):
+                for attr, tensor in list(table.items()):
+                    new = None if tensor is None else stand_in(table is module._parameters, attr, tensor)
+                    if new is not None:
+                        swapped.append((table, attr, tensor))
+                        table[attr] = new
+        yield
+    finally:
+        for table, attr, tensor in swapped:
+            table[attr] = tensor

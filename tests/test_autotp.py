@@ -81,7 +81,7 @@ def test_autotp_rule_is_deepspeeds(world):
     with a remainder, and under one grain; and the table above is DeepSpeed's cut."""
     from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
 
-    from lazyload.autotp import shard_sizes
+    from lazyload.tp.autotp import shard_sizes
 
     for kv_heads in (None, 2, 8):
         for grain in (1, 64):

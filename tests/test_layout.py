@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Iterator
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lazyload"
 
@@ -13,10 +14,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
-    """lazyload modules that `path` imports, anywhere in it."""
+def _import_nodes(path: Path, name: str) -> Iterator[tuple[list[str], list[str]]]:
+    """(candidate module names, imported names) of each import anywhere in `path`, relative
+    ones resolved; a `from m import x` may import a module `m.x` or a name x of m."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -25,13 +26,15 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            candidates = [target] + [f"{target}.{alias.name}" for alias in node.names]
+            names = [alias.name for alias in node.names]
+            yield [target] + [f"{target}.{n}" for n in names], names
         elif isinstance(node, ast.Import):
-            candidates = [alias.name for alias in node.names]
-        else:
-            continue
-        found |= {c for c in candidates if c in modules and c != name}
-    return found
+            yield [alias.name for alias in node.names], []
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """lazyload modules that `path` imports, anywhere in it."""
+    return {c for candidates, _ in _import_nodes(path, name) for c in candidates if c in modules and c != name}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -84,3 +87,31 @@ def test_nothing_below_the_entry_point_imports_it():
 def test_every_module_has_a_docstring():
     for path in PACKAGE.rglob("*.py"):
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path.name} says nothing about its job"
+
+
+def private_imports() -> list[str]:
+    """`module <- other: _name` for each private (underscore, not dunder) name a lazyload
+    module imports from another one: a name another module needs is an interface, public."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found = []
+    for name, path in sorted(paths.items()):
+        for candidates, names in _import_nodes(path, name):
+            source = candidates[0]
+            if source in paths and source != name:
+                found += [f"{name} <- {source}: {n}" for n in names
+                          if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))
+                          and f"{source}.{n}" not in paths]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports() == []
+
+
+def test_formats_import_nothing_from_tensor_parallel():
+    """Formats are a source for the Index; tensor parallel is the Plan stage's. The name
+    tables both read live below both (`lazyload.names`)."""
+    graph = import_graph()
+    found = {n: sorted(d for d in deps if d == "lazyload.tp" or d.startswith("lazyload.tp."))
+             for n, deps in graph.items() if n == "lazyload.formats" or n.startswith("lazyload.formats.")}
+    assert {n: d for n, d in found.items() if d} == {}

@@ -113,7 +113,7 @@ def _case_pp2_tp2(directory, rank, world):
     from transformers import AutoConfig
 
     from lazyload import LazyCheckpoint
-    from lazyload.parallel import parallelize
+    from lazyload.tp import parallelize
 
     config = AutoConfig.from_pretrained(directory)
     ref = _whole(directory, config)

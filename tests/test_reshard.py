@@ -14,7 +14,7 @@ import torch
 from checkpoints import build_model
 from lazyload import CheckpointError, LazyCheckpoint, save_sharded
 from lazyload.mapping import map_model
-from lazyload.placements import resolve_placements
+from lazyload.tp.placements import resolve_placements
 from lazyload.plan import plan_for_rank
 from lazyload.targets import model_slots, model_specs
 

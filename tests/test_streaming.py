@@ -458,7 +458,7 @@ def test_pages_are_released_when_the_touched_page_cache_exceeds_what_the_host_sp
     ckpt = LazyCheckpoint(directory)
     from lazyload.targets import model_slots, model_specs
     from lazyload.mapping import map_model
-    from lazyload.placements import resolve_placements
+    from lazyload.tp.placements import resolve_placements
     from lazyload.plan import plan_for_rank
 
     slots, aliases = model_slots(model)

@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from lazyload.placements import static_placements
+from lazyload.tp.placements import static_placements
 from lazyload.targets import TargetSpec
 
 from test_sweep import sweep

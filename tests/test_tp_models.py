@@ -79,13 +79,12 @@ def _rule(class_name):
     """The structural rule's placements at world 2 for the class's small model, on meta."""
     import transformers
 
-    from lazyload.parallel import _plain_specs
-    from lazyload.placements import static_placements
+    from lazyload.tp.placements import plain_specs, static_placements
 
     cls = getattr(transformers, class_name)
     with torch.device("meta"):
         model = cls(sweep.shrink(cls.config_class()))
-    return {n.partition(".0.")[2]: p for n, p in static_placements(model, _plain_specs(model), "tp", 2).items()
+    return {n.partition(".0.")[2]: p for n, p in static_placements(model, plain_specs(model), "tp", 2).items()
             if ".0." in n}
 
 
@@ -121,7 +120,7 @@ def test_a_fused_gate_up_under_colwise_holds_both_halves():
     """transformers splits a converted tensor's sources before converting them, so Inkling's
     interleaved w13 under "colwise" gives each rank its gates and its ups; lazyload's
     placement says so directly. A gathered output keeps the contiguous split."""
-    from lazyload.placements import style_placement
+    from lazyload.tp.styles import style_placement
 
     assert style_placement("colwise", "layers.0.mlp.experts.gate_up_proj", 3) == Placement("packed", 1, parts=2)
     assert style_placement("colwise", "layers.0.mlp.gate_up_proj.weight", 2) == Placement("packed", 0, parts=2)
@@ -134,7 +133,7 @@ def test_an_embedding_that_normalizes_its_rows_stays_whole():
     runs an RMSNorm on the looked-up rows before the ranks' partial rows are summed."""
     import transformers
 
-    from lazyload.placements import model_tp_plan
+    from lazyload.tp.styles import model_tp_plan
 
     plans = {}
     for name in ("InklingForCausalLM", "LlamaForCausalLM"):

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import CheckpointError
-from ..index import INDEX_JSON, CheckpointIndex, _files_from_index_json, read_json, resolve_files
+from ..headers import files_from_index_json, read_json
+from ..index import INDEX_JSON, CheckpointIndex, resolve_files
 from . import deepspeed, megatron, sharded, torch_files
 
 BIN_INDEX_JSON = "pytorch_model.bin.index.json"
@@ -57,7 +58,7 @@ def _torch_directory(path: str) -> CheckpointSource | None:
     if INDEX_JSON in names or any(n.endswith(".safetensors") for n in names):
         return None
     if BIN_INDEX_JSON in names:
-        return CheckpointSource("torch", _files_from_index_json(os.path.join(path, BIN_INDEX_JSON)))
+        return CheckpointSource("torch", files_from_index_json(os.path.join(path, BIN_INDEX_JSON)))
     files = sorted(os.path.join(path, n) for n in names if n.endswith((".bin", ".pt", ".pth")))
     return CheckpointSource("torch", files) if files else None
 

@@ -26,8 +26,9 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..expr import Chunk, Source
-from ..index import CheckpointIndex, TensorEntry, read_json
-from ..placements import COLWISE_NAMES, PACKED_NAMES, ROWWISE_NAMES
+from ..headers import TensorEntry, read_json
+from ..index import CheckpointIndex
+from ..names import COLWISE_NAMES, PACKED_NAMES, ROWWISE_NAMES
 from . import megatron, torch_files
 from .logical import Layout, Part
 

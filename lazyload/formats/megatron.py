@@ -27,7 +27,8 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..expr import Chunk, Expr, Source
-from ..index import CheckpointIndex, TensorEntry
+from ..headers import TensorEntry
+from ..index import CheckpointIndex
 from . import torch_files
 from .logical import Layout, Part, check_part_shapes
 
@@ -161,23 +162,7 @@ def _qkv_parts(version: float, heads: Heads, tp: int, pieces: list[tuple[Expr, T
 def open_index(files: list[str], trust_pickle: bool = False, version: float | None = None) -> CheckpointIndex:
     """The logical tensors of a Megatron checkpoint whose rank files are `files` (rank order).
     `version`: the QKV layout version, when the files do not say (DeepSpeed's json)."""
-    allowed = [argparse.Namespace] + torch_files.numpy_arrays()
-    entries: dict[str, TensorEntry] = {}
-    by_name: dict[str, list[tuple[Expr, TensorEntry]]] = defaultdict(list)  # name -> its piece per rank
-    header_bytes, args, saved_version = 0, None, 0
-    for rank, path in enumerate(files):
-        tree = torch_files.load_tree(path, trust_pickle, allowed)
-        if not isinstance(tree, dict) or not isinstance(tree.get("model"), dict):
-            raise CheckpointError(f"{path}: no 'model' state in it; this is not a Megatron checkpoint file.")
-        if rank == 0:
-            args, saved_version = tree.get("args"), tree.get("checkpoint_version", 0)
-        size = os.path.getsize(path)
-        header_bytes += size - torch_files.storage_bytes(tree)
-        model = tree["model"].get("language_model", tree["model"])
-        stored, parts = torch_files.locate(path, torch_files.tensors_of(model), size, f"mp_rank_{rank:02d}/")
-        entries.update(stored)
-        for key, part in parts.items():  # a piece saved transposed is the Transpose of its stored layout
-            by_name[key.partition("/")[2]].append((part.expr, entries[part.expr.keys()[0]]))
+    entries, by_name, header_bytes, args, saved_version = _rank_pieces(files, trust_pickle)
     version = float(version if version is not None else saved_version or 0)
     tp = len(files)
     heads = _heads(files[0], args, version, tp)
@@ -223,6 +208,32 @@ def open_index(files: list[str], trust_pickle: bool = False, version: float | No
                                    for d, n in enumerate(local)), r) for r, (e, _) in enumerate(pieces)]
             add(name, parts, dtype, tuple(n * tp if d == dim else n for d, n in enumerate(local)), transpose)
     return CheckpointIndex.of(files, entries.items(), layouts, header_bytes, os.path.dirname(files[0]))
+
+
+Pieces = dict[str, list[tuple[Expr, TensorEntry]]]  # name -> its piece per rank
+
+
+def _rank_pieces(files: list[str], trust_pickle: bool) -> tuple[dict[str, TensorEntry], Pieces, int, Any, Any]:
+    """(stored entries, name -> its piece per rank, bytes that are not tensors, rank 0's
+    args, rank 0's checkpoint_version) of the rank files, read in rank order."""
+    allowed = [argparse.Namespace] + torch_files.numpy_arrays()
+    entries: dict[str, TensorEntry] = {}
+    by_name: Pieces = defaultdict(list)
+    header_bytes, args, saved_version = 0, None, 0
+    for rank, path in enumerate(files):
+        tree = torch_files.load_tree(path, trust_pickle, allowed)
+        if not isinstance(tree, dict) or not isinstance(tree.get("model"), dict):
+            raise CheckpointError(f"{path}: no 'model' state in it; this is not a Megatron checkpoint file.")
+        if rank == 0:
+            args, saved_version = tree.get("args"), tree.get("checkpoint_version", 0)
+        size = os.path.getsize(path)
+        header_bytes += size - torch_files.storage_bytes(tree)
+        model = tree["model"].get("language_model", tree["model"])
+        stored, parts = torch_files.locate(path, torch_files.tensors_of(model), size, f"mp_rank_{rank:02d}/")
+        entries.update(stored)
+        for key, part in parts.items():  # a piece saved transposed is the Transpose of its stored layout
+            by_name[key.partition("/")[2]].append((part.expr, entries[part.expr.keys()[0]]))
+    return entries, by_name, header_bytes, args, saved_version
 
 
 def _rows(start: int, rows: int, local: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

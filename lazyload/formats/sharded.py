@@ -20,7 +20,8 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..expr import Source
-from ..index import _DTYPES, CheckpointIndex, TensorEntry, _entries_of_file, read_json
+from ..headers import DTYPES, TensorEntry, entries_of_file, read_json
+from ..index import CheckpointIndex
 from .logical import Layout, Part, check_part_shapes
 
 LAYOUT_JSON = "lazyload_sharded.json"
@@ -87,17 +88,17 @@ def open_index(layout_json: str) -> CheckpointIndex:
     for path in files:
         if not os.path.isfile(path):
             raise CheckpointError(f"{layout_json} names {path}, which is missing (or not a regular file).")
-        entries, data_start, identities[path] = _entries_of_file(path)
+        entries, data_start, identities[path] = entries_of_file(path)
         header_bytes += data_start
         stored.append({e.key: e for e in entries})
     entries: dict[str, TensorEntry] = {}  # piece key (unique over files) -> entry
     layouts = {}
     for name, info in doc["tensors"].items():
         if not (isinstance(info, dict) and isinstance(info.get("shape"), list) and all(_int(d) for d in info["shape"])
-                and info.get("dtype") in _DTYPES and isinstance(info.get("pieces"), list) and info["pieces"]):
+                and info.get("dtype") in DTYPES and isinstance(info.get("pieces"), list) and info["pieces"]):
             raise _fail(layout_json, f"tensor {name!r} needs a shape (list of sizes), a known dtype and a non-empty "
                                      "list of pieces")
-        shape, dtype = tuple(info["shape"]), _DTYPES[info["dtype"]]
+        shape, dtype = tuple(info["shape"]), DTYPES[info["dtype"]]
         parts = []
         for piece in info["pieces"]:
             index, key = (piece.get("file"), piece.get("key")) if isinstance(piece, dict) else (None, None)

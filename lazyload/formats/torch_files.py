@@ -24,7 +24,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..expr import Source, Transpose, box_shape, full_box
-from ..index import CheckpointIndex, TensorEntry
+from ..headers import TensorEntry
+from ..index import CheckpointIndex
 from .logical import Layout, Part
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format (torch >= 1.6) is a zip archive

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..errors import ReadError
-from ..index import FileIdentity
+from ..headers import FileIdentity
 
 RERUN = "re-run the load (and re-index: a new LazyCheckpoint) once the checkpoint is complete and stable."
 

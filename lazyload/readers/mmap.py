@@ -24,7 +24,7 @@ from typing import Mapping
 import torch
 
 from ..errors import ReadError
-from ..index import FileIdentity
+from ..headers import FileIdentity
 from ..plan import ReadItem
 from ..quant.dequant import QuantizedBox
 from ..system import (FAULT_AROUND, MADV_DONTNEED, MADV_POPULATE_READ, MADV_RANDOM, fadvise, file_mappings,

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ReadError
 from ..expr import box_shape
-from ..index import FileIdentity
+from ..headers import FileIdentity
 from ..plan import STAGE_ALIGN, ReadItem
 from ..quant.dequant import QuantizedBox
 from ..system import PAGE, fadvise

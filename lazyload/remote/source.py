@@ -12,8 +12,9 @@ import posixpath
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CheckpointError, ObjectNotFoundError, RemoteError
-from ..index import (INDEX_JSON, CheckpointIndex, TensorEntry, _load_json, _MAX_HEADER, check_weight_map,
-                     entries_of_header, header_length, weight_map_of)
+from ..headers import (MAX_HEADER, TensorEntry, check_weight_map, entries_of_header, header_length, load_json,
+                       weight_map_of)
+from ..index import INDEX_JSON, CheckpointIndex
 from .store import ObjectIdentity, RemoteOptions, Stats, Store
 
 SCHEMES = ("s3://", "http://", "https://", "hf://")
@@ -88,9 +89,9 @@ class RemoteCheckpoint:
 
     def _from_index_json(self, key: str) -> list[str]:
         url = self.store.url(key)
-        raw = self._whole(key, _MAX_HEADER, "an index json")
+        raw = self._whole(key, MAX_HEADER, "an index json")
         folder = posixpath.dirname(key)
-        names = weight_map_of(url, _load_json(url, raw, "index json"))
+        names = weight_map_of(url, load_json(url, raw, "index json"))
         self.index_json = url
         self._weight_map = {k: self.store.url(posixpath.join(folder, name)) for k, name in names.items()}
         return sorted({posixpath.join(folder, name) for name in names.values()})

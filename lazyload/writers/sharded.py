@@ -26,16 +26,17 @@ from ..expr import Box, Source, box_numel, box_shape, full_box
 from ..formats import CheckpointSource, open_index, resolve
 from ..formats.logical import Layout, Part
 from ..formats.sharded import FORMAT, LAYOUT_JSON, VERSION
-from ..index import _DTYPES, CheckpointIndex, TensorEntry
+from ..headers import DTYPES, TensorEntry
+from ..index import CheckpointIndex
 from ..mapping import Mapping, check_mapping, map_model, natural_key
-from ..placements import resolve_placements
+from ..tp.placements import resolve_placements
 from ..plan import ReadItem, check_rank, plan_for_rank
 from ..readers import PreadReader
 from ..schedule import default_budget, layer_of, schedule
 from .output import check_output, source_dirs, staged_directory
 from ..targets import model_slots, model_specs
 
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _CONFIGS = ("config.json", "generation_config.json")
 
 

@@ -10,12 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PlanError
-from .placements import (HEAD_COUNTS, KV_NAMES, PACKED_NAMES, Q_NAMES, STYLES, Heads, Resolved, StylePlan, attention_checks,
-                         check_plan, in_whole_module, is_conv1d, model_heads, model_tp_plan, owner_of, static_placements,
-                         style_placement, whole_modules)
-from .plan import Placement, local_regions
-from .targets import TargetSpec, model_slots
+from ..errors import PlanError
+from ..names import KV_NAMES, PACKED_NAMES, Q_NAMES
+from ..plan import Placement, local_regions
+from ..targets import model_slots
+from .heads import HEAD_COUNTS, Heads, attention_checks, model_heads
+from .placements import Resolved, owner_of, plain_specs, static_placements
+from .structural import is_conv1d
+from .styles import STYLES, StylePlan, check_plan, in_whole_module, model_tp_plan, style_placement, whole_modules
 
 
 def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str = "tp") -> nn.Module:
@@ -32,6 +34,21 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
     output through DTensor (`Partial` -> `Replicate`) before adding their bias. Either way,
     attention modules whose projections are split get the rank's head bookkeeping
     (`_localize_attention`)."""
+    world, rank = _mesh_and_plan_checked(model, mesh, plan)
+    heads = model_heads(model)
+    by_plan = bool(model_tp_plan(model, experts)) and hasattr(model, "_expand_parallel_plan")
+    if by_plan:
+        recorded = _apply_model_plan(model, mesh, plan, experts, heads, rank, world)
+    else:
+        recorded = _apply_structural_rule(model, mesh, plan, experts, rank, world)
+    if world > 1:
+        _localize_attention(model, recorded, heads, world, by_plan=by_plan and bool(heads.heads))
+    model._lazyload_placements = {**getattr(model, "_lazyload_placements", {}), **recorded}
+    return model
+
+
+def _mesh_and_plan_checked(model: nn.Module, mesh: Any, plan: Any) -> tuple[int, int]:
+    """(world, rank) of a 1-D mesh, once `plan=` is one that `parallelize` can run."""
     if mesh.ndim != 1:
         raise PlanError(f"parallelize takes a 1-D DeviceMesh (got {mesh.ndim}-D); for 2-D layouts apply "
                         "torch's parallelize_module / fully_shard yourself: load_into follows any DTensor.")
@@ -40,69 +57,96 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
     if isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values()):
         raise PlanError("parallelize takes transformers style names in plan=; a lazyload.Placement only says which "
                         "shard a rank reads (load_into(..., shards_only=True)), not how the model runs.")
-    heads = model_heads(model)
+    return world, rank
+
+
+def _apply_model_plan(model: nn.Module, mesh: Any, plan: Any, experts: str, heads: Heads, rank: int,
+                      world: int) -> dict[str, Placement]:
+    """transformers' own DTensor styles for the model's plan (`plan=` overriding it), and
+    its expert-parallel styles; returns the placements of the tensors kept plain (KV head
+    groups, experts without routing)."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    expanded = _expanded_plan(model, plan, experts)
+    recorded = _kv_groups_kept_plain(model, expanded, heads, rank, world)
+    aliases = _tied_aliases(model, expanded)
+    if experts == "ep" and not getattr(model, "ep_plan", None):  # experts without routing (Llama-4)
+        recorded |= _parallelize_dense_experts(model, expanded, mesh, rank, world)
+    ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
+    tp = {k: v for k, v in expanded.items() if k not in ep}
+    apply_tensor_parallelism(model, mesh, tp)
+    _mark_packed(model, tp)
+    _local_params_under_all_reduce(model, tp, mesh)
+    if ep:
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+        apply_expert_parallelism(model, mesh, mesh, ep)
+    for alias, source in aliases.items():  # tied weights: the alias holds the source's tensor again
+        module, _, attr = owner_of(model, alias)
+        module._parameters[attr] = model.get_parameter(source)
+    return recorded
+
+
+def _kv_groups_kept_plain(model: nn.Module, expanded: dict[str, str], heads: Heads, rank: int,
+                          world: int) -> dict[str, Placement]:
+    """Whole heads per rank under a model's plan. When world > KV heads, the KV projections'
+    entries leave `expanded`: they stay plain tensors holding the rank's KV head group
+    (DTensor has no placement for a group of ranks holding the same slice)."""
+    if heads.heads and heads.heads % world:
+        raise PlanError(f"{type(model).__name__}: {heads.heads} attention heads do not split evenly over "
+                        f"{world} ranks; choose a world that divides the number of heads.")
     recorded: dict[str, Placement] = {}
-    by_plan = bool(model_tp_plan(model, experts)) and hasattr(model, "_expand_parallel_plan")
-    if by_plan:
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    if heads.kv_heads and world > heads.kv_heads:
+        for name in [n for n in expanded if _kv_entry(n)]:
+            style = expanded.pop(name)
+            if name.endswith((".weight", ".bias")) or isinstance(_get(model, name), torch.Tensor):
+                shape = tuple(_get(model, name).shape)
+                placement = attention_checks(name, _kv_entry(name), style_placement(style, name, len(shape)),
+                                              heads, world)
+                recorded[name] = _box(name, shape, placement, rank, world)
+    elif heads.kv_heads and heads.kv_heads % world:
+        raise PlanError(f"{type(model).__name__}: {heads.kv_heads} KV heads do not split evenly over {world} "
+                        "ranks; use a world that divides the number of KV heads, or a multiple of it.")
+    return recorded
 
-        expanded = _expanded_plan(model, plan, experts)
-        if heads.heads and heads.heads % world:
-            raise PlanError(f"{type(model).__name__}: {heads.heads} attention heads do not split evenly over "
-                            f"{world} ranks; choose a world that divides the number of heads.")
-        if heads.kv_heads and world > heads.kv_heads:
-            for name in [n for n in expanded if _kv_entry(n)]:
-                style = expanded.pop(name)
-                if name.endswith((".weight", ".bias")) or isinstance(_get(model, name), torch.Tensor):
-                    shape = tuple(_get(model, name).shape)
-                    placement = attention_checks(name, _kv_entry(name), style_placement(style, name, len(shape)),
-                                                  heads, world)
-                    recorded[name] = _box(name, shape, placement, rank, world)
-        elif heads.kv_heads and heads.kv_heads % world:
-            raise PlanError(f"{type(model).__name__}: {heads.kv_heads} KV heads do not split evenly over {world} "
-                            "ranks; use a world that divides the number of KV heads, or a multiple of it.")
-        aliases = _tied_aliases(model, expanded)
-        if experts == "ep" and not getattr(model, "ep_plan", None):  # experts without routing (Llama-4)
-            for module_name in _dense_experts(model, expanded):
-                module = model.get_submodule(module_name)
-                for attr, param in module.named_parameters(recurse=False):
-                    name = f"{module_name}.{attr}"
-                    recorded[name] = _box(name, tuple(param.shape), Placement("shard", 0), rank, world)
-                _install_dense_experts(module, mesh, rank, world)
-        ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
-        tp = {k: v for k, v in expanded.items() if k not in ep}
-        apply_tensor_parallelism(model, mesh, tp)
-        _mark_packed(model, tp)
-        _local_params_under_all_reduce(model, tp, mesh)
-        if ep:
-            from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-            apply_expert_parallelism(model, mesh, mesh, ep)
-        for alias, source in aliases.items():  # tied weights: the alias holds the source's tensor again
-            module, _, attr = owner_of(model, alias)
-            module._parameters[attr] = model.get_parameter(source)
-    else:
-        static = {} if plan == {} else static_placements(model, _plain_specs(model), plan or experts, world)
-        for name, placement in static.items():
-            module, _, attr = owner_of(model, name)
-            if not (isinstance(module, nn.Linear) or is_conv1d(module)):
-                raise PlanError(f"{name}: parallelize can run only Linear/Conv1D layers sharded in a model without "
-                                f"a transformers TP plan; leave this tensor replicated: plan={{{name!r}: 'replicate'}}.")
-            recorded[name] = _box(name, tuple(_get(model, name).shape), placement, rank, world)
-            if attr == "weight":  # the layer's own size bookkeeping (Conv1D reshapes with nf)
-                local = [sum(b - a for a, b in runs) for runs in recorded[name].spans]
-                if is_conv1d(module):
-                    module.nf = local[1]
-                else:
-                    module.out_features, module.in_features = local[0], local[1]
-        for module_name, module in model.named_modules():
-            weight = static.get(f"{module_name}.weight" if module_name else "weight")
-            if weight is not None and weight.kind == "shard" and weight.dim == (0 if is_conv1d(module) else 1):
-                _install_rowwise(module, mesh)
-    if world > 1:
-        _localize_attention(model, recorded, heads, world, by_plan=by_plan and bool(heads.heads))
-    model._lazyload_placements = {**getattr(model, "_lazyload_placements", {}), **recorded}
-    return model
+def _parallelize_dense_experts(model: nn.Module, expanded: dict[str, str], mesh: Any, rank: int,
+                               world: int) -> dict[str, Placement]:
+    """Experts of a derived expert-parallel plan, run by `_install_dense_experts`: each
+    holds its own experts (dim 0) as plain tensors."""
+    recorded = {}
+    for module_name in _dense_experts(model, expanded):
+        module = model.get_submodule(module_name)
+        for attr, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{attr}"
+            recorded[name] = _box(name, tuple(param.shape), Placement("shard", 0), rank, world)
+        _install_dense_experts(module, mesh, rank, world)
+    return recorded
+
+
+def _apply_structural_rule(model: nn.Module, mesh: Any, plan: Any, experts: str, rank: int,
+                           world: int) -> dict[str, Placement]:
+    """A model without a transformers plan: the structural rule's (or `plan=`'s) split, as
+    plain local Linear/Conv1D weights; rowwise layers sum their partial outputs over the mesh."""
+    static = {} if plan == {} else static_placements(model, plain_specs(model), plan or experts, world)
+    recorded = {}
+    for name, placement in static.items():
+        module, _, attr = owner_of(model, name)
+        if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+            raise PlanError(f"{name}: parallelize can run only Linear/Conv1D layers sharded in a model without "
+                            f"a transformers TP plan; leave this tensor replicated: plan={{{name!r}: 'replicate'}}.")
+        recorded[name] = _box(name, tuple(_get(model, name).shape), placement, rank, world)
+        if attr == "weight":  # the layer's own size bookkeeping (Conv1D reshapes with nf)
+            local = [sum(b - a for a, b in runs) for runs in recorded[name].spans]
+            if is_conv1d(module):
+                module.nf = local[1]
+            else:
+                module.out_features, module.in_features = local[0], local[1]
+    for module_name, module in model.named_modules():
+        weight = static.get(f"{module_name}.weight" if module_name else "weight")
+        if weight is not None and weight.kind == "shard" and weight.dim == (0 if is_conv1d(module) else 1):
+            _install_rowwise(module, mesh)
+    return recorded
 
 
 def _mark_packed(model: nn.Module, expanded: dict[str, str]) -> None:
@@ -226,9 +270,6 @@ def _install_dense_experts(module: nn.Module, mesh: Any, rank: int, world: int) 
 
     module.forward = ep_forward
 
-
-def _plain_specs(model: nn.Module) -> dict:
-    return {n: TargetSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
 
 
 def _kv_entry(name: str) -> str:

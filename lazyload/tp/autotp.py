@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from .plan import Placement
+from ..plan import Placement
 
 GRAIN = 64  # DeepSpeed's DeepSpeedTPConfig.tp_grain_size default
 _LAST_LINEAR = ("lm_head", "embed_out")
