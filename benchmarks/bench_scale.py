@@ -243,7 +243,7 @@ def case_whole_file(args, meter):
     headroom; its peak is the point."""
     from safetensors.torch import load_file
 
-    from lazyload.placer import copy_into
+    from lazyload.placer import TensorDest
 
     model = meta_model(args["ckpt_dir"])
     targets, items, _, _ = rank_plan(args["ckpt_dir"], model, args["world"], args["rank"], args.get("plan"))
@@ -256,7 +256,7 @@ def case_whole_file(args, meter):
         tensors = load_file(path)
         for item in by_file[path]:
             source = tensors[item.entry.key][tuple(slice(a, b) for a, b in item.src_box)]
-            copy_into(dests[item.target], item, source)
+            TensorDest(dests[item.target]).place(item, source)
         del tensors
     result = _Dests(dests.values())
     meter.record("load", result)

@@ -28,13 +28,13 @@ from .mapping import KeyMap, check_casts, check_mapping, held_by, map_model, pre
 from .missing import check_choice, initial_values, unfilled_on_meta
 from .parallel import auto_parallelize, check_process_group
 from .placements import resolve_placements
-from .placer import allocate, allocate_quantized, assign, mapped_views, whole_scratch, with_whole
+from .placer import TensorDest, allocate, allocate_quantized, assign, mapped_views, whole_scratch, with_whole
 from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect, quantization_config_of, read_quantization_config
 from .quant.linear import to_torchao
-from .quant.onload import Quantization, QuantizedDest
+from .quant.onload import Quantization
 from .quant.targets import quantized_targets, saved_bytes, swap_quantized
-from .readers import MmapReader, choose_reader, must_release_pages
+from .readers import choose_reader, must_release_pages
 from .remote import RemoteCheckpoint, RemoteOptions, is_remote
 from .report import LoadReport, MemorySampler, size
 from .schedule import default_budget, schedule
@@ -290,7 +290,7 @@ class LazyCheckpoint:
         chosen = choose_reader(reader, device, release_pages, items, index, world, self.remote)
         views: dict[str, torch.Tensor] = {}
         copies = items
-        if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
+        if chosen.maps_views and device.type == "cpu" and not release_pages:
             views, copies = mapped_views([t for t in targets if t.name not in whole], items, chosen, slots)
         # Views of warm pages need nothing more; cold ones are paged in by the schedule.
         copy_groups = schedule(copies)
@@ -312,23 +312,20 @@ class LazyCheckpoint:
         with MemorySampler() as memory, bar:
             if not chosen.prefetching:
                 bar.update(mapped / 2**20)
-            dests = {t.name: views.get(t.name) if t.name in views else
+            dests = {t.name: TensorDest(views[t.name]) if t.name in views else
                      allocate_quantized(t, quantized[t.name], device) if t.name in quantized else
                      allocate(t, slots[t.name], device) for t in targets}
             try:
                 engine = run_schedule(groups, chosen, with_whole(dests, targets, mapping.exprs, items, shape_of),
                                       budget, on_bytes=_progress(bar, chosen), mapped=frozenset(views))
             except ReadError as exc:  # what was fully read is assigned; the rest left as it was
-                raise settle_failure(exc, {t.name: slots[t.name] for t in targets}, dests) from exc
+                raise settle_failure(exc, slots, dests) from exc
             finally:
                 chosen.close()
             agree.reached("read")  # every rank read everything: only now is any model made runnable
             for target in targets:
-                dest = dests[target.name]
-                if isinstance(dest, QuantizedDest):  # the 8-bit data, and its scales beside it
-                    assign(slots[target.name + "_scale"], dest.scale)
-                    dest = dest.data
-                assign(slots[target.name], dest)
+                for name, tensor in dests[target.name].tensors(target.name).items():
+                    assign(slots[name], tensor)
             for name, value in initialized.items():
                 assign(slots[name], value)
             recomputed = fill_meta_buffers(recompute)
@@ -349,7 +346,7 @@ class LazyCheckpoint:
                             quantized_to=qconfig.describe() if quantized else "",
                             bytes_saved=saved_bytes({n: dests[n] for n in quantized}, full_dtypes),
                             h2d_bytes=engine.h2d_bytes, h2d_seconds=engine.h2d_seconds,
-                            **(chosen.stats.fields() if hasattr(chosen, "stats") else {}))
+                            **chosen.report_fields())
         logger.info("%s", report)
         if not report.ok:
             logger.warning("lazyload: rank %d: %s (strict=False); see the report", rank, _problems(report, missing))
@@ -358,12 +355,10 @@ class LazyCheckpoint:
 
 def _progress(bar: tqdm, reader: Any) -> Any:
     """The bar's update per placed item; a remote reader's requests and retries beside it."""
-    stats = getattr(reader, "stats", None)
-
     def update(n: int) -> None:
-        if stats is not None:
-            bar.set_postfix_str(f"{stats.requests} GETs, {stats.retries} retries, {size(stats.bytes_served)} served",
-                                refresh=False)
+        note = reader.progress_note()
+        if note:
+            bar.set_postfix_str(note, refresh=False)
         bar.update(n / 2**20)
 
     return update

@@ -29,6 +29,7 @@ from ..formats.sharded import FORMAT, LAYOUT_JSON, VERSION
 from ..index import _DTYPES, CheckpointIndex, TensorEntry
 from ..mapping import Mapping, check_mapping, map_model, natural_key
 from ..placements import resolve_placements
+from ..placer import TensorDest
 from ..plan import ReadItem, check_rank, plan_for_rank
 from ..readers import PreadReader
 from ..schedule import default_budget, layer_of, schedule
@@ -213,7 +214,7 @@ def _write_file(path: str, chunk: list, index: CheckpointIndex, view: Checkpoint
         for layer_pieces in by_layer.values():
             items, dests = [], {}
             for key, name, box in layer_pieces:
-                dests[key] = torch.empty(box_shape(box), dtype=view[name].dtype)
+                dests[key] = TensorDest(torch.empty(box_shape(box), dtype=view[name].dtype))
                 origin = [a for a, _ in box]
                 for p in index.expr(name).pieces(box, shape_of):
                     dst = tuple((a - o, b - o) for (a, b), o in zip(p.dst_box, origin))
@@ -230,6 +231,6 @@ def _write_file(path: str, chunk: list, index: CheckpointIndex, view: Checkpoint
                 reader.close()
                 raise
             for key, _, _ in layer_pieces:
-                f.write(memoryview(dests[key].reshape(-1).view(torch.uint8).numpy()))
+                f.write(memoryview(dests[key].tensor.reshape(-1).view(torch.uint8).numpy()))
     reader.close()
     os.replace(path + ".tmp", path)
