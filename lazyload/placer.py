@@ -20,7 +20,7 @@ from .expr import Box, Whole, apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
 from .quant.onload import Grid, QuantizedDest, scale_shape
-from .readers import Reader, byte_runs
+from .readers import byte_runs
 from .targets import Slot, current_tensor, is_dtensor, local_tensor
 
 
@@ -39,11 +39,10 @@ def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> TensorDest
     return TensorDest(torch.empty(target.local_shape, dtype=target.dtype, device=device))
 
 
-def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: Reader,
-                 slots: dict[str, Slot]) -> tuple[dict[str, torch.Tensor], list[ReadItem]]:
+def viewable(targets: list[TargetPlan], items: list[ReadItem], slots: dict[str, Slot]) -> dict[str, ReadItem]:
     """Targets that can be views of the checkpoint's file mapping instead of copies (what
-    `from_pretrained` does on CPU): a meta target filled by one contiguous run of a source
-    of its own dtype. Returns those views and the items still to read."""
+    `from_pretrained` does on CPU), with their one item: a meta target filled by one
+    contiguous run of a source of its own dtype."""
     by_target: dict[str, list[ReadItem]] = {}
     for item in items:
         by_target.setdefault(item.target, []).append(item)
@@ -57,8 +56,8 @@ def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: Reade
                 or item.scales is not None  # a dequantized weight is computed, never a view
                 or box_shape(item.dst_box) != target.local_shape or len(byte_runs(item)[0]) != 1):
             continue
-        views[target.name] = reader.view(item).reshape(target.local_shape)
-    return views, [item for item in items if item.target not in views]
+        views[target.name] = item
+    return views
 
 
 def whole_scratch(exprs: dict, shapes: dict, dtypes: dict, quantized: Collection[str], shape_of) -> dict[str, int]:
