@@ -66,23 +66,29 @@ def meta_model(directory):
 
 
 def rank_plan(directory, model, world, rank, plan=None):
-    """(targets, items) of one rank, as load_into plans them, and the seconds it took."""
-    from lazyload.index import CheckpointIndex, resolve_files
-    from lazyload.mapping import map_model
-    from lazyload.tp.placements import resolve_placements
-    from lazyload.plan import plan_for_rank
-    from lazyload.targets import model_slots, model_specs
+    """(targets, items) of one rank, as load_into plans them (`planner.plan_load`, without
+    this host's probes), the seconds it took, and the mapping."""
+    from lazyload.planner import LoadOptions, plan_load
+    from lazyload.stored import StoredCheckpoint
 
-    index = CheckpointIndex(*resolve_files(directory))
+    checkpoint = StoredCheckpoint(directory)
+    checkpoint.index  # headers first: the index is not the plan
     t0 = time.perf_counter()
-    slots, aliases = model_slots(model)
-    specs = model_specs(model, slots)
-    mapping = map_model(index, model, specs, aliases)
-    resolved = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
-    dtypes = {n: specs[n].dtype for n in mapping.exprs}
-    targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in resolved.specs.items()}, dtypes,
-                                   resolved.placements, rank, world)
-    return targets, items, time.perf_counter() - t0, mapping
+    planned = plan_load(checkpoint, model, rank, world, LoadOptions(plan=plan, strict=False, missing="keep"),
+                        preview=True)
+    return planned.targets, planned.items, time.perf_counter() - t0, planned.mapping
+
+
+def plan_cpu_seconds(directory, model, world, plan=None, rank=0):
+    """CPU seconds of one rank's plan_load: map, placements, plan and schedule together."""
+    from lazyload.planner import LoadOptions, plan_load
+    from lazyload.stored import StoredCheckpoint
+
+    checkpoint = StoredCheckpoint(directory)
+    checkpoint.index
+    t0 = time.process_time()
+    plan_load(checkpoint, model, rank, world, LoadOptions(plan=plan, strict=False, missing="keep"), preview=True)
+    return time.process_time() - t0
 
 
 def measure_plan(directory, model, world, plan=None, all_ranks=True):
@@ -101,6 +107,7 @@ def measure_plan(directory, model, world, plan=None, all_ranks=True):
     weights = [_weight_bytes(items)] + [_weight_bytes(rank_plan(directory, model, world, r, plan)[1])
                                         for r in ranks if r] if all_ranks else []
     out = {"world": world, "plan": plan or "tp", "seconds": seconds, "rank0_bytes": per_rank[0],
+           "cpu_seconds": plan_cpu_seconds(directory, model, world, plan),
            "max_bytes": max(per_rank), "min_bytes": min(per_rank), "items": len(items),
            "unexpected": len(mapping.unexpected)}
     if all_ranks:
@@ -243,7 +250,7 @@ def case_whole_file(args, meter):
     headroom; its peak is the point."""
     from safetensors.torch import load_file
 
-    from lazyload.placer import copy_into
+    from lazyload.placer import TensorDest
 
     model = meta_model(args["ckpt_dir"])
     targets, items, _, _ = rank_plan(args["ckpt_dir"], model, args["world"], args["rank"], args.get("plan"))
@@ -256,7 +263,7 @@ def case_whole_file(args, meter):
         tensors = load_file(path)
         for item in by_file[path]:
             source = tensors[item.entry.key][tuple(slice(a, b) for a, b in item.src_box)]
-            copy_into(dests[item.target], item, source)
+            TensorDest(dests[item.target]).place(item, source)
         del tensors
     result = _Dests(dests.values())
     meter.record("load", result)
@@ -356,15 +363,16 @@ def main():
               f"cold {index_cold['seconds']:.2f} s ({index_cold['storage_bytes'] / 1e6:.1f} MB from storage), "
               f"warm {index_warm['seconds']:.2f} s\n")
         moe = "experts" in " ".join(n for n, _ in model.named_parameters())
-        lines = ["| world | plan | rank 0 plan s | rank 0 GB | min-max GB/rank | read items | ranks add up |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = ["| world | plan | rank 0 plan s | plan CPU s | rank 0 GB | min-max GB/rank | read items | ranks add up |",
+                 "|---|---|---|---|---|---|---|---|"]
         for world in (8, 64, 128):
             for plan in ([None, "ep"] if moe else [None]):
                 r = measure_plan(directory, model, world, plan, all_ranks=world <= 8 or not moe)
                 if "error" in r:
-                    lines.append(f"| {world} | {r['plan']} | {r['error']} |||||")
+                    lines.append(f"| {world} | {r['plan']} | {r['error']} ||||||")
                     continue
-                lines.append(f"| {world} | {r['plan']} | {r['seconds']:.2f} | {r['rank0_bytes'] / GB:.2f} | "
+                lines.append(f"| {world} | {r['plan']} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | "
+                             f"{r['rank0_bytes'] / GB:.2f} | "
                              f"{r['min_bytes'] / GB:.2f}-{r['max_bytes'] / GB:.2f} | {r['items']:,} | "
                              f"{ {True: 'yes', False: 'NO'}.get(r.get('adds_up'), '-')} |")
         print("\n".join(lines))

@@ -1,54 +1,25 @@
-"""LazyCheckpoint: the public entry point, wiring the stages together.
+"""LazyCheckpoint: the public entry point. A load is: check the arguments, plan, agree, execute.
 
-    paths -> Index -> Mapping -> Plan -> Schedule -> Reader -> Placer -> LoadReport
+    options -> plan_load(checkpoint, model, rank, world) -> LoadPlan -> execute(plan, model) -> LoadReport
 """
 from __future__ import annotations
 
-import logging
-import math
-import os
 import time
-from dataclasses import replace
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from .buffers import fill_meta_buffers, meta_buffers_to_recompute
-from .devices import target_device, use_device
-from .dtypes import dtype_named
-from .agreement import Agreement, NoAgreement, agreement
-from .engine import run_schedule, settle_failure
-from .errors import ArgumentError, DtypeError, PlanError, ReadError
-from .hub import local_path
-from .formats import CheckpointSource, open_index, resolve
-from .index import CheckpointIndex, TensorEntry
-from .mapping import KeyMap, check_casts, check_mapping, held_by, map_model, prefix_hint
-from .missing import check_choice, initial_values, unfilled_on_meta
-from .tp.runnable import auto_parallelize, check_process_group
-from .tp.placements import resolve_placements
-from .placer import allocate, allocate_quantized, assign, mapped_views, whole_scratch, with_whole
-from .plan import REPLICATE, check_rank, local_regions, plan_for_rank
-from .quant.formats import Quantization as PreQuantized, detect, quantization_config_of, read_quantization_config
-from .quant.linear import to_torchao
-from .quant.onload import Quantization, QuantizedDest
-from .quant.targets import quantized_targets, saved_bytes, swap_quantized
-from .readers import MmapReader, choose_reader, must_release_pages
-from .remote import RemoteCheckpoint, RemoteOptions, is_remote
-from .report import LoadReport, MemorySampler, size
-from .schedule import default_budget, schedule
-from .targets import model_slots, model_specs
-
-logger = logging.getLogger("lazyload")
-
-def _show_progress(progress: bool | None, rank: int) -> bool:
-    if progress is not None:
-        return bool(progress) and rank == 0
-    return rank == 0 and os.environ.get("LAZYLOAD_PROGRESS", "1").lower() not in ("0", "false", "no", "off")
+from .agreement import agreement
+from .executor import execute
+from .mapping import KeyMap
+from .planner import LoadOptions, plan_load
+from .quant.onload import Quantization
+from .report import LoadReport
+from .stored import StoredCheckpoint
 
 
-class LazyCheckpoint:
+class LazyCheckpoint(StoredCheckpoint):
     """A checkpoint, indexed from its headers (or other metadata) alone: no tensor byte is
     read until `load_into`.
 
@@ -67,72 +38,6 @@ class LazyCheckpoint:
     `hf://org/repo[@revision]`; `remote`: a `RemoteOptions` (requests in flight, merge
     gap, retries, timeout)."""
 
-    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *, trust_pickle: bool = False,
-                 remote: RemoteOptions | None = None):
-        _check_paths(paths)
-        self._paths = paths
-        self.trust_pickle = trust_pickle
-        self._index: CheckpointIndex | None = None
-        self._quantization: PreQuantized | None = None
-        self.remote = RemoteCheckpoint(paths, remote) if is_remote(paths) else None
-        self.source: CheckpointSource = (CheckpointSource("safetensors", self.remote.files, self.remote.index_json)
-                                         if self.remote else resolve(local_path(paths)))
-        self.files = self.source.files
-
-    @property
-    def index(self) -> CheckpointIndex:
-        if self._index is None:
-            self._index = self.remote.index() if self.remote else open_index(self.source, self.trust_pickle)
-        return self._index
-
-    @property
-    def quantization(self) -> PreQuantized:
-        """The checkpoint's pre-quantized weights and their scales (from the tensors and the
-        `quantization_config` of the config.json beside its files); loads dequantize them."""
-        if self._quantization is None:
-            self._quantization = self._detect()
-        return self._quantization
-
-    def _detect(self, held=lambda key: False) -> PreQuantized:
-        return detect(self.index, self._quantization_config(), held)
-
-    def _quantization_config(self) -> dict | None:
-        """The `quantization_config` of the config.json beside the files (from the store, for a URL)."""
-        if self.remote is None:
-            return read_quantization_config(self.files)
-        self.index  # indexing fetches config.json, beside the headers
-        return None if self.remote.config_json is None else quantization_config_of(*self.remote.config_json)
-
-    def keys(self) -> list[str]:
-        return list(self.index)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.index
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.index)
-
-    def entry(self, key: str) -> TensorEntry:
-        return self.index[key]
-
-    @property
-    def total_bytes(self) -> int:
-        return self.index.total_bytes
-
-    @property
-    def header_bytes_read(self) -> int:
-        return self.index.header_bytes_read
-
-    def _values_dtype(self, key: str, quant: PreQuantized) -> torch.dtype | None:
-        """The dtype of the values a key holds: None for a quantized weight (8-bit storage)."""
-        return None if key in quant.leaves else self.index[key].dtype
-
-    def __repr__(self) -> str:
-        return f"LazyCheckpoint({len(self.files)} files, {len(self.index)} tensors, {self.total_bytes} bytes)"
-
     def load_into(self, model: nn.Module, rank: int = 0, world: int = 1, *,
                   device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                   strict: bool = True, missing: str = "init", key_map: KeyMap | None = None,
@@ -149,7 +54,7 @@ class LazyCheckpoint:
           `init_empty_weights()`), or real (then overwritten in place).
         - `rank`, `world`: this rank and the number of tensor-parallel ranks (world=1: the
           whole model). Under torch.distributed they must be the process group's (a model
-          nobody made parallel is then made runnable, see `lazyload.parallel.parallelize`),
+          nobody made parallel is then made runnable, see `lazyload.tp.parallelize`),
           unless `shards_only=True`.
         - `device`: where the tensors go; default the model's device, for a meta model
           `cuda:$LOCAL_RANK` when CUDA is available, else CPU.
@@ -196,241 +101,16 @@ class LazyCheckpoint:
         A read that fails (I/O error, permission, a file changed since it was indexed) is a
         ReadError listing the targets `loaded` (assigned) and `not_loaded` (kept as they
         were; `partly_written`: real tensors filled in place, their values now mixed)."""
+        started = time.perf_counter()
+        options = LoadOptions(device=device, dtype=dtype, strict=strict, missing=missing, key_map=key_map,
+                              progress=progress, plan=plan, reader=reader, max_host_bytes=max_host_bytes,
+                              release_pages=release_pages, shards_only=shards_only, quantize=quantize,
+                              rank_timeout=rank_timeout)
         agree = agreement(rank, world, rank_timeout)
         try:
-            return self._load(agree, model, rank, world, device=device, dtype=dtype, strict=strict, missing=missing,
-                              key_map=key_map, progress=progress, plan=plan, reader=reader,
-                              max_host_bytes=max_host_bytes, release_pages=release_pages, shards_only=shards_only,
-                              quantize=quantize)
+            load_plan = plan_load(self, model, rank, world, options)
+            agree.reached("planned")  # every rank's input is good: only now may any model change
+            return execute(load_plan, model, agree, started)
         except BaseException as exc:
             agree.failed(exc)  # the other ranks hear of it at the next point, instead of waiting forever
             raise
-
-    def _load(self, agree: Agreement | NoAgreement, model: nn.Module, rank: int, world: int, *,
-              device: str | torch.device | None, dtype: torch.dtype | str | None, strict: bool, missing: str,
-              key_map: KeyMap | None, progress: bool | None, plan: dict[str, Any] | str | None, reader: str,
-              max_host_bytes: int | None, release_pages: bool, shards_only: bool,
-              quantize: str | Quantization | None) -> LoadReport:
-        start = time.perf_counter()
-        dtype = dtype_named(dtype)
-        _check_arguments(model, dtype, missing, reader)
-        if self.remote is not None and reader != "auto":
-            raise ArgumentError(f"reader={reader!r} reads local files; a remote checkpoint ({self._paths}) is read "
-                                "with reader='auto'.")
-        qconfig = Quantization.of(quantize)
-        check_rank(rank, world)
-        index = self.index.for_rank(rank, world)  # copies of a replicated piece: this rank's own file
-        device = target_device(device, model)  # concrete (cuda:N), checked to exist
-        # Current now, before anything below allocates on it (a first allocation initialises
-        # CUDA and leaves device 0 current): DeviceMesh, later loads and `.to("cuda")` agree.
-        use_device(device)
-
-        # Mapping: model tensors as expressions over checkpoint tensors.
-        slots, aliases = model_slots(model)
-        specs = model_specs(model, slots)
-        quant = self._detect(held=held_by(model, specs))
-        mapping = map_model(index, model, specs, aliases, key_map, quant)
-
-        # Placements: from DTensors, local shapes, plan= or the model's TP plan.
-        placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
-        if placements.local_shaped:  # the model holds local shards: map with the full shapes
-            specs = placements.specs
-            mapping = map_model(index, model, specs, aliases, key_map, quant)
-        check_process_group(rank, world, plan, placements, shards_only)
-        if mapping.unused_key_map:
-            logger.warning("lazyload: key_map patterns that match no checkpoint key (key_map maps checkpoint key "
-                           "-> model key): %s", ", ".join(mapping.unused_key_map))
-        if strict or missing == "error":
-            check_mapping(mapping if strict else replace(mapping, unexpected=[]), index, specs)
-        elif (hint := prefix_hint(mapping)) is not None:
-            logger.warning("lazyload: %s", hint)
-        check_casts(mapping, index, {n: s.dtype for n, s in specs.items()})
-        # Tensors the checkpoint does not fill, given the model's own init now: a model
-        # whose init cannot is refused before anything changes. Those the model expects to be
-        # missing (`_keys_to_ignore_on_load_missing`) are no error, but from_pretrained inits them too.
-        unfilled = [] if strict or missing != "init" else unfilled_on_meta(
-            mapping.missing + [name for name, _, _ in mapping.mismatched], slots)
-        unfilled += [] if missing == "keep" else unfilled_on_meta(mapping.expected_missing, slots)
-        initialized = initial_values(
-            model, unfilled, slots,
-            {n: local_regions(n, specs[n].shape, placements.placements.get(n, REPLICATE), rank, world)[0]
-             for n in unfilled},
-            {n: _target_dtype(specs[n].dtype, specs[n].dtype, dtype) for n in unfilled}, device)
-        quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
-        dtypes = {name: _target_dtype(specs[name].dtype, self._values_dtype(expr.keys()[0], quant), dtype)
-                  for name, expr in mapping.exprs.items()}
-        full_dtypes = {name: dtypes[name] for name in quantized}
-        dtypes.update({name: qconfig.torch_dtype for name in quantized})
-        shape_of = lambda key: index[key].shape  # noqa: E731
-        whole = whole_scratch(mapping.exprs, {n: s.shape for n, s in specs.items()}, dtypes, quantized, shape_of)
-        whole_host = whole if device.type == "cpu" else {}  # on a GPU the conversions run there
-        if whole_host and max_host_bytes is not None and max_host_bytes < max(whole_host.values()):
-            name = max(whole_host, key=whole_host.get)  # conversions run on whole sources: they hold them all
-            raise PlanError(f"max_host_bytes={max_host_bytes} is smaller than what {name} needs ({whole_host[name]} "
-                            "bytes): its conversion runs on its whole source tensors; raise it to at least that.")
-        # Buffers left on meta, computed now: one that cannot be is refused while the model is untouched.
-        loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
-        recompute = meta_buffers_to_recompute(model, loaded_dtypes, device,
-                                              also=_emptied_buffers(model, set(mapping.exprs)))
-        agree.reached("planned")  # every rank's input is good: only now may any model change
-        # Only now, with the input checked, may the model change: Linear layers quantized,
-        # made tensor parallel.
-        if quantized:
-            swap_quantized(model, quantized, qconfig)
-            slots, _ = model_slots(model)
-        if auto_parallelize(model, plan, rank, world, device, placements, shards_only):
-            slots, _ = model_slots(model)  # parameters became DTensors: placements from them
-            placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world)
-
-        # Plan: this rank's boxes, pushed down to read items.
-        targets, items = plan_for_rank(mapping.exprs, index, {n: s.shape for n, s in specs.items()}, dtypes,
-                                       placements.placements, rank, world)
-        dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
-        release_pages = release_pages or must_release_pages(items, dest_bytes if device.type == "cpu" else 0, world)
-        chosen = choose_reader(reader, device, release_pages, items, index, world, self.remote)
-        views: dict[str, torch.Tensor] = {}
-        copies = items
-        if isinstance(chosen, MmapReader) and device.type == "cpu" and not release_pages:
-            views, copies = mapped_views([t for t in targets if t.name not in whole], items, chosen, slots)
-        # Views of warm pages need nothing more; cold ones are paged in by the schedule.
-        copy_groups = schedule(copies)
-        groups = schedule(items) if chosen.prefetching else copy_groups
-        budget = max_host_bytes if max_host_bytes is not None else max([default_budget(copy_groups), *whole_host.values()])
-        largest = max((item.nbytes for item in copies), default=0)
-        if budget < largest:
-            raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
-                            f"({largest} bytes); raise it to at least that.")
-        copied = sum(item.nbytes for item in copies)
-        mapped = sum(v.nbytes for v in views.values())
-        logger.info("lazyload: loading %d tensors (%s to copy, %s mapped) with the %s reader, budget %s",
-                    len(targets), size(copied), size(mapped), chosen.name, size(budget))
-
-        # Read and place; from here on the model changes. The bar counts every byte a
-        # target gets: copied, and mapped (paged in by the schedule, or already cached).
-        bar = tqdm(total=(copied + mapped) / 2**20, unit="MiB", desc="lazyload", disable=not _show_progress(progress, rank),
-                   bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
-        with MemorySampler() as memory, bar:
-            if not chosen.prefetching:
-                bar.update(mapped / 2**20)
-            dests = {t.name: views.get(t.name) if t.name in views else
-                     allocate_quantized(t, quantized[t.name], device) if t.name in quantized else
-                     allocate(t, slots[t.name], device) for t in targets}
-            try:
-                engine = run_schedule(groups, chosen, with_whole(dests, targets, mapping.exprs, items, shape_of),
-                                      budget, on_bytes=_progress(bar, chosen), mapped=frozenset(views))
-            except ReadError as exc:  # what was fully read is assigned; the rest left as it was
-                raise settle_failure(exc, {t.name: slots[t.name] for t in targets}, dests) from exc
-            finally:
-                chosen.close()
-            agree.reached("read")  # every rank read everything: only now is any model made runnable
-            for target in targets:
-                dest = dests[target.name]
-                if isinstance(dest, QuantizedDest):  # the 8-bit data, and its scales beside it
-                    assign(slots[target.name + "_scale"], dest.scale)
-                    dest = dest.data
-                assign(slots[target.name], dest)
-            for name, value in initialized.items():
-                assign(slots[name], value)
-            recomputed = fill_meta_buffers(recompute)
-        if quantized and qconfig.torchao and world == 1:
-            to_torchao(model, [name.rpartition(".")[0] for name in quantized if name.endswith(".weight")])
-
-        report = LoadReport(loaded=[t.name for t in targets], missing=mapping.missing,
-                            unexpected=mapping.unexpected, mismatched=mapping.mismatched,
-                            initialized=list(initialized), recomputed_buffers=recomputed,
-                            ignored_buffer_keys=mapping.ignored_buffer_keys, other_stages=mapping.other_stages,
-                            read_whole={n: sum(i.nbytes for i in items if i.target == n) for n in whole},
-                            bytes_read=chosen.bytes_read, bytes_mapped=mapped,
-                            seconds=time.perf_counter() - start, peak_rss=memory.peak_rss,
-                            peak_anon=memory.peak_anon, peak_file=memory.peak_file, rank=rank, world=world,
-                            reader=chosen.name, prefetched=chosen.prefetching, released_pages=release_pages,
-                            pinned_bytes=engine.pinned_bytes,
-                            quantized=[name.rpartition(".")[0] for name in quantized],
-                            quantized_to=qconfig.describe() if quantized else "",
-                            bytes_saved=saved_bytes({n: dests[n] for n in quantized}, full_dtypes),
-                            h2d_bytes=engine.h2d_bytes, h2d_seconds=engine.h2d_seconds,
-                            **(chosen.stats.fields() if hasattr(chosen, "stats") else {}))
-        logger.info("%s", report)
-        if not report.ok:
-            logger.warning("lazyload: rank %d: %s (strict=False); see the report", rank, _problems(report, missing))
-        return report
-
-
-def _progress(bar: tqdm, reader: Any) -> Any:
-    """The bar's update per placed item; a remote reader's requests and retries beside it."""
-    stats = getattr(reader, "stats", None)
-
-    def update(n: int) -> None:
-        if stats is not None:
-            bar.set_postfix_str(f"{stats.requests} GETs, {stats.retries} retries, {size(stats.bytes_served)} served",
-                                refresh=False)
-        bar.update(n / 2**20)
-
-    return update
-
-
-def _problems(report: LoadReport, missing: str) -> str:
-    unfilled = len(report.missing) + len(report.mismatched)
-    fate = ("given the model's own initialisation" if report.initialized else
-            "left as they were" if missing == "keep" else "kept their values")
-    parts = [f"{unfilled} model tensors not filled from the checkpoint ({fate})"] if unfilled else []
-    parts += [f"{len(report.unexpected)} checkpoint tensors not used"] if report.unexpected else []
-    return ", ".join(parts)
-
-
-def _check_paths(paths: Any) -> None:
-    """Something other than paths (the model, with the arguments swapped) is refused with what goes where."""
-    items = paths if isinstance(paths, (list, tuple)) else [paths]
-    wrong = next((p for p in items if not isinstance(p, (str, os.PathLike))), None)
-    if wrong is not None or not items:
-        got = f"a {type(wrong).__name__}" if items else "an empty list"
-        model = " (a model: it goes to load_into)" if isinstance(wrong, nn.Module) else ""
-        raise ArgumentError(f"LazyCheckpoint takes the checkpoint: a directory, file, list of files, glob, repo id "
-                            f"or URL; got {got}{model}. Use LazyCheckpoint(path).load_into(model, rank, world).")
-
-
-def _check_arguments(model: Any, dtype: Any, missing: str, reader: str) -> None:
-    """Arguments of the wrong kind, refused before anything is read."""
-    if not isinstance(model, nn.Module):
-        hint = " (the checkpoint path goes to LazyCheckpoint(path))" if isinstance(model, (str, os.PathLike)) else ""
-        raise ArgumentError(f"load_into takes the model (a torch.nn.Module, e.g. built on the meta device) first; "
-                            f"got {type(model).__name__} {model!r}{hint}.")
-    if not (dtype is None or dtype == "auto" or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)):
-        raise DtypeError(f"dtype={dtype!r}: pass None (keep the model's dtypes), 'auto' (the checkpoint's) or a "
-                         "floating torch.dtype such as torch.bfloat16; integer tensors keep their own dtype (to "
-                         "quantize on load, pass quantize='int8' or 'fp8').")
-    check_choice(missing)
-    if reader not in ("auto", "mmap", "pread"):
-        raise ArgumentError(f"reader={reader!r}: use 'auto' (mmap for CPU, pread for GPU), 'mmap' or 'pread'.")
-
-
-def _emptied_buffers(model: nn.Module, loaded: set[str]) -> set[str]:
-    """DeepSpeed's init_inference makes a meta model real with `to_empty` (uninitialised
-    memory, buffers included) when it injects its tensor-parallel layers. Non-persistent
-    buffers (rotary `inv_freq`: never in a checkpoint) of modules without parameters are
-    then recomputed by the model's init, as if they were still on meta."""
-    if not hasattr(model, "_init_weights") or not any(
-            type(m).__module__.startswith("deepspeed.") for m in model.modules()):
-        return set()
-    names = set()
-    for module_name, module in model.named_modules():
-        if next(module.parameters(recurse=False), None) is not None:
-            continue
-        for attr in module._non_persistent_buffers_set:
-            name = f"{module_name}.{attr}" if module_name else attr
-            if name not in loaded and module._buffers.get(attr) is not None and not module._buffers[attr].is_meta:
-                names.add(name)
-    return names
-
-
-def _target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype | None, requested: Any) -> torch.dtype:
-    """None: the model's dtype; "auto": the checkpoint's (the model's for a dequantized
-    weight, `ckpt_dtype` None); a dtype: that one, for floating tensors only (integer
-    buffers keep theirs)."""
-    if requested is None or not model_dtype.is_floating_point:
-        return model_dtype
-    if requested == "auto":
-        return ckpt_dtype if ckpt_dtype is not None and ckpt_dtype.is_floating_point else model_dtype
-    if isinstance(requested, torch.dtype):
-        return requested
-    raise DtypeError(f"dtype must be None, 'auto' or a torch.dtype, got {requested!r}.")

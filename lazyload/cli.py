@@ -40,20 +40,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     world = "the number of tensor-parallel ranks"
     config = "the model's config.json or the directory holding it (default: the checkpoint's)"
+    plan = "'tp', 'ep', or a JSON object of glob -> transformers TP style"
     p = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes per file and per layer (headers only)")
     p.add_argument("path", help=PATH_HELP)
     p = sub.add_parser("plan", help="per rank bytes to read, tensors and warnings for a TP world (headers only)")
     p.add_argument("path", help=PATH_HELP)
     p.add_argument("--world", type=int, required=True, help=world)
-    p.add_argument("--config", default=None, help=config + "; needed for a URL")
+    p.add_argument("--config", default=None, help=config + "; for a URL, the one its store holds")
     p.add_argument("--single-file", action="store_true",
                    help="plan one shard of a checkpoint of several files alone (otherwise an error: pass the "
                         "directory)")
+    p.add_argument("--plan", default=None, help=plan)
+    p.add_argument("--quantize", default=None, choices=["int8", "fp8"], metavar="KIND",
+                   help="int8 or fp8: quantize Linear layers and MoE experts on load, as load_into(quantize=...)")
+    p.add_argument("--dtype", default=None,
+                   help="the dtype tensors are loaded in ('auto', 'bfloat16', 'float16', ...; default the model's)")
     p = sub.add_parser("reshard", help="write SRC pre-sharded for a TP world: one safetensors file per rank")
     p.add_argument("src", help="the checkpoint to read: " + PATH_HELP.removeprefix("the checkpoint: "))
     p.add_argument("out", help="a new or empty directory to write to (never SRC; see --overwrite)")
     p.add_argument("--world", type=int, required=True, help=world + " to write for")
-    p.add_argument("--plan", default=None, help="'tp', 'ep', or a JSON object of glob -> transformers TP style")
+    p.add_argument("--plan", default=None, help=plan)
     p.add_argument("--config", default=None, help=config)
     p.add_argument("--max-file-bytes", type=byte_count, default=None,
                    help="cut a rank's file by layer past this size: bytes, or with a unit (500MB, 1GB = 10^9, "
@@ -65,14 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> str:
     from .summary import format_plan, inspect_checkpoint
 
+    plan = json.loads(args.plan) if getattr(args, "plan", None) and args.plan.lstrip().startswith("{") else (
+        getattr(args, "plan", None))
     if args.command == "reshard":
         from .writers import save_sharded
 
-        plan = json.loads(args.plan) if args.plan and args.plan.lstrip().startswith("{") else args.plan
         return save_sharded(args.src, args.out, args.world, plan, config=args.config,
                             max_file_bytes=args.max_file_bytes, overwrite=args.overwrite)
     if args.command == "plan":
-        return format_plan(args.path, args.world, args.config, single_file=args.single_file)
+        return format_plan(args.path, args.world, args.config, single_file=args.single_file, plan=plan,
+                           quantize=args.quantize, dtype=args.dtype)
     return inspect_checkpoint(args.path)
 
 

@@ -8,7 +8,7 @@ With a GPU destination (`CudaCopies`), every item is staged; the workers copy th
 staging range only once its copy is done (also when the placing failed), so that the copy
 of one item overlaps the read of the next; pageable sources (mmap pages) go through a small
 pinned bounce buffer per worker. Every worker thread first makes
-the destination its current device (`use_device`): CUDA's current device is per thread, and
+the destination its current device (`use_device_in_thread`): CUDA's current device is per thread, and
 a thread left on device 0 would create a context there (about 500 MB) on leaving a stream.
 
 Cold pages (mmap reader with `prefetching`): a single prefetch thread announces the next
@@ -29,7 +29,6 @@ that RSS (not only anonymous memory) stays bounded.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,14 +37,13 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .devices import use_device_in_thread as use_device  # the read pool's initializer
+from .devices import use_device_in_thread  # the read pool's initializer
 from .errors import ReadError
 from .expr import apply_ops
-from .placer import WholeDest, assign, box_of, copy_into
+from .placer import Destination, assign, copy_into
 from .plan import ReadItem
 from .quant.dequant import QuantizedBox
-from .quant.onload import QuantizedDest
-from .readers import Arena, MmapReader, PreadReader, RemoteReader, byte_runs
+from .readers import Arena, Reader, byte_runs
 from .schedule import Group
 from .targets import Slot, current_tensor, local_tensor
 
@@ -114,7 +112,7 @@ class CudaCopies:
     def pinned_bytes(self) -> int:
         return sum(bounce.pinned_bytes for bounce in self._bounces)
 
-    def place(self, dest: torch.Tensor | QuantizedDest | WholeDest, item: ReadItem,
+    def place(self, dest: Destination, item: ReadItem,
               source: torch.Tensor | QuantizedBox) -> None:
         """Copy the item's host bytes into its box of `dest` (or its parts to the device, then
         dequantized, quantized, or kept there); returns once they are there."""
@@ -127,11 +125,11 @@ class CudaCopies:
             done.record(self.stream)
             self.wait(done)
 
-    def _place(self, dest, item: ReadItem, source: torch.Tensor | QuantizedBox, uploaded: list) -> None:
+    def _place(self, dest: Destination, item: ReadItem, source: torch.Tensor | QuantizedBox, uploaded: list) -> None:
         if isinstance(source, QuantizedBox):  # a pre-quantized box: each part to the device
             parts = QuantizedBox(*(self.upload(part, uploaded) if part is not None else None for part in source))
             return copy_into(dest, item, parts)
-        box = box_of(dest, item) if isinstance(dest, torch.Tensor) else None  # else quantized on the GPU
+        box = dest.box(item)  # None: converted on the GPU (quantized, a whole conversion)
         shaped = apply_ops(source, item.ops)
         if box is not None and shaped.dtype == box.dtype and shaped.is_contiguous() and box.is_contiguous():
             self.h2d(box, shaped)  # the bytes land in place: one copy
@@ -286,33 +284,26 @@ class ItemFailed(Exception):
 
 
 def worker_pool(workers: int, device: torch.device) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers, thread_name_prefix="lazyload-read", initializer=use_device,
+    return ThreadPoolExecutor(workers, thread_name_prefix="lazyload-read", initializer=use_device_in_thread,
                               initargs=(device,))
 
 
-def direct_target(dest: torch.Tensor, item: ReadItem) -> torch.Tensor | None:
+def direct_target(dest: Destination, item: ReadItem) -> torch.Tensor | None:
     """A uint8 view of the item's box in `dest` when the file bytes can land there as they
     are: CPU destination, same dtype, no transpose, one contiguous run each side."""
-    if (not isinstance(dest, torch.Tensor) or dest.device.type != "cpu" or dest.dtype != item.entry.dtype
-            or item.scales is not None):
+    if dest.device.type != "cpu" or item.scales is not None or any(op[0] == "transpose" for op in item.ops):
         return None
-    if any(op[0] == "transpose" for op in item.ops):
+    view = dest.box(item)
+    if view is None or view.dtype != item.entry.dtype or not view.is_contiguous():
         return None
     offsets, run = byte_runs(item)
     if len(offsets) != 1:
         return None
-    view = dest[tuple(slice(a, b) for a, b in item.dst_box)]
-    if not view.is_contiguous():
-        return None
     return view.reshape(-1).view(torch.uint8)
 
 
-def _workers(reader: object) -> int:
-    # pread threads mostly wait on the storage (the GIL is released): as many as the
-    # storage queue likes (the remote reader's GETs run in its own pool); mmap threads
-    # fault pages and copy: about one per core.
-    cores = os.cpu_count() or 2
-    return 8 if isinstance(reader, (PreadReader, RemoteReader)) else min(4, cores)
+def _workers(reader: Reader) -> int:
+    return reader.threads
 
 
 def uses_cuda(device: torch.device) -> bool:
@@ -320,9 +311,8 @@ def uses_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def run_schedule(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, dests: dict[str, torch.Tensor],
-                 budget: int, on_bytes: Callable[[int], None] = lambda n: None,
-                 mapped: frozenset[str] = frozenset()) -> EngineStats:
+def run_schedule(groups: list[Group], reader: Reader, dests: dict[str, Destination], budget: int,
+                 on_bytes: Callable[[int], None] = lambda n: None, mapped: frozenset[str] = frozenset()) -> EngineStats:
     """Read and place every item. `mapped`: targets whose destination is already a view of
     the file mapping; their items are only paged in (mmap reader), costing no host budget."""
     device = next(iter(dests.values())).device if dests else torch.device("cpu")
@@ -333,11 +323,11 @@ def run_schedule(groups: list[Group], reader: MmapReader | PreadReader | RemoteR
         arena: Arena | None = None
         copies: CudaCopies | None = None
         try:  # made inside: a failure in either still unpins what the other pinned
-            if isinstance(reader, (PreadReader, RemoteReader)):  # staged reads
+            if reader.staged:
                 arena = Arena(budget, pin=cuda)
             if cuda:
                 copies = CudaCopies(device, pinned_sources=arena is not None and arena.pinned_bytes > 0)
-            _run(groups, reader, dests, budget, on_bytes, mapped, device, arena, copies, progress)
+            _run(groups, Tasks(reader, dests, ByteBudget(budget), arena, copies, progress, on_bytes, mapped), device)
             if mapped:
                 try:
                     reader.check_mapped()
@@ -366,76 +356,89 @@ def _close(arena: Arena | None, copies: CudaCopies | None) -> EngineStats:
     return EngineStats(pinned, *h2d)
 
 
-def _run(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, dests: dict[str, torch.Tensor],
-         budget: int, on_bytes: Callable[[int], None], mapped: frozenset[str], device: torch.device,
-         arena: Arena | None, copies: CudaCopies | None, progress: Progress) -> None:
-    in_flight = ByteBudget(budget)
-    copy = copies.place if copies is not None else copy_into
+@dataclass
+class Tasks:
+    """What a worker does with one item, by how it is read: into staging (or straight into
+    its destination), as a view placed then released, or paged in (a mapped target)."""
 
-    def place(item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
-        progress.writing(item)
-        copy(dests[item.target], item, source)
+    reader: Reader
+    dests: dict[str, Destination]
+    in_flight: ByteBudget  # bytes of unstaged views not yet placed (staged reads: the arena is the budget)
+    arena: Arena | None
+    copies: CudaCopies | None
+    progress: Progress
+    on_bytes: Callable[[int], None]
+    mapped: frozenset[str]
 
-    def pread_task(item: ReadItem, buf: torch.Tensor, staged: bool) -> None:
+    def submit(self, pool: ThreadPoolExecutor, item: ReadItem) -> Future:
+        """Start the item's task (waiting first for staging or budget to free up)."""
+        if item.target in self.mapped:
+            return pool.submit(self.populate, item)
+        if self.arena is not None:
+            direct = direct_target(self.dests[item.target], item) if self.copies is None else None
+            buf = direct if direct is not None else self.arena.alloc(item.nbytes)
+            return pool.submit(self.staged, item, buf, direct is None)
+        self.in_flight.acquire(item.nbytes)
+        return pool.submit(self.unstaged, item)
+
+    def place(self, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
+        self.progress.writing(item)
+        if self.copies is not None:
+            self.copies.place(self.dests[item.target], item, source)
+        else:
+            copy_into(self.dests[item.target], item, source)
+
+    def done(self, item: ReadItem) -> None:
+        self.progress.placed(item)
+        self.on_bytes(item.nbytes)
+
+    def staged(self, item: ReadItem, buf: torch.Tensor, staging: bool) -> None:
         try:
-            if not staged:
-                progress.writing(item)  # the file's bytes land in the destination itself
-            source = reader.read_into(item, buf)
-            if staged:
-                place(item, source)
+            if not staging:
+                self.progress.writing(item)  # the file's bytes land in the destination itself
+            source = self.reader.read_into(item, buf)
+            if staging:
+                self.place(item, source)
         except Exception as exc:  # a read, or a placing (a cast out of GPU memory): the run stops
             raise ItemFailed(item, exc) from exc
         finally:
-            if staged:
-                arena.free(buf)
-        progress.placed(item)
-        on_bytes(item.nbytes)
+            if staging:
+                self.arena.free(buf)
+        self.done(item)
 
-    def mmap_task(item: ReadItem) -> None:
+    def unstaged(self, item: ReadItem) -> None:
         try:
-            source = reader.read(item)
-            place(item, source)
-            reader.release(item, source)
+            source = self.reader.read(item)
+            self.place(item, source)
+            self.reader.release(item, source)
         except Exception as exc:
             raise ItemFailed(item, exc) from exc
         finally:
-            in_flight.release(item.nbytes)
-        progress.placed(item)
-        on_bytes(item.nbytes)
+            self.in_flight.release(item.nbytes)
+        self.done(item)
 
-    def populate_task(item: ReadItem) -> None:
+    def populate(self, item: ReadItem) -> None:
         try:
-            reader.populate(item, dests[item.target])
+            self.reader.populate(item, self.dests[item.target].box(item))
         except (ReadError, OSError) as exc:
             raise ItemFailed(item, exc) from exc
-        progress.placed(item)
-        on_bytes(item.nbytes)
+        self.done(item)
 
-    workers = _workers(reader)
+
+def _run(groups: list[Group], tasks: Tasks, device: torch.device) -> None:
+    """Every group's items through the pool, a bounded number pending; with a prefetching
+    reader, each group announced (one thread) before its items start."""
+    workers = _workers(tasks.reader)
     pending: deque[Future] = deque()
     announced: dict[int, Future] = {}
     with worker_pool(workers, device) as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="lazyload-prefetch") as prefetcher:
         try:
             for k, group in enumerate(groups):
-                if reader.prefetching:
-                    # Announce the next layer while this one is placed; but never let a
-                    # worker touch a page not yet announced: on a partly read file that
-                    # fault would read its one page alone (MADV_RANDOM).
-                    for ahead in range(k, min(k + 2, len(groups))):
-                        if ahead not in announced:
-                            announced[ahead] = prefetcher.submit(reader.prefetch, groups[ahead].items)
-                    announced[k].result()
+                if tasks.reader.prefetching:
+                    _announce(tasks.reader, groups, k, announced, prefetcher)
                 for item in group.items:
-                    if item.target in mapped:
-                        pending.append(pool.submit(populate_task, item))
-                    elif arena is not None:
-                        direct = direct_target(dests[item.target], item) if copies is None else None
-                        buf = direct if direct is not None else arena.alloc(item.nbytes)
-                        pending.append(pool.submit(pread_task, item, buf, direct is None))
-                    else:
-                        in_flight.acquire(item.nbytes)
-                        pending.append(pool.submit(mmap_task, item))
+                    pending.append(tasks.submit(pool, item))
                     while len(pending) > 2 * workers or (pending and pending[0].done()):
                         pending.popleft().result()
             while pending:
@@ -448,15 +451,28 @@ def _run(groups: list[Group], reader: MmapReader | PreadReader | RemoteReader, d
             raise
 
 
-def settle_failure(error: ReadError, slots: dict[str, Slot], dests: dict[str, torch.Tensor]) -> ReadError:
+def _announce(reader: Reader, groups: list[Group], k: int, announced: dict[int, Future],
+              prefetcher: ThreadPoolExecutor) -> None:
+    """Announce the next layer while this one is placed; but never let a worker touch a page
+    not yet announced: on a partly read file that fault would read its one page alone
+    (MADV_RANDOM)."""
+    for ahead in range(k, min(k + 2, len(groups))):
+        if ahead not in announced:
+            announced[ahead] = prefetcher.submit(reader.prefetch, groups[ahead].items)
+    announced[k].result()
+
+
+def settle_failure(error: ReadError, slots: dict[str, Slot], dests: dict[str, Destination]) -> ReadError:
     """After a failed run: assign the targets that were fully read (they are loaded), leave
     the others as they were (meta, or a real model's previous values), and say so. Only a
     real tensor filled in place can be left half written: it is named (`partly_written`).
     Staging every in-place target into fresh memory instead would double a real model's
     memory for the length of the load."""
     for name in error.loaded:
-        assign(slots[name], dests[name])
-    in_place = [name for name in error.partly_written if _is_own_storage(slots[name], dests[name])]
+        for tensor_name, tensor in dests[name].tensors(name).items():
+            assign(slots[tensor_name], tensor)
+    in_place = [name for name in error.partly_written
+                if _is_own_storage(slots[name], dests[name].tensors(name)[name])]
     message = str(error)
     if in_place:
         message += (f" Partly written (a real model's tensors filled in place, now a mix of old and new values; "

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Collection
+from typing import Collection, Protocol
 
 import torch
 from torch import nn
 
-from .expr import Whole, apply_ops, box_shape, undo_ops
+from .expr import Box, Whole, apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
-from .quant.onload import Grid, QuantizedDest, keep_into, quantize_into, scale_shape
-from .readers import MmapReader, byte_runs
+from .quant.onload import Grid, QuantizedDest, scale_shape
+from .readers import byte_runs
 from .targets import Slot, current_tensor, is_dtensor, local_tensor
 
 
@@ -30,19 +30,19 @@ def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device) -> 
     return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, *grid)
 
 
-def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> torch.Tensor:
+def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> TensorDest:
+    """The model's own tensor when it is real and fits (filled in place), else a new one."""
     existing = local_tensor(current_tensor(slot))
     if (existing.device == device and existing.dtype == target.dtype
             and tuple(existing.shape) == target.local_shape and existing.is_contiguous()):
-        return existing.data
-    return torch.empty(target.local_shape, dtype=target.dtype, device=device)
+        return TensorDest(existing.data)
+    return TensorDest(torch.empty(target.local_shape, dtype=target.dtype, device=device))
 
 
-def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: MmapReader,
-                 slots: dict[str, Slot]) -> tuple[dict[str, torch.Tensor], list[ReadItem]]:
+def viewable(targets: list[TargetPlan], items: list[ReadItem], slots: dict[str, Slot]) -> dict[str, ReadItem]:
     """Targets that can be views of the checkpoint's file mapping instead of copies (what
-    `from_pretrained` does on CPU): a meta target filled by one contiguous run of a source
-    of its own dtype. Returns those views and the items still to read."""
+    `from_pretrained` does on CPU), with their one item: a meta target filled by one
+    contiguous run of a source of its own dtype."""
     by_target: dict[str, list[ReadItem]] = {}
     for item in items:
         by_target.setdefault(item.target, []).append(item)
@@ -56,8 +56,8 @@ def mapped_views(targets: list[TargetPlan], items: list[ReadItem], reader: MmapR
                 or item.scales is not None  # a dequantized weight is computed, never a view
                 or box_shape(item.dst_box) != target.local_shape or len(byte_runs(item)[0]) != 1):
             continue
-        views[target.name] = reader.view(item).reshape(target.local_shape)
-    return views, [item for item in items if item.target not in views]
+        views[target.name] = item
+    return views
 
 
 def whole_scratch(exprs: dict, shapes: dict, dtypes: dict, quantized: Collection[str], shape_of) -> dict[str, int]:
@@ -71,21 +71,73 @@ def whole_scratch(exprs: dict, shapes: dict, dtypes: dict, quantized: Collection
     return out
 
 
+class Destination(Protocol):
+    """How a target's read items land: a plain tensor (`TensorDest`), 8-bit data and scales
+    quantized on load (`quant.onload.QuantizedDest`), or scratch for a conversion run on whole
+    sources (`WholeDest`). The engine and the loader know destinations by this alone."""
+
+    device: torch.device
+
+    def box(self, item: ReadItem) -> torch.Tensor | None:
+        """The item's box, where its bytes may land as they are (a plain tensor of the
+        target's dtype); None when they must be converted first."""
+
+    def place(self, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
+        """Write the item's source (after its ops; dequantized when it has scales) into its
+        box, casting; `source` is on the destination's device."""
+
+    def write(self, box: Box, values: torch.Tensor) -> None:
+        """Full-precision values of `box` of the local tensor (a conversion's result)."""
+
+    def scratch_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype whole sources are gathered in for a target of `dtype`."""
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """Model tensor name -> value to assign, once every item has landed."""
+
+
+class TensorDest:
+    """A plain destination tensor (allocated, the model's own, or a view of the file mapping)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.device = tensor.device
+
+    def box(self, item: ReadItem) -> torch.Tensor:
+        return self.tensor[tuple(slice(a, b) for a, b in item.dst_box)]
+
+    def place(self, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
+        if item.scales is not None:
+            return dequant_into(self.tensor, item, source)
+        self.box(item).copy_(apply_ops(source, item.ops))
+
+    def write(self, box: Box, values: torch.Tensor) -> None:
+        self.tensor[tuple(slice(a, b) for a, b in box)].copy_(values)
+
+    def scratch_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype  # from_pretrained casts the sources to the target's dtype before converting
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        return {name: self.tensor}
+
+
 class WholeDest:
     """The destination of a target computed from whole sources (`expr.Whole`): each read item
     lands in its source's scratch tensor; once the last of its `items` has
     landed, the operation runs on the full tensors, the rank's regions of the result are
     written into `dest`, and the scratch is dropped. Items land from several reader threads."""
 
-    def __init__(self, dest: torch.Tensor | QuantizedDest, expr: Whole, target: TargetPlan, items: int, shape_of):
+    def __init__(self, dest: Destination, expr: Whole, target: TargetPlan, items: int, shape_of):
         self.dest, self.expr, self.target = dest, expr, target
         self.device = dest.device
-        # from_pretrained casts the sources to the target's dtype before converting
-        self._dtype = torch.float32 if isinstance(dest, QuantizedDest) else target.dtype  # quantized after
+        self._dtype = dest.scratch_dtype(target.dtype)
         self._shapes = [s.shape(shape_of) for _, s in expr.sources]
         self._scratch: list[torch.Tensor | None] = [None] * len(self._shapes)
         self._left = items
         self._lock = threading.Lock()
+
+    def box(self, item: ReadItem) -> None:
+        return None  # sources land in scratch, not in the target
 
     def place(self, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
         i = self.expr.position(item.entry.key)
@@ -93,7 +145,7 @@ class WholeDest:
             if self._scratch[i] is None:
                 self._scratch[i] = torch.empty(self._shapes[i], dtype=self._dtype, device=self.device)
             scratch = self._scratch[i]
-        copy_into(scratch, item, source)
+        TensorDest(scratch).place(item, source)
         with self._lock:
             self._left -= 1
             last = not self._left
@@ -106,14 +158,20 @@ class WholeDest:
         self._scratch = []
         for region in self.target.regions:
             values = full[tuple(slice(a, b) for a, b in region.global_box)]
-            box = tuple((s, s + b - a) for (a, b), s in zip(region.global_box, region.local_start))
-            if isinstance(self.dest, QuantizedDest):
-                quantize_into(self.dest, box, values)
-            else:
-                self.dest[tuple(slice(a, b) for a, b in box)].copy_(values)
+            self.dest.write(tuple((s, s + b - a) for (a, b), s in zip(region.global_box, region.local_start)), values)
+
+    def write(self, box: Box, values: torch.Tensor) -> None:
+        self.dest.write(box, values)
+
+    def scratch_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self._dtype
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        return self.dest.tensors(name)
 
 
-def with_whole(dests: dict, targets: list[TargetPlan], exprs: dict, items: list[ReadItem], shape_of) -> dict:
+def with_whole(dests: dict[str, Destination], targets: list[TargetPlan], exprs: dict, items: list[ReadItem],
+               shape_of) -> dict[str, Destination]:
     """`dests` with each target computed from whole sources behind its `WholeDest`."""
     counts: dict[str, int] = {}
     for item in items:
@@ -122,35 +180,10 @@ def with_whole(dests: dict, targets: list[TargetPlan], exprs: dict, items: list[
                         for t in targets if isinstance(exprs[t.name], Whole)}}
 
 
-def box_of(dest: torch.Tensor, item: ReadItem) -> torch.Tensor:
-    """The item's box of `dest` (a view)."""
-    return dest[tuple(slice(a, b) for a, b in item.dst_box)]
-
-
-def copy_into(dest: torch.Tensor | QuantizedDest | WholeDest, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
-    """Write the item's source tensor (after its ops) into its box of `dest`, casting, or
-    dequantize it there when the item has scales; a quantized destination gets the values
-    quantized (the quantize-on-load stage). `source` is on dest's device (host-to-device
-    copies are the engine's)."""
-    if isinstance(dest, WholeDest):
-        return dest.place(item, source)
-    if isinstance(dest, QuantizedDest):
-        if dest.keep:
-            return keep_into(dest, item, source)
-        return quantize_into(dest, item.dst_box, full_precision(item, source, dest.device))
-    if item.scales is not None:
-        return dequant_into(dest, item, source)
-    box_of(dest, item).copy_(apply_ops(source, item.ops))
-
-
-def full_precision(item: ReadItem, source: torch.Tensor | QuantizedBox, device: torch.device) -> torch.Tensor:
-    """The item's values as its destination box sees them: the source after its ops, or a
-    pre-quantized source dequantized into float32 first."""
-    if item.scales is None:
-        return apply_ops(source, item.ops)
-    values = torch.empty(box_shape(item.dst_box), dtype=torch.float32, device=device)
-    dequantize_into(undo_ops(values, item.ops), source, tuple(a for a, _ in item.src_box), item.scales.block)
-    return values
+def copy_into(dest: Destination, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
+    """Write the item's source tensor into its box of `dest` (see `Destination.place`);
+    `source` is on dest's device (host-to-device copies are the engine's)."""
+    dest.place(item, source)
 
 
 def dequant_into(dest: torch.Tensor, item: ReadItem, source: QuantizedBox) -> None:

@@ -44,8 +44,9 @@ def schedule(items: list[ReadItem]) -> list[Group]:
 
 def default_budget(groups: list[Group]) -> int:
     """About one layer of this rank's reads, never less than its largest single item."""
-    if not groups:
-        return 0
-    layer = max((g.nbytes for g in groups if g.layer), default=0)
-    largest = max(item.nbytes for g in groups for item in g.items)
+    layer = largest = 0
+    for group in groups:  # each item's bytes once: a plan of 100k items asks this
+        sizes = [item.nbytes for item in group.items]
+        layer = max(layer, sum(sizes)) if group.layer else layer
+        largest = max(largest, *sizes)
     return max(layer, largest)

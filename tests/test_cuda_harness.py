@@ -18,7 +18,7 @@ import torch
 
 from checkpoints import build_model, copy_checkpoint
 from lazyload import LazyCheckpoint, Quantization, ReadError
-from lazyload import checkpoint as loader
+from lazyload import planner as loader
 from lazyload import engine
 from lazyload.readers import pread
 

@@ -174,16 +174,16 @@ def _truncate_during_load(say, reader: str, directory: str, dtype: str, method: 
     if method == "populate":  # as on cold storage: mapped targets are paged in by the schedule
         patch.setattr("lazyload.readers.choice.resident_fraction", lambda items: 0.0)
     if method == "warm":  # warm pages: mapped targets need no read; the file shrinks before the run
-        import lazyload.checkpoint
+        import lazyload.executor
 
-        run_schedule = lazyload.checkpoint.run_schedule
+        run_schedule = lazyload.executor.run_schedule
 
         def shrink_first(*args, **kwargs):  # the files are mapped by now (the views are made)
             shard = str(shard_files(directory)[0])
             os.truncate(shard, 8 + read_header(shard)[0])
             return run_schedule(*args, **kwargs)
 
-        patch.setattr(lazyload.checkpoint, "run_schedule", shrink_first)
+        patch.setattr(lazyload.executor, "run_schedule", shrink_first)
         patch.setattr("lazyload.readers.choice.resident_fraction", lambda items: 1.0)
     else:
         every_read(patch, reader, truncate, method or None)

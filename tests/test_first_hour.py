@@ -22,7 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import lazyload.checkpoint
+import lazyload.executor
 from checkpoints import (build_model, copy_checkpoint, fixed_input, meta_tensors, outputs, reference_model,
                          rewrite_tensor_in_checkpoint, shard_files)
 from gloo import end_rank, spawn_collecting
@@ -40,7 +40,7 @@ def no_reading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("load_into went on to read the checkpoint")
 
-    monkeypatch.setattr(lazyload.checkpoint, "choose_reader", refuse)
+    monkeypatch.setattr(lazyload.executor, "choose_reader", refuse)
 
 
 def snapshot(model: nn.Module) -> dict:

@@ -104,7 +104,7 @@ def test_a_staged_load_without_cast_is_bitwise_the_files(mixed, monkeypatch):
     directory, config = mixed
     threads = {}
     monkeypatch.setattr(engine, "direct_target", lambda dest, item: None)
-    monkeypatch.setattr(engine, "use_device", lambda device: threads.setdefault(threading.get_ident(), device))
+    monkeypatch.setattr(engine, "use_device_in_thread", lambda device: threads.setdefault(threading.get_ident(), device))
     model = mixed_meta_model(config)
     report = LazyCheckpoint(str(directory)).load_into(model, reader="pread", max_host_bytes=1 << 20, progress=False)
     assert_equals_files(model, directory)

@@ -115,3 +115,24 @@ def test_formats_import_nothing_from_tensor_parallel():
     found = {n: sorted(d for d in deps if d == "lazyload.tp" or d.startswith("lazyload.tp."))
              for n, deps in graph.items() if n == "lazyload.formats" or n.startswith("lazyload.formats.")}
     assert {n: d for n, d in found.items() if d} == {}
+
+
+MAX_FUNCTION_LINES = 60
+
+
+
+def function_lengths() -> dict[str, int]:
+    """Every function in lazyload/ -> its lines, signature to end, its docstring not counted."""
+    lengths = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = node.body[0] if ast.get_docstring(node) else None
+                lines = node.end_lineno - node.lineno + 1 - (doc.end_lineno - doc.lineno + 1 if doc else 0)
+                lengths[f"{path.relative_to(PACKAGE.parent).as_posix()}::{node.name}"] = lines
+    return lengths
+
+
+def test_no_function_is_longer_than_60_lines():
+    long = {name: n for name, n in function_lengths().items() if n > MAX_FUNCTION_LINES}
+    assert long == {}

@@ -19,9 +19,9 @@ from typing import NamedTuple
 import torch
 
 from ..errors import ArgumentError, PlanError
-from ..expr import Expr, Piece, ShapeOf, apply_ops, box_shape
+from ..expr import Expr, Piece, ShapeOf, apply_ops, box_shape, undo_ops
 from ..plan import Placement, ReadItem, local_regions
-from .dequant import CPU_CHUNK, GPU_CHUNK, QuantizedBox
+from .dequant import CPU_CHUNK, GPU_CHUNK, QuantizedBox, dequantize_into
 
 QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -119,6 +119,25 @@ class QuantizedDest(NamedTuple):
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
+
+    # The destination interface (see `placer.Destination`).
+    def box(self, item: ReadItem) -> None:
+        return None  # bytes never land as they are: they are quantized (or kept with re-gridded scales)
+
+    def place(self, item: ReadItem, source: torch.Tensor | QuantizedBox) -> None:
+        """The quantize-on-load stage: the item's values quantized into their box."""
+        if self.keep:
+            return keep_into(self, item, source)
+        return quantize_into(self, item.dst_box, full_precision(item, source, self.device))
+
+    def write(self, box: tuple[tuple[int, int], ...], values: torch.Tensor) -> None:
+        quantize_into(self, box, values)
+
+    def scratch_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32  # whole sources are converted in full precision, quantized after
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        return {name: self.data, name + "_scale": self.scale}  # the 8-bit data, and its scales beside it
 
 
 class Grid(NamedTuple):
@@ -221,6 +240,16 @@ def kept_group(full: list[Piece], shape: tuple[int, ...], placement: Placement, 
             if lo < min(b, c1):
                 group = math.gcd(group, source + lo - c0, local + lo - a)
     return max(1, group)
+
+
+def full_precision(item: ReadItem, source: torch.Tensor | QuantizedBox, device: torch.device) -> torch.Tensor:
+    """The item's values as its destination box sees them: the source after its ops, or a
+    pre-quantized source dequantized into float32 first."""
+    if item.scales is None:
+        return apply_ops(source, item.ops)
+    values = torch.empty(box_shape(item.dst_box), dtype=torch.float32, device=device)
+    dequantize_into(undo_ops(values, item.ops), source, tuple(a for a, _ in item.src_box), item.scales.block)
+    return values
 
 
 def keep_into(dest: QuantizedDest, item: ReadItem, source: QuantizedBox) -> None:

@@ -13,6 +13,7 @@ from ..index import CheckpointIndex
 from ..plan import ReadItem
 from ..system import PAGE, memory_limit
 from ..remote import RemoteCheckpoint
+from .base import Reader
 from .mmap import MmapReader
 from .pread import PreadReader
 from .remote import RemoteReader
@@ -23,9 +24,17 @@ from .runs import byte_runs, pages_touched
 WARM_FRACTION = 0.9
 
 
+def reader_name(name: str, device: torch.device, remote: RemoteCheckpoint | None) -> str:
+    """The reader a load uses: "remote" for a URL; "auto" is mmap for a CPU destination,
+    pread (pinned staging) for a GPU (see `choose_reader`)."""
+    if remote is not None:
+        return "remote"
+    return ("mmap" if device.type == "cpu" else "pread") if name == "auto" else name
+
+
 def choose_reader(name: str, device: torch.device, release_pages: bool, items: list[ReadItem],
                   index: CheckpointIndex, world: int,
-                  remote: RemoteCheckpoint | None = None) -> MmapReader | PreadReader | RemoteReader:
+                  remote: RemoteCheckpoint | None = None) -> Reader:
     """"auto": mmap for a CPU destination, pread (pinned staging) for a GPU. The mmap
     reader casts straight from the page cache, where pread pays one more copy (into its
     staging) and, for same-dtype targets, cannot keep views of the mapping: measured on
@@ -33,10 +42,9 @@ def choose_reader(name: str, device: torch.device, release_pages: bool, items: l
     prefetch is on when this rank's pages are not in the page cache (asked only for mmap:
     announcing cached pages costs a page-cache lookup each). A remote checkpoint is read by
     ranged GETs (`remote.py`), whatever `name` says (the loader refuses any but "auto")."""
-    if remote is not None:
+    name = reader_name(name, device, remote)
+    if name == "remote":
         return RemoteReader(remote, index.identities)
-    if name == "auto":
-        name = "mmap" if device.type == "cpu" else "pread"
     partial = partially_read_files(items, index)
     if name == "pread":
         return PreadReader(release_pages, partial, index.identities)

@@ -29,14 +29,19 @@ from ..plan import ReadItem
 from ..quant.dequant import QuantizedBox
 from ..system import (FAULT_AROUND, MADV_DONTNEED, MADV_POPULATE_READ, MADV_RANDOM, fadvise, file_mappings,
                       madvise, madvise_checked, readahead_window)
+from .base import Reader
 from .identity import RERUN, check_size, open_checked
 from .runs import byte_runs, is_one_range, span_is_cheaper
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format is a zip archive; safetensors starts with a length
 
 
-class MmapReader:
+class MmapReader(Reader):
     name = "mmap"
+    staged = False  # slices are views of the mapping, cast straight from the page cache
+    maps_views = True
+    # Its threads fault pages and copy: about one per core.
+    threads = min(4, os.cpu_count() or 2)
 
     def __init__(self, release_pages: bool = False, partial_files: set[str] = frozenset(),
                  prefetch: bool = False, host_ranks: int = 1, identities: Mapping[str, FileIdentity] | None = None):

@@ -25,6 +25,7 @@ from ..headers import FileIdentity
 from ..plan import STAGE_ALIGN, ReadItem
 from ..quant.dequant import QuantizedBox
 from ..system import PAGE, fadvise
+from .base import Reader
 from .identity import RERUN, open_checked
 from .runs import byte_runs, is_one_range, span_is_cheaper
 
@@ -122,7 +123,7 @@ def clear_cuda_error() -> None:
         cudart.cudaGetLastError()
 
 
-class PreadReader:
+class PreadReader(Reader):
     name = "pread"
     prefetching = False  # it reads exact ranges itself
 

@@ -24,7 +24,9 @@ from ..expr import box_shape
 from ..plan import ReadItem
 from ..quant.dequant import QuantizedBox
 from ..remote.source import RemoteCheckpoint
+from ..report import size
 from ..remote.store import ObjectIdentity, Stats
+from .base import Reader
 from .runs import byte_runs
 
 
@@ -72,7 +74,7 @@ def scatter(data: memoryview, get: Get, offsets: np.ndarray, run: int, out: np.n
         out[k * run + a - r:k * run + b - r] = src[a:b]
 
 
-class RemoteReader:
+class RemoteReader(Reader):
     name = "remote"
     prefetching = False  # it fetches exact ranges itself
     release_pages = False  # no page cache: nothing is kept
@@ -104,6 +106,13 @@ class RemoteReader:
         with self._lock:
             self.bytes_read += item.nbytes
         return out.view(item.entry.dtype).view(box_shape(item.src_box))
+
+    def report_fields(self) -> dict[str, int]:
+        return self.stats.fields()
+
+    def progress_note(self) -> str:
+        stats = self.stats
+        return f"{stats.requests} GETs, {stats.retries} retries, {size(stats.bytes_served)} served"
 
     def _fetch(self, url: str, get: Get, offsets: np.ndarray, run: int, out: np.ndarray) -> None:
         identity = self._identities.get(url)

@@ -28,13 +28,14 @@ from ..formats.logical import Layout, Part
 from ..formats.sharded import FORMAT, LAYOUT_JSON, VERSION
 from ..headers import DTYPES, TensorEntry
 from ..index import CheckpointIndex
-from ..mapping import Mapping, check_mapping, map_model, natural_key
-from ..tp.placements import resolve_placements
-from ..plan import ReadItem, check_rank, plan_for_rank
+from ..mapping import Mapping, check_mapping, natural_key
+from ..placer import TensorDest
+from ..plan import ReadItem, check_rank
+from ..planner import LoadOptions, map_checkpoint, plan_load
 from ..readers import PreadReader
 from ..schedule import default_budget, layer_of, schedule
 from .output import check_output, source_dirs, staged_directory
-from ..targets import model_slots, model_specs
+from ..stored import StoredCheckpoint, meta_model, transformers_config
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _CONFIGS = ("config.json", "generation_config.json")
@@ -57,22 +58,9 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
     check_rank(0, world)
     index = _index_of(src)
     check_output(out_dir, source_dirs(_local_paths(src) + list(index.files)), overwrite)
-    model = model if model is not None else _meta_model(config, src)
     view = _names_as_tensors(index)
-    slots, aliases = model_slots(model)
-    specs = model_specs(model, slots)
-    mapping = map_model(view, model, specs, aliases)
-    if mapping.mismatched:
-        check_mapping(Mapping(mapping.exprs, [], [], mapping.mismatched), view, specs)
-    shapes = {n: s.shape for n, s in specs.items()}
-    dtypes = {n: view[e.keys()[0]].dtype for n, e in mapping.exprs.items()}
-    boxes: dict[str, dict[int, list[Box]]] = defaultdict(lambda: defaultdict(list))
-    for rank in range(world):
-        placements = resolve_placements(model, specs, mapping.mismatched, plan, rank, world).placements
-        _, items = plan_for_rank(mapping.exprs, view, shapes, dtypes, placements, rank, world)
-        for item in items:
-            if item.src_box not in boxes[item.entry.key][rank]:
-                boxes[item.entry.key][rank].append(item.src_box)
+    boxes = _rank_boxes(StoredCheckpoint.of_index(view), model if model is not None else _meta_model(config, src),
+                        world, plan)
     for name in view:  # tensors no model tensor reads are kept, whole, in rank 0's file
         if name not in boxes:
             boxes[name][0].append(full_box(view[name].shape))
@@ -81,6 +69,21 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
         _write_layout(staging, pieces, index, view, world, max_file_bytes, max_host_bytes)
         _copy_configs(src, staging)
     return os.path.join(out_dir, LAYOUT_JSON)
+
+
+def _rank_boxes(view: StoredCheckpoint, model: nn.Module, world: int, plan: dict | str | None) -> dict:
+    """Source tensor name -> rank -> the boxes of it that rank reads, as `load_into` plans
+    them (the same planner; each source name a leaf of the view)."""
+    options = LoadOptions(plan=plan, strict=False, missing="keep")
+    boxes: dict[str, dict[int, list[Box]]] = defaultdict(lambda: defaultdict(list))
+    mapped = map_checkpoint(view, view.index, model, None)
+    if mapped.mapping.mismatched:
+        check_mapping(Mapping(mapped.mapping.exprs, [], [], mapped.mapping.mismatched), view.index, mapped.specs)
+    for rank in range(world):
+        for item in plan_load(view, model, rank, world, options, preview=True, mapped=mapped).items:
+            if item.src_box not in boxes[item.entry.key][rank]:
+                boxes[item.entry.key][rank].append(item.src_box)
+    return boxes
 
 
 def _write_layout(out_dir: str, pieces: dict, index: CheckpointIndex, view: CheckpointIndex, world: int,
@@ -127,19 +130,13 @@ def _index_of(src: Any) -> CheckpointIndex:
 
 def _meta_model(config: Any, src: Any) -> nn.Module:
     """The model whose placements define the split, built on meta from its config."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
     if config is None or isinstance(config, (str, os.PathLike)):
         where = config or (src if isinstance(src, (str, os.PathLike)) and os.path.isdir(src) else None)
         if where is None or not os.path.exists(os.path.join(where, "config.json") if os.path.isdir(where) else where):
             raise PlanError(f"{src}: no config.json to build the model whose split to write; pass model= (built "
                             "on meta) or config= (a transformers config or a directory holding config.json).")
-        config = AutoConfig.from_pretrained(where)
-    with torch.device("meta"):
-        try:
-            return AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            return AutoModel.from_config(config)
+        config = where
+    return meta_model(transformers_config(None, config))
 
 
 def _names_as_tensors(index: CheckpointIndex) -> CheckpointIndex:
@@ -214,7 +211,7 @@ def _write_file(path: str, chunk: list, index: CheckpointIndex, view: Checkpoint
         for layer_pieces in by_layer.values():
             items, dests = [], {}
             for key, name, box in layer_pieces:
-                dests[key] = torch.empty(box_shape(box), dtype=view[name].dtype)
+                dests[key] = TensorDest(torch.empty(box_shape(box), dtype=view[name].dtype))
                 origin = [a for a, _ in box]
                 for p in index.expr(name).pieces(box, shape_of):
                     dst = tuple((a - o, b - o) for (a, b), o in zip(p.dst_box, origin))
@@ -231,6 +228,6 @@ def _write_file(path: str, chunk: list, index: CheckpointIndex, view: Checkpoint
                 reader.close()
                 raise
             for key, _, _ in layer_pieces:
-                f.write(memoryview(dests[key].reshape(-1).view(torch.uint8).numpy()))
+                f.write(memoryview(dests[key].tensor.reshape(-1).view(torch.uint8).numpy()))
     reader.close()
     os.replace(path + ".tmp", path)

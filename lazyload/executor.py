@@ -1,0 +1,168 @@
+"""The executor: carries out a `LoadPlan` (planner.py), the only place where the model
+changes, in named steps:
+
+    swap quantized layers -> make parallel -> allocate -> read and place -> agree -> assign -> buffers
+
+Every input check ran in the planner, and every rank agreed on its plan before `execute`
+is called (`load_into`); here only a read can fail (a ReadError saying what was loaded).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .agreement import Agreement, NoAgreement
+from .buffers import fill_meta_buffers
+from .engine import EngineStats, run_schedule, settle_failure
+from .errors import PlanError, ReadError
+from .tp.runnable import auto_parallelize
+from .placer import Destination, TensorDest, allocate, allocate_quantized, assign, with_whole
+from .planner import LoadPlan
+from .quant.linear import to_torchao
+from .quant.targets import saved_bytes, swap_quantized
+from .readers import Reader, choose_reader
+from .report import LoadReport, MemorySampler, size
+from .targets import Slot, current_tensor, is_dtensor, local_tensor, model_slots
+
+logger = logging.getLogger("lazyload")
+
+
+def execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement = NoAgreement(),
+            started: float | None = None) -> LoadReport:
+    """Load `model` as `plan` says; returns the LoadReport (`started`: when planning began)."""
+    started = time.perf_counter() if started is None else started
+    slots = swap_quantized_layers(plan, model)
+    make_parallel(plan, model, slots)
+    reader = choose_reader(plan.reader, plan.device, plan.release_pages, plan.items, plan.index, plan.world,
+                           plan.remote)
+    logger.info("lazyload: loading %d tensors (%s to copy, %s mapped) with the %s reader, budget %s",
+                len(plan.targets), size(plan.bytes_copied), size(plan.bytes_mapped), reader.name, size(plan.budget))
+    # The bar counts every byte a target gets: copied, and mapped (paged in by the schedule, or already cached).
+    bar = tqdm(total=(plan.bytes_copied + plan.bytes_mapped) / 2**20, unit="MiB", desc="lazyload",
+               disable=not _show_progress(plan.options.progress, plan.rank),
+               bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+    with MemorySampler() as memory, bar:
+        try:
+            dests = allocate_destinations(plan, slots, reader)
+            if not reader.prefetching:
+                bar.update(plan.bytes_mapped / 2**20)
+            stats = read_and_place(plan, reader, dests, slots, bar)
+        finally:
+            reader.close()
+        agree.reached("read")  # every rank read everything: only now is any model made runnable
+        assign_loaded(plan, slots, dests)
+        recomputed = fill_meta_buffers(plan.recompute)
+    if plan.quantized and plan.quantization.torchao and plan.world == 1:
+        to_torchao(model, [name.rpartition(".")[0] for name in plan.quantized if name.endswith(".weight")])
+    report = _report(plan, reader, dests, stats, memory, recomputed, time.perf_counter() - started)
+    logger.info("%s", report)
+    if not report.ok:
+        logger.warning("lazyload: rank %d: %s (strict=False); see the report", plan.rank,
+                       _problems(report, plan.options.missing))
+    return report
+
+
+def swap_quantized_layers(plan: LoadPlan, model: nn.Module) -> dict[str, Slot]:
+    """Linear layers and fused experts quantized on load become their quantized modules
+    (on meta); the slots then name the new modules' tensors."""
+    if not plan.quantized:
+        return plan.mapped.slots
+    swap_quantized(model, plan.quantized, plan.quantization)
+    return model_slots(model)[0]
+
+
+def make_parallel(plan: LoadPlan, model: nn.Module, slots: dict[str, Slot]) -> None:
+    """Under torch.distributed, a model nobody made parallel is made runnable (DTensors of
+    the planned split); each planned local shape must be the one its parameter now has."""
+    o = plan.options
+    if not auto_parallelize(model, o.plan, plan.rank, plan.world, plan.device, plan.placements, o.shards_only):
+        return
+    for target in plan.targets:
+        tensor = current_tensor(slots[target.name])
+        if is_dtensor(tensor) and tuple(local_tensor(tensor).shape) != target.local_shape:
+            raise PlanError(f"{target.name}: made parallel with a local shape of {list(local_tensor(tensor).shape)}, "
+                            f"planned as {list(target.local_shape)} (a lazyload bug: please report it).")
+
+
+def allocate_destinations(plan: LoadPlan, slots: dict[str, Slot], reader: Reader) -> dict[str, Destination]:
+    """Each target's destination: a view of the file mapping, 8-bit data and scales, the
+    model's own tensor (filled in place) or a new one; behind a `WholeDest` when converted."""
+    dests: dict[str, Destination] = {}
+    for target in plan.targets:
+        if target.name in plan.views:
+            dests[target.name] = TensorDest(reader.view(plan.views[target.name]).reshape(target.local_shape))
+        elif target.name in plan.quantized:
+            dests[target.name] = allocate_quantized(target, plan.quantized[target.name], plan.device)
+        else:
+            dests[target.name] = allocate(target, slots[target.name], plan.device)
+    return dests
+
+
+def read_and_place(plan: LoadPlan, reader: Reader, dests: dict[str, Destination], slots: dict[str, Slot],
+                   bar: tqdm) -> EngineStats:
+    """Run the schedule; after a failed read, what was fully read is assigned, the rest left as it was."""
+    groups = plan.groups if reader.prefetching else plan.copy_groups
+    try:
+        return run_schedule(groups, reader, with_whole(dests, plan.targets, plan.mapping.exprs, plan.items,
+                                                       plan.index.shape_of),
+                            plan.budget, on_bytes=_progress(bar, reader), mapped=frozenset(plan.views))
+    except ReadError as exc:
+        raise settle_failure(exc, slots, dests) from exc
+
+
+def assign_loaded(plan: LoadPlan, slots: dict[str, Slot], dests: dict[str, Destination]) -> None:
+    """Every target's tensors (a quantized one's scales too), and the initialised ones, into the model."""
+    for target in plan.targets:
+        for name, tensor in dests[target.name].tensors(target.name).items():
+            assign(slots[name], tensor)
+    for name, value in plan.initialized.items():
+        assign(slots[name], value)
+
+
+def _report(plan: LoadPlan, reader: Reader, dests: dict[str, Destination], stats: EngineStats,
+            memory: MemorySampler, recomputed: list[str], seconds: float) -> LoadReport:
+    mapping, quantized = plan.mapping, plan.quantized
+    return LoadReport(loaded=[t.name for t in plan.targets], missing=mapping.missing,
+                      unexpected=mapping.unexpected, mismatched=mapping.mismatched,
+                      initialized=list(plan.initialized), recomputed_buffers=recomputed,
+                      ignored_buffer_keys=mapping.ignored_buffer_keys, other_stages=mapping.other_stages,
+                      read_whole={n: sum(i.nbytes for i in plan.items if i.target == n) for n in plan.whole},
+                      bytes_read=reader.bytes_read, bytes_mapped=plan.bytes_mapped, seconds=seconds,
+                      peak_rss=memory.peak_rss, peak_anon=memory.peak_anon, peak_file=memory.peak_file,
+                      rank=plan.rank, world=plan.world, reader=reader.name, prefetched=reader.prefetching,
+                      released_pages=plan.release_pages, pinned_bytes=stats.pinned_bytes,
+                      quantized=[name.rpartition(".")[0] for name in quantized],
+                      quantized_to=plan.quantization.describe() if quantized else "",
+                      bytes_saved=saved_bytes({n: dests[n] for n in quantized}, plan.full_dtypes),
+                      h2d_bytes=stats.h2d_bytes, h2d_seconds=stats.h2d_seconds, **reader.report_fields())
+
+
+def _show_progress(progress: bool | None, rank: int) -> bool:
+    if progress is not None:
+        return bool(progress) and rank == 0
+    return rank == 0 and os.environ.get("LAZYLOAD_PROGRESS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _progress(bar: tqdm, reader: Reader):
+    """The bar's update per placed item; a remote reader's requests and retries beside it."""
+    def update(n: int) -> None:
+        note = reader.progress_note()
+        if note:
+            bar.set_postfix_str(note, refresh=False)
+        bar.update(n / 2**20)
+
+    return update
+
+
+def _problems(report: LoadReport, missing: str) -> str:
+    unfilled = len(report.missing) + len(report.mismatched)
+    fate = ("given the model's own initialisation" if report.initialized else
+            "left as they were" if missing == "keep" else "kept their values")
+    parts = [f"{unfilled} model tensors not filled from the checkpoint ({fate})"] if unfilled else []
+    parts += [f"{len(report.unexpected)} checkpoint tensors not used"] if report.unexpected else []
+    return ", ".join(parts)
