@@ -1,8 +1,8 @@
 """The page-cache probe that chooses between mapping warm pages and prefetching cold ones
 (`readers.residency.resident_fraction`) asks mincore about the pages a rank's items span,
 not about whole files: on a 405B-shaped checkpoint at world 128 a rank spans a third of
-the files, and a probe of every page of every file was 2.5 CPU seconds (a tenth of the
-load) before a byte was read. Counted here in bytes held by the probe, not timed."""
+the files, and a probe of every page of every file was 2.5 CPU seconds (about a tenth
+of the load) before a byte was read. Counted here in bytes held by the probe, not timed."""
 from __future__ import annotations
 
 import os
