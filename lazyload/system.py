@@ -62,23 +62,28 @@ def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
         os.posix_fadvise(fd, offset, length, advice)
 
 
-def resident_pages(path: str) -> np.ndarray | None:
-    """One bool per page of `path`: in the page cache or not (None where mincore is not
-    available). The private mapping made for the question is never touched, so asking
-    faults nothing in."""
+def resident_pages(path: str, first: int = 0, last: int | None = None) -> np.ndarray | None:
+    """One bool per page of `path` in pages [first, last) (the whole file by default,
+    clipped to it): in the page cache or not (None where mincore is not available). Only
+    the pages asked about are looked up, one page-cache lookup each. The private mapping
+    made for the question is never touched, so asking faults nothing in."""
     mincore = libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     size = os.path.getsize(path)
     if mincore is None or size == 0:
         return None
+    pages = -(-size // PAGE)
+    first, last = min(first, pages), pages if last is None else min(last, pages)
+    vec = np.zeros(max(last - first, 0), dtype=np.uint8)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
         address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-        vec = np.zeros((size + PAGE - 1) // PAGE, dtype=np.uint8)
         try:
-            if mincore(ctypes.c_void_p(address), size, vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+            if len(vec) and mincore(ctypes.c_void_p(address + first * PAGE), len(vec) * PAGE,
+                                    vec.ctypes.data_as(ctypes.c_void_p)) != 0:
                 return None
         finally:
             del address  # no buffer export may outlive the mapping
-    return (vec & 1).astype(bool)
+    np.bitwise_and(vec, 1, out=vec)  # the low bit says resident; the others are reserved
+    return vec.view(bool)
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,8 +3,6 @@ mapping is the fastest way to take warm pages, announcing exact ranges ahead the
 way to fetch cold ones."""
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 
 from ..plan import ReadItem
@@ -14,22 +12,17 @@ from .runs import byte_runs
 
 def resident_fraction(items: list[ReadItem]) -> float:
     """Share of the pages spanned by these items that are in the page cache (1.0 when it
-    cannot be told, so that nothing is read twice on a guess)."""
-    spans = defaultdict(list)
+    cannot be told, so that nothing is read twice on a guess). Only the spans are looked up,
+    one at a time, not the files: rank 0 of 128 of a 405B checkpoint spans a third of it."""
+    wanted = present = 0
     for item in items:
         offsets, run = byte_runs(item)
-        spans[item.entry.file].append((int(offsets[0]), int(offsets[-1]) + run))
-    wanted = present = 0
-    for path, ranges in spans.items():
         try:
-            pages = resident_pages(path)
+            pages = resident_pages(item.entry.file, int(offsets[0]) // PAGE, -(-(int(offsets[-1]) + run) // PAGE))
         except OSError:  # gone or unreadable: the reader says so, naming the file, when it opens it
             pages = None
         if pages is None:
             return 1.0
-        counts = np.concatenate([[0], np.cumsum(pages, dtype=np.int64)])
-        for start, end in ranges:
-            first, last = start // PAGE, min((end + PAGE - 1) // PAGE, len(pages))
-            wanted += last - first
-            present += int(counts[last] - counts[first])
+        wanted += len(pages)
+        present += int(np.count_nonzero(pages))
     return present / wanted if wanted else 1.0
