@@ -153,12 +153,12 @@ def _vm_hwm() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def _measured_write(directory, out, layer_bytes):
-    """In a fresh process: write a first copy (code pages into the baseline), reset
-    VmHWM, then write the quantized checkpoint; the peak growth."""
+def _measured_write(directory, warm, out, layer_bytes):
+    """In a fresh process: write the one-layer checkpoint `warm` first (code pages into the
+    baseline), reset VmHWM, then write the quantized checkpoint; the peak growth."""
     import gc
 
-    save_sharded(directory, out + "-warm", 1, quantize="int8", max_host_bytes=layer_bytes)
+    save_sharded(warm, out + "-warm", 1, quantize="int8", max_host_bytes=layer_bytes)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := the current RSS
@@ -168,13 +168,14 @@ def _measured_write(directory, out, layer_bytes):
 
 
 def test_writing_holds_about_one_layer(tmp_path):
-    directory, config = write_checkpoint("llama", "fp32", tmp_path / "big", hidden_size=256, intermediate_size=1024,
-                                         head_dim=64, num_hidden_layers=16)
+    shape = dict(hidden_size=256, intermediate_size=1024, head_dim=64)
+    directory, config = write_checkpoint("llama", "fp32", tmp_path / "big", num_hidden_layers=16, **shape)
+    warm, _ = write_checkpoint("llama", "fp32", tmp_path / "warm", num_hidden_layers=1, min_shards=1, **shape)
     h, i, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
     layer = 4 * (2 * h * h + 2 * kv * h + 3 * h * i)  # the float32 Linear weights of one layer
     total = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     assert total > 12 * layer
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        grown = pool.submit(_measured_write, str(directory), str(tmp_path / "out"), layer).result(timeout=300)
+        grown = pool.submit(_measured_write, str(directory), str(warm), str(tmp_path / "out"), layer).result(timeout=300)
     assert grown < 2 * layer + 16 * MiB, (f"writing grew the peak RSS by {grown / MiB:.1f} MiB; one layer is "
                                           f"{layer / MiB:.1f} MiB, the checkpoint {total / MiB:.1f} MiB")
