@@ -136,6 +136,25 @@ def test_cli_writes_the_same_checkpoint(source, written, tmp_path):
     assert not (tmp_path / "w2").exists()
 
 
+def test_files_cut_by_size_from_a_lazy_checkpoint(source, written, tmp_path):
+    """A LazyCheckpoint source (config.json from the model's config) cut into several files
+    with their index: the same tensors, bytes for bytes."""
+    from safetensors import safe_open
+
+    directory, config = source
+    out = tmp_path / "cut"
+    save_sharded(LazyCheckpoint(str(directory)), out, 1, config=str(directory), quantize="int8", max_file_bytes=2 * MiB)
+    weight_map = json.load(open(out / "model.safetensors.index.json"))["weight_map"]
+    assert len(set(weight_map.values())) > 1
+    with safe_open(os.path.join(written["int8"], "model.safetensors"), "pt") as whole:
+        assert sorted(weight_map) == sorted(whole.keys())
+        for key, name in weight_map.items():
+            with safe_open(out / name, "pt") as part:
+                assert torch.equal(_bytes(part.get_tensor(key)), _bytes(whole.get_tensor(key))), key
+    assert json.load(open(out / "config.json"))["quantization_config"] == json.load(
+        open(os.path.join(written["int8"], "config.json")))["quantization_config"]
+
+
 def test_columns_that_are_no_whole_groups_are_refused_before_writing(checkpoint, tmp_path):
     directory, _ = checkpoint("llama")  # hidden 64: less than one group of 128
     with pytest.raises(ArgumentError, match=r"q_proj.weight: 64 input columns .* group_size"):
