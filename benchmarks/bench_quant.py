@@ -21,7 +21,18 @@ Every dim of the benchmark Llama is a multiple of 128, where transformers' dequa
 exact too: the loaded values are compared. A last check loads a small FP8 Llama with an MLP
 of 1000 (not a multiple of 128) with both, against the exact formula.
 
+Forward time and weight memory of each holder (`--forward`: this table only), on the bf16
+checkpoint, all in one process, one holder loaded at a time, inference mode:
+  bf16 nn.Linear                 load_into(meta_model) of the bf16 checkpoint, the reference
+  lazyload int8 / fp8            QuantizedLinear: dequantizes its whole weight in every call
+  torchao int8 / fp8             Quantization(..., torchao=True): Int8Tensor / Float8Tensor weights
+  transformers FP8Linear         from_pretrained of the FP8 checkpoint (Triton / DeepGEMM kernels:
+                                 a CUDA device only; skipped with the reason elsewhere)
+Per token: a batch of one, `--prompt` tokens in one call (prefill), and one token (the
+weight-bound decode regime, no KV cache), medians of `--repeat` calls after a warm-up.
+
 Usage: python benchmarks/bench_quant.py [--quick] [--ckpt-dir DIR] [--fp8-dir DIR] [--repeat 3]
+       python benchmarks/bench_quant.py --forward [--quick] [--device cpu] [--prompt 128] [--repeat 5]
 """
 
 import argparse
@@ -58,12 +69,12 @@ def weight_bytes(model):
     total = quantized = as_bf16 = 0
     params = dict(model.named_parameters())
     for name, p in params.items():
-        if name.endswith("_scale") and name.removesuffix("_scale") in params:  # counted with its weight
-            continue
+        if any(name.endswith(end) and name.removesuffix(end) in params for end in ("_scale", "_scale_inv")):
+            continue  # counted with its weight
         if hasattr(p, "qdata"):  # torchao
             data, scale = p.qdata, p.scale
-        elif p.dtype in (torch.int8, torch.float8_e4m3fn):  # lazyload's QuantizedLinear, QuantizedExperts: X, X_scale
-            data, scale = p, params[name + "_scale"]
+        elif p.dtype in (torch.int8, torch.float8_e4m3fn):  # lazyload's X, X_scale; transformers' FP8 X_scale_inv
+            data, scale = p, params.get(name + "_scale", params.get(name + "_scale_inv"))
         else:
             total += p.numel() * p.element_size()
             continue
@@ -237,11 +248,16 @@ def main():
     parser.add_argument("--rows", default="lazyload fp8 -> bf16,lazyload fp8 -> bf16 pread,"
                         "lazyload bf16 -> fp16 (cast),transformers fp8 -> bf16")
     parser.add_argument("--quant-rows", default=",".join(QUANT_CASES), help="quantize-on-load rows ('' for none)")
+    parser.add_argument("--forward", action="store_true", help="only the forward table of each weight holder")
+    parser.add_argument("--device", default="cpu", help="--forward: the device the holders run on")
+    parser.add_argument("--prompt", type=int, default=128, help="--forward: tokens of the prefill call")
     ARGS = parser.parse_args()
     ckpt_dir = ARGS.ckpt_dir or common.default_ckpt_dir(ARGS.layers, ARGS.quick)
     fp8_dir = ARGS.fp8_dir or ckpt_dir.rstrip("/") + "_fp8"
     shape = common.checkpoint_shape(ARGS.layers, ARGS.quick)
     common.write_llama_checkpoint(ckpt_dir, ARGS.layers, ARGS.quick)
+    if ARGS.forward:
+        return forward_table(ckpt_dir, fp8_dir, shape)
     write_fp8(ckpt_dir, fp8_dir, shape)
     sizes = {d: sum(os.path.getsize(f) for f in common.shard_files(d)) for d in (ckpt_dir, fp8_dir)}
     print(f"## lazyload dequantizing load benchmark\n\nbf16 checkpoint {ckpt_dir}: {sizes[ckpt_dir] / GB:.2f} GB; "
@@ -315,6 +331,82 @@ def quant_rows(ckpt_dir, fp8_dir, shape):
             print(f"; {rec['seconds']:.2f} s vs transformers {tf['seconds']:.2f} s "
                   f"-> **{'PASS' if rec['seconds'] <= tf['seconds'] else 'FAIL'}**", end="")
         print()
+
+
+FORWARD_HOLDERS = {  # name -> quantize= of load_into (None: bf16); "transformers": from_pretrained of the FP8 copy
+    "bf16 nn.Linear": None,
+    "lazyload int8 QuantizedLinear": "int8",
+    "lazyload fp8 QuantizedLinear": "fp8",
+    "torchao int8 Int8Tensor": ("int8", True),
+    "torchao fp8 Float8Tensor": ("fp8", True),
+    "transformers FP8Linear": "transformers",
+}
+
+
+def load_holder(quantize, ckpt_dir, fp8_dir, shape, device):
+    """The benchmark Llama in bf16 with its Linear weights held as `quantize` says."""
+    import torch
+    from lazyload import ArgumentError, LazyCheckpoint, Quantization
+
+    if quantize == "transformers":
+        if torch.device(device).type != "cuda":
+            raise CaseSkipped("transformers' FP8Linear runs its Triton / DeepGEMM FP8 kernels on a CUDA GPU only")
+        from transformers import LlamaForCausalLM
+        write_fp8(ckpt_dir, fp8_dir, shape)
+        return LlamaForCausalLM.from_pretrained(fp8_dir, dtype=torch.bfloat16, device_map=device)
+    if isinstance(quantize, tuple):
+        try:
+            quantize = Quantization(quantize[0], torchao=True)
+        except ArgumentError as exc:
+            raise CaseSkipped(f"torchao is not installed ({exc})")
+    model = bench_load._meta_model(bench_load._config({"ckpt_dir": ckpt_dir}), torch.bfloat16)
+    LazyCheckpoint(ckpt_dir).load_into(model, device=device, quantize=quantize, progress=False)
+    return model.eval()
+
+
+def seconds_per_call(model, ids, repeat):
+    """Median wall seconds of model(ids), after one warm-up call."""
+    import statistics
+    import time
+    import torch
+
+    times = []
+    with torch.inference_mode():
+        for i in range(repeat + 1):
+            if ids.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            if ids.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def forward_table(ckpt_dir, fp8_dir, shape):
+    import torch
+
+    print(f"## Forward per token of each weight holder\n\n{ckpt_dir}: {shape['num_hidden_layers']} layers, hidden "
+          f"{shape['hidden_size']}, MLP {shape['intermediate_size']}; device {ARGS.device}, {torch.get_num_threads()} "
+          f"threads, batch 1, median of {ARGS.repeat}; {bench_load.load_average()}\n")
+    lines = [f"| holder | weight bytes (MiB) | vs bf16 | prefill ms/token ({ARGS.prompt} tokens) | vs bf16 "
+             "| decode ms/token (1 token) | vs bf16 |", "|---|---|---|---|---|---|---|"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape["vocab_size"], (1, ARGS.prompt), generator=g).to(ARGS.device)
+    base = None
+    for name, quantize in FORWARD_HOLDERS.items():
+        try:
+            model = load_holder(quantize, ckpt_dir, fp8_dir, shape, ARGS.device)
+        except CaseSkipped as exc:
+            print(f"- {name}: skipped: {exc}")
+            continue
+        row = (weight_bytes(model)[0], seconds_per_call(model, ids, ARGS.repeat) / ARGS.prompt * 1e3,
+               seconds_per_call(model, ids[:, :1], ARGS.repeat) * 1e3)
+        base = base or row
+        lines.append(f"| {name} | {common.mib(row[0])} | {common.ratio(row[0], base[0])} | {row[1]:.3f} "
+                     f"| {common.ratio(row[1], base[1])} | {row[2]:.2f} | {common.ratio(row[2], base[2])} |")
+        del model
+    print("\n".join(lines))
 
 
 ARGS = None

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut a rank's file by layer past this size: bytes, or with a unit (500MB, 1GB = 10^9, "
                         "1GiB = 2^30)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds files (never SRC)")
+    p.add_argument("--quantize", choices=["int8", "fp8"], default=None,
+                   help="write a compressed-tensors checkpoint (with --world 1) whose Linear weights are quantized "
+                        "as load_into(quantize=...) quantizes them, which transformers and vLLM load")
     return parser
 
 
@@ -77,7 +80,7 @@ def _run(args: argparse.Namespace) -> str:
         from .writers import save_sharded
 
         return save_sharded(args.src, args.out, args.world, plan, config=args.config,
-                            max_file_bytes=args.max_file_bytes, overwrite=args.overwrite)
+                            max_file_bytes=args.max_file_bytes, overwrite=args.overwrite, quantize=args.quantize)
     if args.command == "plan":
         return format_plan(args.path, args.world, args.config, single_file=args.single_file, plan=plan,
                            quantize=args.quantize, dtype=args.dtype)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..engine import run_schedule
-from ..errors import CheckpointError, PlanError
+from ..errors import ArgumentError, CheckpointError, PlanError
 from ..expr import Box, Source, box_numel, box_shape, full_box
 from ..formats import CheckpointSource, open_index, resolve
 from ..formats.logical import Layout, Part
@@ -32,8 +32,10 @@ from ..mapping import Mapping, check_mapping, natural_key
 from ..placer import TensorDest
 from ..plan import ReadItem, check_rank
 from ..planner import LoadOptions, map_checkpoint, plan_load
+from ..quant.onload import Quantization
 from ..readers import PreadReader
 from ..schedule import default_budget, layer_of, schedule
+from .compressed import encode, entries, quantization_config, quantized_names
 from .output import check_output, source_dirs, staged_directory
 from ..stored import StoredCheckpoint, meta_model, transformers_config
 
@@ -43,7 +45,8 @@ _CONFIGS = ("config.json", "generation_config.json")
 
 def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | str | None = None, *,
                  model: nn.Module | None = None, config: Any = None, max_file_bytes: int | None = None,
-                 max_host_bytes: int | None = None, overwrite: bool = False) -> str:
+                 max_host_bytes: int | None = None, overwrite: bool = False,
+                 quantize: str | Quantization | None = None) -> str:
     """Write `src` (any checkpoint lazyload reads, or a LazyCheckpoint) pre-sharded for `world`
     ranks into `out_dir`; returns the path of its `lazyload_sharded.json`.
 
@@ -54,13 +57,25 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
 
     `out_dir` must be new or empty, or `overwrite=True` replaces it; the source's own directory
     (or one inside it) is an OutputError, refused before anything is written. The files are
-    written to a hidden directory beside `out_dir` that becomes `out_dir` only when complete."""
+    written to a hidden directory beside `out_dir` that becomes `out_dir` only when complete.
+
+    `quantize` ("int8", "fp8" or a `Quantization`; `world=1`) writes a compressed-tensors
+    checkpoint instead (`model.safetensors`, or several files with their index, and
+    `quantization_config` in config.json): the Linear weights as `load_into(model,
+    quantize=...)` quantizes them, with their scales (see `writers/compressed.py`); returns the
+    path of its config.json. Every rank of any world reads its own slice of it."""
     check_rank(0, world)
+    qconfig = Quantization.of(quantize)
+    if qconfig is not None and world != 1:
+        raise ArgumentError(f"save_sharded(quantize={quantize!r}) writes a compressed-tensors checkpoint of whole "
+                            f"tensors, from which each rank of any world reads its slice; pass world=1, not {world}.")
     index = _index_of(src)
     check_output(out_dir, source_dirs(_local_paths(src) + list(index.files)), overwrite)
     view = _names_as_tensors(index)
-    boxes = _rank_boxes(StoredCheckpoint.of_index(view), model if model is not None else _meta_model(config, src),
-                        world, plan)
+    model = model if model is not None else _meta_model(config, src)
+    if qconfig is not None:
+        return _save_compressed(src, out_dir, index, view, model, qconfig, max_file_bytes, max_host_bytes)
+    boxes = _rank_boxes(StoredCheckpoint.of_index(view), model, world, plan)
     for name in view:  # tensors no model tensor reads are kept, whole, in rank 0's file
         if name not in boxes:
             boxes[name][0].append(full_box(view[name].shape))
@@ -93,8 +108,8 @@ def _write_layout(out_dir: str, pieces: dict, index: CheckpointIndex, view: Chec
     for rank in range(world):
         for part, chunk in enumerate(_cut(pieces[rank], view, max_file_bytes)):
             name = f"rank-{rank:05d}-of-{world:05d}" + (f"-{part:05d}" if part else "") + ".safetensors"
-            _write_file(os.path.join(out_dir, name), chunk, index.for_rank(rank, world), view, rank, world,
-                        max_host_bytes)
+            _write_file(os.path.join(out_dir, name), chunk, index.for_rank(rank, world), view,
+                        {"format": "pt", "lazyload_rank": str(rank), "lazyload_world": str(world)}, max_host_bytes)
             for key, tensor, box in chunk:
                 records[tensor].append({"file": len(files), "key": key, "box": [list(span) for span in box]})
             files.append({"name": name, "rank": rank})
@@ -187,19 +202,69 @@ def _cut(pieces: list, view: CheckpointIndex, max_bytes: int | None) -> list[lis
     return chunks
 
 
-def _write_file(path: str, chunk: list, index: CheckpointIndex, view: CheckpointIndex, rank: int, world: int,
-                max_host_bytes: int | None) -> None:
-    """One safetensors file: the header, then each layer's pieces as soon as they are read."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "lazyload_rank": str(rank),
-                                               "lazyload_world": str(world)}}
+def _save_compressed(src: Any, out_dir: str | os.PathLike, index: CheckpointIndex, view: CheckpointIndex,
+                     model: nn.Module, qconfig: Quantization, max_file_bytes: int | None,
+                     max_host_bytes: int | None) -> str:
+    """A compressed-tensors checkpoint of `src` in `out_dir`, layer by layer (world 1)."""
+    stored = StoredCheckpoint.of_index(view)
+    exprs = map_checkpoint(stored, stored.index, model, None).mapping.exprs
+    encoded = quantized_names(model, exprs, {name: view[name].shape for name in view}, qconfig)
+    pieces = [(name, name, full_box(view[name].shape))
+              for name in sorted(view, key=lambda n: (natural_key(layer_of(n)), natural_key(n)))]
+    chunks = _cut(pieces, view, max_file_bytes)
+    names = (["model.safetensors"] if len(chunks) == 1 else
+             [f"model-{i + 1:05d}-of-{len(chunks):05d}.safetensors" for i in range(len(chunks))])
+    weight_map, total = {}, 0
+    with staged_directory(out_dir) as staging:
+        for name, chunk in zip(names, chunks):
+            total += _write_file(os.path.join(staging, name), chunk, index.for_rank(0, 1), view, {"format": "pt"},
+                                 max_host_bytes, encoded)
+            weight_map.update({key: name for k, n, box in chunk
+                               for key, _, _ in entries(k, view[n].dtype, box_shape(box), encoded.get(n))})
+        if len(chunks) > 1:
+            with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        _copy_configs(src, staging)
+        _write_config(os.path.join(staging, "config.json"), model, quantization_config(model, encoded, qconfig))
+    return os.path.join(out_dir, "config.json")
+
+
+def _write_config(path: str, model: nn.Module, quantization: dict) -> None:
+    """config.json (the source's, else the model's) with `quantization_config`."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            doc = json.load(f)
+    elif getattr(model, "config", None) is not None and hasattr(model.config, "to_dict"):
+        doc = model.config.to_dict()
+    else:
+        raise PlanError(f"{path}: the source has no config.json and the model no config to write one from; pass "
+                        "config= (a directory holding config.json) or a transformers model.")
+    doc["quantization_config"] = quantization
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+
+
+def _header(chunk: list, view: CheckpointIndex, metadata: dict, encoded: dict) -> tuple[bytes, int]:
+    """A safetensors header for the chunk's pieces (each quantized one as its weight and
+    scales), padded to 8 bytes, and the bytes of data it describes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for key, name, box in chunk:
-        nbytes = box_numel(box) * view[name].dtype.itemsize
-        header[key] = {"dtype": _DTYPE_NAMES[view[name].dtype], "shape": list(box_shape(box)),
-                       "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+        for out_key, dtype, shape in entries(key, view[name].dtype, box_shape(box), encoded.get(name)):
+            nbytes = box_numel(full_box(shape)) * dtype.itemsize
+            header[out_key] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
+                               "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    return raw + b" " * (-len(raw) % 8), offset
+
+
+def _write_file(path: str, chunk: list, index: CheckpointIndex, view: CheckpointIndex, metadata: dict,
+                max_host_bytes: int | None, encoded: dict | None = None) -> int:
+    """One safetensors file: the header, then each layer's pieces as soon as they are read
+    (those named in `encoded` quantized); returns the bytes of its tensors."""
+    encoded = encoded or {}
+    raw, total = _header(chunk, view, metadata, encoded)
     shape_of = lambda key: index[key].shape  # noqa: E731
     by_layer: dict[str, list] = defaultdict(list)
     for piece in chunk:
@@ -227,7 +292,9 @@ def _write_file(path: str, chunk: list, index: CheckpointIndex, view: Checkpoint
             except BaseException:
                 reader.close()
                 raise
-            for key, _, _ in layer_pieces:
-                f.write(memoryview(dests[key].tensor.reshape(-1).view(torch.uint8).numpy()))
+            for key, name, _ in layer_pieces:
+                for tensor in encode(dests[key].tensor, encoded.get(name)):
+                    f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
     reader.close()
     os.replace(path + ".tmp", path)
+    return total
