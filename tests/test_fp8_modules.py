@@ -159,3 +159,17 @@ def test_a_split_inside_a_block_is_refused_before_anything_changes(checkpoint, t
         LazyCheckpoint(directory).load_into(model, 1, 2, progress=False)
     assert {n: type(m) for n, m in model.named_modules()} == before
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_expert_parallel_ranks_get_whole_experts_with_their_scales(fp8_checkpoints):
+    """plan="ep": Mixtral's FP8Experts split by expert, each scale grid with its weight."""
+    directory, config = fp8_checkpoints["mixtral"]
+    raw = read_all(directory)
+    for rank in range(2):
+        model = fp8_model("mixtral", config)
+        assert LazyCheckpoint(directory).load_into(model, rank, 2, plan="ep", progress=False).ok
+        got = {n: t for n, t in fp8_tensors(model).items() if ".experts." in n}
+        assert len(got) == 4 * config.num_hidden_layers
+        for name, tensor in got.items():
+            want = stored(raw, name, config.num_local_experts).chunk(2, 0)[rank]
+            assert torch.equal(bits(tensor), bits(want)), f"rank {rank}: {name}"
