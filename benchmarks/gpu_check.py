@@ -19,6 +19,7 @@ are compared bit for bit.
 | in place | a real bf16 Llama on the GPU loaded with `device="cuda"`: every tensor keeps its `data_ptr`, `max_memory_allocated` grows by less than 10% of the model |
 | fp8 checkpoint | an FP8 block-scaled Llama (blocks 16x16) dequantized to bf16, kept (`quantize="fp8"`), and rank 1 of 2: GPU load = CPU load, bit for bit |
 | quantize | int8 and fp8 quantize-on-load (groups of 16): GPU = CPU, bit for bit |
+| fp8 modules | transformers' `FP8Linear` / `FP8Experts` (Llama, Mixtral; 128x128 blocks) filled at world 1 and as rank 1 of 2: the stored bytes and block scales; their forward (transformers' FP8 kernels, which `kernels` fetches) gives logits within 10% relative L2 of the dequantized bf16 model |
 | whole conversion | Inkling2 (experts' gate/up interleaved by transformers' operation on whole sources): GPU = CPU |
 | remote | a checkpoint served over HTTP on 127.0.0.1 (ranged GETs into pinned staging), cast to fp16: GPU = CPU |
 | unpinned | `cudaHostRegister` refused for real: the load goes through bounce buffers, = the files, and the next kernel launch raises no stale CUDA error |
@@ -382,6 +383,59 @@ def case_quantized(run):
     ]
 
 
+def fp8_modules_checkpoint(run, arch):
+    """An FP8 block-scaled `arch` (128x128 blocks, every TP slice at world 2 whole blocks)."""
+    from quant_checkpoints import write_fp8_checkpoint
+    from test_fp8_modules import ALIGNED, EXPERT_NAMES
+
+    source, _ = run.written(f"{arch}-fp8-aligned-bf16",
+                            lambda target: write_checkpoint(arch, torch.bfloat16, target, **ALIGNED))
+    return run.written(f"{arch}-fp8-aligned", lambda target: write_fp8_checkpoint(source, target, names=EXPERT_NAMES))
+
+
+def fp8_logits_error(run, arch, directory, config):
+    """Relative L2 error of the FP8 model's logits (transformers' FP8 kernels) against the
+    dequantized bf16 model's, both loaded to the GPU by lazyload."""
+    from checkpoints import fixed_input
+    from test_fp8_modules import fp8_model
+
+    fp8, full = fp8_model(arch, config), build_model(arch, config, torch.bfloat16)
+    run.load(fp8, directory)
+    run.load(full, directory)
+    ids = fixed_input(config).to(run.device)
+    with torch.no_grad():
+        got, want = fp8(input_ids=ids).logits.float(), full(input_ids=ids).logits.float()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def case_fp8_modules(run):
+    """transformers' FP8Linear / FP8Experts filled with the stored bytes and block scales
+    (world 1 and rank 1 of 2); on a GPU their forward (transformers' FP8 kernels) against
+    the dequantized model."""
+    from test_dequant import read_all
+    from test_fp8_modules import bits, fp8_model, fp8_tensors, share, stored
+
+    rows = []
+    for arch in ("llama", "mixtral"):
+        directory, config = fp8_modules_checkpoint(run, arch)
+        raw, experts = read_all(directory), getattr(config, "num_local_experts", 0)
+        for rank, world in ((0, 1), (1, 2)):
+            model = fp8_model(arch, config)
+            run.load(model, directory, rank, world)
+            got = fp8_tensors(model)
+            problems = [name for name, t in got.items()
+                        if not torch.equal(bits(t.cpu()), bits(share(name, stored(raw, name, experts), rank, world)))]
+            rows.append(row("fp8 modules", f"{arch} rank {rank} of {world} to {run.device}: the stored bytes and "
+                            "block scales", problems, f"{len(got)} tensors"))
+        check = f"{arch} forward (transformers' FP8 kernels): logits within 10% (relative L2) of the dequantized model"
+        if not run.cuda:
+            rows.append(skip("fp8 modules", check, "needs CUDA"))
+            continue
+        error = fp8_logits_error(run, arch, directory, config)
+        rows.append(row("fp8 modules", check, error < 0.1, f"relative error {error:.4f}"))
+    return rows
+
+
 def case_whole(run):
     import sweep_architectures
     import transformers
@@ -653,8 +707,8 @@ def case_fresh_processes(run):
     return in_fresh_processes(run, children) + skipped
 
 
-CASES = (case_reference, case_race, case_mixed, case_mmap, case_conversions, case_quantized, case_whole, case_remote,
-         case_unpinned, case_in_place, case_fresh_processes, case_h2d, case_quantize_speed)
+CASES = (case_reference, case_race, case_mixed, case_mmap, case_conversions, case_quantized, case_fp8_modules,
+         case_whole, case_remote, case_unpinned, case_in_place, case_fresh_processes, case_h2d, case_quantize_speed)
 
 
 def main():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .quant.fp8_modules import fp8_quantizer
 from .rules import CatOp, ChunkOp, StackOp, TransposeOp
 
 
@@ -87,7 +88,7 @@ def hf_rules(model: Any) -> tuple[list[HFRename], list[HFConvert]] | None:
         return None
     if not isinstance(model, PreTrainedModel):
         return None
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model, hf_quantizer=fp8_quantizer(model))
     renames = [HFRename(t) for t in transforms if not isinstance(t, WeightConverter)]
     converts = [HFConvert(t, model) for t in transforms if isinstance(t, WeightConverter)]
     return renames, converts

@@ -24,6 +24,7 @@ from .expr import Cat, Chunk, Expr, ShapeOf, Stack, Transpose, Whole
 from .gcpause import no_cycle_collection
 from .index import CheckpointIndex, natural_key
 from .quant.formats import Quantization, detect
+from .quant.fp8_modules import fp8_quantizer, scale_conversions
 from .rules import BUILTIN_RULES, CatOp, ChunkOp, StackOp, TransposeOp, rules_from
 from .targets import TargetSpec
 
@@ -468,9 +469,14 @@ def held_by(model: nn.Module, specs: dict) -> Any:
     """Whether the model holds a checkpoint key itself (by name, with its base prefix added
     or removed): a model with its own 8-bit weights and scales loads them as stored."""
     prefix = getattr(model, "base_model_prefix", "") or ""
+    renames, converts = _conversion_rules(model) if fp8_quantizer(model) is not None else ([], [])
+    stacked = scale_conversions(converts)  # per-expert FP8 scales stacked into transformers' FP8Experts
+    resolver = _Resolver(specs, {}, prefix, None, renames, stacked) if stacked else None
 
     def held(key: str) -> bool:
-        return key in specs or bool(prefix) and (f"{prefix}.{key}" in specs or key.removeprefix(prefix + ".") in specs)
+        if key in specs or bool(prefix) and (f"{prefix}.{key}" in specs or key.removeprefix(prefix + ".") in specs):
+            return True
+        return resolver is not None and resolver.resolve(key) is not None
 
     return held
 

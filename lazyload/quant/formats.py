@@ -25,7 +25,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -96,6 +96,7 @@ def detect(index: CheckpointIndex, config: dict | None = None,
     siblings: set[str] = set()
     unsupported = any(k.endswith(UNSUPPORTED_SUFFIXES) for k in index.keys())  # rare: then look per weight
     block_of: dict[tuple, tuple[int, ...]] = {}  # (weight shape, scale shape) -> block: one per layer kind
+    held_pairs: set[str] = set()  # weights the model holds with their scales (transformers' FP8Linear)
     for key, entry in index.items():
         if entry.dtype not in WEIGHT_DTYPES:  # most keys: no sibling lookups
             continue
@@ -106,6 +107,7 @@ def detect(index: CheckpointIndex, config: dict | None = None,
         else:
             continue
         if held(scale):
+            held_pairs.add(key)
             continue
         for suffix in UNSUPPORTED_SUFFIXES if unsupported else ():
             if key + suffix in index:
@@ -124,11 +126,11 @@ def detect(index: CheckpointIndex, config: dict | None = None,
         if zero:
             siblings.add(zero)
     if declared or leaves:
-        _check_unscaled(index, leaves, siblings, config)
+        _check_unscaled(index, leaves.keys() | held_pairs, siblings, config)
     return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else ())
 
 
-def _check_unscaled(index: CheckpointIndex, leaves: dict, siblings: set[str], config: dict | None) -> None:
+def _check_unscaled(index: CheckpointIndex, leaves: Collection[str], siblings: set[str], config: dict | None) -> None:
     """In a quantized checkpoint, an 8-bit weight without scales cannot be loaded: its
     bytes cast as they are would be a silently wrong model."""
     for key, entry in index.items():

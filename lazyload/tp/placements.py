@@ -34,6 +34,7 @@ from torch import nn
 from ..errors import PlanError
 from ..names import Q_NAMES
 from ..plan import Placement, REPLICATE, check_rank, local_regions
+from ..quant.fp8_modules import check_block_splits, scales_follow_weights
 from ..targets import TargetSpec, is_dtensor
 from .autotp import autotp_placement, is_autotp_layer
 from .heads import attention_checks, attention_group, divisor_group, model_heads
@@ -197,6 +198,8 @@ def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan
     parallel_already = bool(placements)
     if not parallel_already and world > 1 and plan != {}:
         placements.update(static_placements(model, specs, plan if plan is not None else "tp", world))
+        placements.update(scales_follow_weights(model, specs, placements))
+    check_block_splits(model, specs, placements, rank, world)  # transformers' FP8 layers: whole scale blocks
     for name, placement in placements.items():  # fail here, not while reading
         if placement.kind != "replicate":
             local_regions(name, specs[name].shape, placement, rank, world)

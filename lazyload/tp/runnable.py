@@ -212,13 +212,14 @@ def _expanded_plan(model: nn.Module, plan: Any, experts: str) -> dict[str, str]:
 
 
 def _scales_follow_weights(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
-    """A quantized tensor's scale grid (`X_scale` beside `X`) is split as `X` is: a fused
-    expert tensor's scale would otherwise get its module's style (`moe_tp_experts`), which
-    leaves it whole."""
+    """A quantized tensor's scale grid (`X_scale` beside `X`; `X_scale_inv` in transformers'
+    FP8 layers) is split as `X` is: a fused expert tensor's scale would otherwise get its
+    module's style (`moe_tp_experts`), which leaves it whole."""
     params = dict(model.named_parameters())
     for name, style in list(expanded.items()):
-        if name + "_scale" in params and name in params:
-            expanded[name + "_scale"] = style
+        for scale in (name + "_scale", name + "_scale_inv"):
+            if scale in params and name in params:
+                expanded[scale] = style
     return expanded
 
 
