@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from checkpoints import build_model, fixed_input, reference_model
+from quant_checkpoints import needs_torchao
 from gloo import spawn_cases
 
 import lazyload
@@ -528,7 +529,7 @@ def test_int8_channel_checkpoint_kept_and_fp8_requantized(checkpoint, tmp_path):
 
 @pytest.mark.parametrize("qdtype", ["int8", "fp8"])
 def test_torchao_tensors_hold_the_same_weights_and_give_the_same_logits(checkpoint, qdtype):
-    pytest.importorskip("torchao", reason="the optional extra lazyload[torchao]")
+    needs_torchao()
     from torchao.quantization import Float8Tensor, Int8Tensor
 
     ours, config, _ = _load(checkpoint, "llama", Quantization(qdtype, group_size=GROUP))
