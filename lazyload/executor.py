@@ -57,7 +57,7 @@ def execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement = N
         agree.reached("read")  # every rank read everything: only now is any model made runnable
         assign_loaded(plan, slots, dests)
         recomputed = fill_meta_buffers(plan.recompute)
-    if plan.quantized and plan.quantization.torchao and plan.world == 1:
+    if plan.quantized and plan.quantization.torchao:
         to_torchao(model, [name.rpartition(".")[0] for name in plan.quantized if name.endswith(".weight")])
     report = _report(plan, reader, dests, stats, memory, recomputed, time.perf_counter() - started)
     logger.info("%s", report)

@@ -43,8 +43,9 @@ class Quantization:
     - `skip`: regexes (`re.search` on module names) of Linear layers (and fused experts
       modules, `mlp.experts`) kept in full precision, on top of the defaults (`lm_head`, MoE
       routers `gate` / `router`) and the model config's `modules_to_not_convert`.
-    - `torchao`: True holds each quantized weight, where torchao 0.18 takes it (world 1, no
-      short last group), as torchao's `Int8Tensor` / `Float8Tensor` in a plain `nn.Linear`
+    - `torchao`: True holds each quantized weight, where torchao 0.18 takes it (no short
+      last group; under TP the rank's local shard, see `quant.linear`), as torchao's
+      `Int8Tensor` / `Float8Tensor` in a plain `nn.Linear`
       (torchao must be installed: `pip install lazyload[torchao]`); the others stay
       `QuantizedLinear`. False (default): `QuantizedLinear` everywhere, no import of torchao."""
 

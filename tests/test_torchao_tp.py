@@ -1,0 +1,71 @@
+"""torchao holders under tensor parallelism (gloo, world 2 and 4): a Llama quantized on load
+with `Quantization(torchao=True)` holds every projection as torchao's `Int8Tensor` /
+`Float8Tensor`, each rank's local shard equals world 1's quantized values' slice (data and
+scales), and its logits equal world 1's torchao logits.
+
+Logits are compared with test_tp_dist's tolerance (1e-5, float32 model), not exactly: a
+row-parallel layer (o_proj, down_proj) sums its ranks' partial products over the mesh, a
+different order of float32 additions than world 1's one matmul. The shards compare exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import build_model, fixed_input
+from gloo import spawn_cases
+from quant_checkpoints import needs_torchao
+
+GROUP = 8  # row-parallel shards at world 4: 64 / 4 = 16 columns, two groups each
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _share(name: str, full: torch.Tensor, rank: int, world: int, kv: int) -> torch.Tensor:
+    """This rank's slice of world 1's tensor (quantized values or scales) of layer `name`."""
+    layer = name.rpartition(".")[2]
+    if layer in ROW_PARALLEL:
+        return full.chunk(world, 1)[rank]
+    if layer in ("k_proj", "v_proj") and world > kv:  # KV heads replicated over groups of ranks
+        return full.chunk(kv, 0)[rank // (world // kv)]
+    return full.chunk(world, 0)[rank]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _run_case(case, rank, world):
+    from torchao.quantization import Float8Tensor, Int8Tensor
+    from transformers import AutoConfig
+
+    from lazyload import LazyCheckpoint, Quantization
+
+    directory, qdtype = case
+    config = AutoConfig.from_pretrained(directory)
+    quantize = Quantization(qdtype, group_size=GROUP, torchao=True)
+    ref = build_model("llama", config, torch.float32)
+    LazyCheckpoint(directory).load_into(ref, quantize=quantize, progress=False)
+    model = build_model("llama", config, torch.float32)
+    assert LazyCheckpoint(directory).load_into(model, rank, world, quantize=quantize, progress=False).ok
+    kind = Int8Tensor if qdtype == "int8" else Float8Tensor
+    held = {n: m for n, m in ref.named_modules() if isinstance(getattr(m, "weight", None), kind)}
+    assert len(held) == 7 * config.num_hidden_layers, sorted(held)  # q k v o gate up down
+    for name, whole in held.items():
+        local = model.get_submodule(name)
+        label = f"{qdtype} world={world} rank={rank} {name}"
+        assert type(local) is torch.nn.Linear and isinstance(local.weight, kind), f"{label}: {type(local)}"
+        for attr in ("qdata", "scale"):
+            want = _share(name, getattr(whole.weight, attr), rank, world, config.num_key_value_heads)
+            assert torch.equal(_bits(getattr(local.weight, attr)), _bits(want)), f"{label}: {attr}"
+    ids = fixed_input(config)
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{qdtype} world={world}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torchao_holders_under_tensor_parallel_equal_world1(checkpoint, tmp_path, world):
+    """int8 and fp8 in one spawn per world; at world 4 the KV projections (2 KV heads) are
+    plain shards replicated over pairs of ranks, the row-parallel shards two groups wide."""
+    needs_torchao()
+    directory = str(checkpoint("llama")[0])
+    spawn_cases(world, [(directory, "int8"), (directory, "fp8")], tmp_path, _run_case)
