@@ -69,3 +69,24 @@ def test_torchao_holders_under_tensor_parallel_equal_world1(checkpoint, tmp_path
     needs_torchao()
     directory = str(checkpoint("llama")[0])
     spawn_cases(world, [(directory, "int8"), (directory, "fp8")], tmp_path, _run_case)
+
+
+def test_torchao_is_the_default_holder_where_it_fits(checkpoint):
+    """quantize="int8" with torchao installed: torchao holds the layers whose rows are whole
+    groups (down_proj: 128 input columns, one group of 128), QuantizedLinear the others (64
+    columns: one short group, which torchao 0.18 does not take), and the report says so."""
+    needs_torchao()
+    from torchao.quantization import Int8Tensor
+
+    from lazyload import LazyCheckpoint, Quantization
+    from lazyload.quant.linear import QuantizedLinear
+
+    directory, config = checkpoint("llama")
+    assert Quantization("int8").torchao and not Quantization("int8", torchao=False).torchao
+    model = build_model("llama", config, torch.float32)
+    report = LazyCheckpoint(directory).load_into(model, quantize="int8", progress=False)
+    layer = model.model.layers[0]
+    assert type(layer.mlp.down_proj) is torch.nn.Linear and isinstance(layer.mlp.down_proj.weight, Int8Tensor)
+    assert isinstance(layer.self_attn.q_proj, QuantizedLinear) and isinstance(layer.mlp.up_proj, QuantizedLinear)
+    assert report.quantized_to == f"int8, a float32 scale per 128 input columns ({config.num_hidden_layers} as " \
+                                  "torchao tensors)"
