@@ -1,7 +1,8 @@
 """torchao holders under tensor parallelism (gloo, world 2 and 4): a Llama quantized on load
 with `Quantization(torchao=True)` holds every projection as torchao's `Int8Tensor` /
 `Float8Tensor`, each rank's local shard equals world 1's quantized values' slice (data and
-scales), and its logits equal world 1's torchao logits.
+scales), and its logits equal world 1's torchao logits; OPT (no TP plan) keeps its
+row-parallel layers as QuantizedLinear. And torchao is the default holder where installed.
 
 Logits are compared with test_tp_dist's tolerance (1e-5, float32 model), not exactly: a
 row-parallel layer (o_proj, down_proj) sums its ranks' partial products over the mesh, a
@@ -16,7 +17,10 @@ from gloo import spawn_cases
 from quant_checkpoints import needs_torchao
 
 GROUP = 8  # row-parallel shards at world 4: 64 / 4 = 16 columns, two groups each
-ROW_PARALLEL = ("o_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", "fc2")
+# OPT has no transformers TP plan: its row-parallel layers run lazyload's structural rule
+# (a forward of lazyload's own, installed on the QuantizedLinear), so they stay QuantizedLinear.
+KEPT = {"llama": (), "opt": ("out_proj", "fc2")}
 
 
 def _share(name: str, full: torch.Tensor, rank: int, world: int, kv: int) -> torch.Tensor:
@@ -38,37 +42,47 @@ def _run_case(case, rank, world):
     from transformers import AutoConfig
 
     from lazyload import LazyCheckpoint, Quantization
+    from lazyload.quant.linear import QuantizedLinear
 
-    directory, qdtype = case
+    arch, directory, qdtype = case
     config = AutoConfig.from_pretrained(directory)
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     quantize = Quantization(qdtype, group_size=GROUP, torchao=True)
-    ref = build_model("llama", config, torch.float32)
+    ref = build_model(arch, config, torch.float32)
     LazyCheckpoint(directory).load_into(ref, quantize=quantize, progress=False)
-    model = build_model("llama", config, torch.float32)
+    model = build_model(arch, config, torch.float32)
     assert LazyCheckpoint(directory).load_into(model, rank, world, quantize=quantize, progress=False).ok
     kind = Int8Tensor if qdtype == "int8" else Float8Tensor
     held = {n: m for n, m in ref.named_modules() if isinstance(getattr(m, "weight", None), kind)}
-    assert len(held) == 7 * config.num_hidden_layers, sorted(held)  # q k v o gate up down
+    assert len(held) == (7 if arch == "llama" else 6) * config.num_hidden_layers, sorted(held)
     for name, whole in held.items():
         local = model.get_submodule(name)
-        label = f"{qdtype} world={world} rank={rank} {name}"
+        label = f"{arch} {qdtype} world={world} rank={rank} {name}"
+        if name.rpartition(".")[2] in KEPT[arch]:
+            assert isinstance(local, QuantizedLinear), label
+            continue
         assert type(local) is torch.nn.Linear and isinstance(local.weight, kind), f"{label}: {type(local)}"
         for attr in ("qdata", "scale"):
-            want = _share(name, getattr(whole.weight, attr), rank, world, config.num_key_value_heads)
+            want = _share(name, getattr(whole.weight, attr), rank, world, kv)
             assert torch.equal(_bits(getattr(local.weight, attr)), _bits(want)), f"{label}: {attr}"
     ids = fixed_input(config)
     with torch.no_grad():
         got, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{qdtype} world={world}: {m}")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{arch} {qdtype} world={world}: {m}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_torchao_holders_under_tensor_parallel_equal_world1(checkpoint, tmp_path, world):
-    """int8 and fp8 in one spawn per world; at world 4 the KV projections (2 KV heads) are
-    plain shards replicated over pairs of ranks, the row-parallel shards two groups wide."""
+    """Llama int8 and fp8 in one spawn per world; at world 4 the KV projections (2 KV heads)
+    are plain shards replicated over pairs of ranks, the row-parallel shards two groups wide.
+    At world 2 also OPT (no TP plan): torchao holds its column-parallel layers, lazyload its
+    row-parallel ones."""
     needs_torchao()
-    directory = str(checkpoint("llama")[0])
-    spawn_cases(world, [(directory, "int8"), (directory, "fp8")], tmp_path, _run_case)
+    llama = str(checkpoint("llama")[0])
+    cases = [("llama", llama, "int8"), ("llama", llama, "fp8")]
+    if world == 2:
+        cases.append(("opt", str(checkpoint("opt")[0]), "int8"))
+    spawn_cases(world, cases, tmp_path, _run_case)
 
 
 def test_torchao_is_the_default_holder_where_it_fits(checkpoint):

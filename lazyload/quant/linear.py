@@ -19,7 +19,9 @@ neither `aten.view` (`DTensor.from_local` calls `view_as`) nor `aten.t` (DTensor
 `nn.Linear` at inference on its local tensors anyway, so the local form is what runs: a
 column-parallel layer's output is the rank's slice (as transformers' colwise gives it), a
 row-parallel layer sums its partial output over the mesh and adds its bias once
-(`tp.runnable.install_rowwise`, as `parallelize` does for plain row-parallel layers).
+(`tp.runnable.install_rowwise`, as `parallelize` does for plain row-parallel layers). Only
+layers whose split runs that way change holder (`parallel_role`); the others stay
+`QuantizedLinear`.
 """
 from __future__ import annotations
 
@@ -118,10 +120,12 @@ def to_torchao(model: nn.Module, names: list[str]) -> list[str]:
 
 def parallel_role(layer: QuantizedLinear) -> str | None:
     """How a plain nn.Linear holding the layer's local tensors runs as it did: "local" (world
-    1, a column-parallel or replicated DTensor, a plain shard whose forward nobody replaced),
-    "rowwise" (a DTensor split on the input dim: partial outputs summed over its mesh), or
-    None (a plain shard under a forward installed by someone else: left as it is)."""
+    1, or a plain shard that runs as it is), "rowwise" (transformers' "rowwise": partial
+    outputs summed over the mesh), or None (any other split or forward hook, e.g.
+    "colwise_gather_output", a user's own parallelize_module: left as it is)."""
+    if layer._forward_hooks or layer._forward_pre_hooks:
+        return None
+    style = getattr(layer, "_lazyload_tp_style", None)  # set by tp.runnable.parallelize
     if is_dtensor(layer.weight):
-        dims = [p.dim % 2 for p in layer.weight.placements if hasattr(p, "dim")]  # Shard, _StridedShard
-        return "rowwise" if 1 in dims else "local"
-    return None if "forward" in vars(layer) else "local"
+        return {"colwise": "local", "rowwise": "rowwise"}.get(style)
+    return "local" if style is None and "forward" not in vars(layer) else None

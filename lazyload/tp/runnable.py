@@ -75,6 +75,9 @@ def _apply_model_plan(model: nn.Module, mesh: Any, plan: Any, experts: str, head
     ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
     tp = {k: v for k, v in expanded.items() if k not in ep}
     apply_tensor_parallelism(model, mesh, tp)
+    for name, style in tp.items():  # what each module runs as, for holders swapped in later (quant.linear)
+        if isinstance(_get(model, name), nn.Module):
+            _get(model, name)._lazyload_tp_style = style
     _mark_packed(model, tp)
     _local_params_under_all_reduce(model, tp, mesh)
     if ep:
