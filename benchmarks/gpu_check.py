@@ -370,16 +370,16 @@ def case_quantized(run):
     fp8, config = fp8_checkpoint(run)
     plain, _ = run.tiny("llama", "fp32")
     llama = lambda dtype: (lambda: build_model("llama", config, dtype))  # noqa: E731
-    return [
+    return [  # quantized rows: lazyload's own holders (torchao=False), whose int8 / fp8 bytes are compared
         gpu_vs_cpu(run, "fp8 checkpoint", "block-scaled, dequantized to bf16: GPU = CPU", llama(torch.bfloat16), fp8),
         gpu_vs_cpu(run, "fp8 checkpoint", "block-scaled, kept (quantize='fp8'): GPU = CPU", llama(torch.bfloat16),
-                   fp8, quantize="fp8"),
+                   fp8, quantize=Quantization("fp8", torchao=False)),
         gpu_vs_cpu(run, "fp8 checkpoint", "block-scaled, rank 1 of 2, dequantized: GPU = CPU", llama(torch.bfloat16),
                    fp8, rank=1, world=2),
         gpu_vs_cpu(run, "quantize", "int8 on load: GPU = CPU", llama(torch.float32), plain,
-                   quantize=Quantization("int8", 16)),
+                   quantize=Quantization("int8", 16, torchao=False)),
         gpu_vs_cpu(run, "quantize", "fp8 on load: GPU = CPU", llama(torch.float32), plain,
-                   quantize=Quantization("fp8", 16)),
+                   quantize=Quantization("fp8", 16, torchao=False)),
     ]
 
 

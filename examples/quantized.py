@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lazyload import LazyCheckpoint
+from lazyload import LazyCheckpoint, Quantization
 from lazyload.quant.linear import QuantizedLinear
 from load_llama import write_example_checkpoint  # the same small random Llama (examples/ is on sys.path)
 
@@ -85,7 +85,8 @@ def main(path: str, workdir: str) -> int:
     ok = True
     for quantize in ("int8", "fp8"):
         model = meta_model(path)
-        report = LazyCheckpoint(path).load_into(model, quantize=quantize, progress=False)
+        # lazyload's QuantizedLinear (torchao=False), whose int8 / fp8 tensors weight_bytes counts
+        report = LazyCheckpoint(path).load_into(model, quantize=Quantization(quantize, torchao=False), progress=False)
         got = logits(model, vocab)
         error = ((got - reference).norm() / reference.norm()).item()
         top1 = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
@@ -95,7 +96,7 @@ def main(path: str, workdir: str) -> int:
     fp8 = write_fp8_blocks(path, os.path.join(workdir, "fp8"))
     dequantized, kept = meta_model(path), meta_model(path)
     LazyCheckpoint(fp8).load_into(dequantized, progress=False)
-    LazyCheckpoint(fp8).load_into(kept, quantize="fp8", progress=False)
+    LazyCheckpoint(fp8).load_into(kept, quantize=Quantization("fp8", torchao=False), progress=False)
     layers = {n: m for n, m in kept.named_modules() if isinstance(m, QuantizedLinear)}
     exact = all(torch.equal(m.dequantized_weight(torch.bfloat16), dequantized.get_submodule(n).weight)
                 for n, m in layers.items())

@@ -57,9 +57,8 @@ def execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement = N
         agree.reached("read")  # every rank read everything: only now is any model made runnable
         assign_loaded(plan, slots, dests)
         recomputed = fill_meta_buffers(plan.recompute)
-    if plan.quantized and plan.quantization.torchao and plan.world == 1:
-        to_torchao(model, [name.rpartition(".")[0] for name in plan.quantized if name.endswith(".weight")])
-    report = _report(plan, reader, dests, stats, memory, recomputed, time.perf_counter() - started)
+    held = torchao_holders(plan, model)
+    report = _report(plan, reader, dests, stats, memory, recomputed, time.perf_counter() - started, held)
     logger.info("%s", report)
     if not report.ok:
         logger.warning("lazyload: rank %d: %s (strict=False); see the report", plan.rank,
@@ -124,8 +123,16 @@ def assign_loaded(plan: LoadPlan, slots: dict[str, Slot], dests: dict[str, Desti
         assign(slots[name], value)
 
 
+def torchao_holders(plan: LoadPlan, model: nn.Module) -> list[str]:
+    """With Quantization(torchao=True) (the default where torchao is installed), the
+    quantized Linear layers torchao can hold become its holders; returns their names."""
+    if not (plan.quantized and plan.quantization.torchao):
+        return []
+    return to_torchao(model, [name.rpartition(".")[0] for name in plan.quantized if name.endswith(".weight")])
+
+
 def _report(plan: LoadPlan, reader: Reader, dests: dict[str, Destination], stats: EngineStats,
-            memory: MemorySampler, recomputed: list[str], seconds: float) -> LoadReport:
+            memory: MemorySampler, recomputed: list[str], seconds: float, torchao: list[str]) -> LoadReport:
     mapping, quantized = plan.mapping, plan.quantized
     return LoadReport(loaded=[t.name for t in plan.targets], missing=mapping.missing,
                       unexpected=mapping.unexpected, mismatched=mapping.mismatched,
@@ -137,7 +144,7 @@ def _report(plan: LoadPlan, reader: Reader, dests: dict[str, Destination], stats
                       rank=plan.rank, world=plan.world, reader=reader.name, prefetched=reader.prefetching,
                       released_pages=plan.release_pages, pinned_bytes=stats.pinned_bytes,
                       quantized=[name.rpartition(".")[0] for name in quantized],
-                      quantized_to=plan.quantization.describe() if quantized else "",
+                      quantized_to=plan.quantization.describe(len(torchao)) if quantized else "",
                       bytes_saved=saved_bytes({n: dests[n] for n in quantized}, plan.full_dtypes),
                       h2d_bytes=stats.h2d_bytes, h2d_seconds=stats.h2d_seconds, **reader.report_fields())
 

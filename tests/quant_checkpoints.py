@@ -163,3 +163,16 @@ def write_compressed_checkpoint(src, dst, num_type="int", strategy="channel", gr
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                             "input_activations": inputs, "output_activations": None}}}
     return _rewrite(src, dst, one, config)
+
+
+def needs_torchao() -> None:
+    """Skip a test without torchao (an optional extra), except in CI, whose test extra
+    installs it: there its absence fails the test instead of hiding it."""
+    import os
+
+    import pytest
+
+    if os.environ.get("CI"):
+        import torchao  # noqa: F401
+    else:
+        pytest.importorskip("torchao", reason="the optional extra lazyload[torchao] (the test extra has it)")

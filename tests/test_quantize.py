@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from checkpoints import build_model, fixed_input, reference_model
+from quant_checkpoints import needs_torchao
 from gloo import spawn_cases
 
 import lazyload
@@ -19,6 +20,12 @@ from lazyload.quant.experts import QuantizedExperts
 from lazyload.quant.linear import QuantizedLinear
 
 GROUP = 16  # tiny models: hidden 32/64, so that groups are smaller than a row
+
+
+def own_holder(qdtype: str, **kw) -> Quantization:
+    """Quantization held by lazyload's QuantizedLinear / QuantizedExperts, which these tests
+    examine (where torchao is installed, its holders are the default: tests/test_torchao_tp.py)."""
+    return Quantization(qdtype, torchao=False, **kw)
 
 
 def _logits(model, config, seed=0):
@@ -62,7 +69,7 @@ BOUNDS = {"int8": (0.05, 0.95), "fp8": (0.12, 0.75)}
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
 @pytest.mark.parametrize("qdtype", ["int8", "fp8"])
 def test_quantized_load_runs_and_agrees_with_full_precision(checkpoint, arch, qdtype):
-    model, config, report = _load(checkpoint, arch, Quantization(qdtype, group_size=GROUP))
+    model, config, report = _load(checkpoint, arch, own_holder(qdtype, group_size=GROUP))
     ref = reference_model(arch, checkpoint(arch)[0], torch.float32)
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert len(quantized) >= 4 * config.num_hidden_layers
@@ -154,7 +161,7 @@ def test_quantized_trained_model_meets_the_accuracy_bound(trained, arch):
     assert want.softmax(-1).amax(-1).mean() > 0.6  # peaked, as intended
     for qdtype in ("int8", "fp8"):
         model = build_model(arch, config, torch.float32)
-        LazyCheckpoint(directory).load_into(model, quantize=qdtype, progress=False)
+        LazyCheckpoint(directory).load_into(model, quantize=own_holder(qdtype), progress=False)
         assert all(p.dtype == lazyload.quant.onload.QDTYPES[qdtype]
                    for n, p in model.named_parameters() if n.endswith(("proj.weight", "experts.down_proj")))
         with torch.no_grad():
@@ -176,7 +183,7 @@ def test_fused_experts_quantized_on_load(checkpoint, arch, qdtype):
     input dim); routers stay full precision; every implementation of the model's own experts
     forward (eager, batched_mm, grouped_mm) runs on the dequantized tensors: the
     full-precision model given those values gives the same logits."""
-    model, config, _ = _load(checkpoint, arch, Quantization(qdtype, group_size=GROUP))
+    model, config, _ = _load(checkpoint, arch, own_holder(qdtype, group_size=GROUP))
     ref = reference_model(arch, checkpoint(arch)[0], torch.float32)
     experts = _experts(model)
     assert len(experts) == config.num_hidden_layers
@@ -227,7 +234,7 @@ def test_fp8_per_expert_checkpoint_kept_quantized_in_fused_experts(checkpoint, t
     inter = config.intermediate_size
     for rank in range(world):
         model = build_model("mixtral", config, torch.bfloat16)
-        LazyCheckpoint(directory).load_into(model, rank, world, quantize="fp8", progress=False)
+        LazyCheckpoint(directory).load_into(model, rank, world, quantize=own_holder("fp8"), progress=False)
         for name, module in _experts(model).items():
             want = full.get_submodule(name)
             rows = [r for part in (0, inter) for r in range(part + rank * inter // world,
@@ -248,7 +255,7 @@ def read_file_key(directory, key):
 
 
 def test_skipped_modules_stay_full_precision(checkpoint):
-    model, config, _ = _load(checkpoint, "mixtral", Quantization("int8", group_size=GROUP, skip=[r"\.v_proj$"]))
+    model, config, _ = _load(checkpoint, "mixtral", own_holder("int8", group_size=GROUP, skip=[r"\.v_proj$"]))
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
     assert kinds["lm_head"] == "Linear" and model.lm_head.weight.dtype == torch.float32
     assert model.model.embed_tokens.weight.dtype == torch.float32
@@ -264,7 +271,7 @@ def test_modules_to_not_convert_from_the_config(checkpoint):
     directory, config = checkpoint("llama")
     model = build_model("llama", config, torch.float32)
     model.config.quantization_config = {"modules_to_not_convert": ["mlp.down_proj"]}
-    LazyCheckpoint(directory).load_into(model, quantize="int8", progress=False)
+    LazyCheckpoint(directory).load_into(model, quantize=own_holder("int8"), progress=False)
     layer = model.model.layers[0]
     assert type(layer.mlp.down_proj) is torch.nn.Linear and isinstance(layer.mlp.up_proj, QuantizedLinear)
 
@@ -323,7 +330,7 @@ def _quantized_pair(arch, directory, rank, world, quantize, plan=None):
 def _case_tp(arch, directory, qdtype, rank, world, plan=None):
     from test_tp_dist import RTOL, ATOL, _check_shards
 
-    ref, model, config = _quantized_pair(arch, directory, rank, world, Quantization(qdtype, group_size=TP_GROUP),
+    ref, model, config = _quantized_pair(arch, directory, rank, world, own_holder(qdtype, group_size=TP_GROUP),
                                          plan)
     label = f"{arch} {qdtype} world={world} plan={plan}"
     assert any(isinstance(m, QuantizedLinear) for m in model.modules()), label
@@ -375,7 +382,7 @@ def _case_per_row(arch, directory, qdtype, rank, world):
     full = build_model(arch, config, torch.float32)
     LazyCheckpoint(directory).load_into(full, progress=False)
     model = build_model(arch, config, torch.float32)
-    LazyCheckpoint(directory).load_into(model, rank, world, quantize=Quantization(qdtype, group_size=None),
+    LazyCheckpoint(directory).load_into(model, rank, world, quantize=own_holder(qdtype, group_size=None),
                                         progress=False)
     label = f"{arch} {qdtype} per-row world={world}"
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -433,8 +440,8 @@ def _quantized_load_memory(directory, config, qdtype):
 
     small = copy.deepcopy(config)
     small.num_hidden_layers = 1
-    LazyCheckpoint(directory).load_into(build_model("llama", small, torch.bfloat16), quantize=qdtype, strict=False,
-                                        progress=False)
+    LazyCheckpoint(directory).load_into(build_model("llama", small, torch.bfloat16), quantize=own_holder(qdtype),
+                                        strict=False, progress=False)
     model = build_model("llama", config, torch.bfloat16)
     ckpt = LazyCheckpoint(directory)
     ckpt.index
@@ -442,7 +449,7 @@ def _quantized_load_memory(directory, config, qdtype):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := current RSS
     before = status()["RssAnon"]
-    report = ckpt.load_into(model, quantize=qdtype, progress=False)
+    report = ckpt.load_into(model, quantize=own_holder(qdtype), progress=False)
     return dict(over=report.peak_anon - before - model_bytes(model), dest=model_bytes(model),
                 linear=sum(m.weight.nbytes + m.weight_scale.nbytes for m in model.modules()
                            if isinstance(m, QuantizedLinear)),
@@ -488,7 +495,7 @@ def test_fp8_block_checkpoint_kept_quantized_dequantizes_to_the_dequantized_load
     raw = read_all(directory)
     for rank in range(world):
         model = build_model("llama", config, torch.bfloat16)
-        LazyCheckpoint(directory).load_into(model, rank, world, quantize="fp8", progress=False)
+        LazyCheckpoint(directory).load_into(model, rank, world, quantize=own_holder("fp8"), progress=False)
         quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
         assert len(quantized) == 7 * config.num_hidden_layers
         for name, module in quantized.items():
@@ -508,7 +515,7 @@ def test_int8_channel_checkpoint_kept_and_fp8_requantized(checkpoint, tmp_path):
     LazyCheckpoint(directory).load_into(full, progress=False)
     for rank in range(2):
         kept = build_model("llama", config, torch.bfloat16)
-        LazyCheckpoint(directory).load_into(kept, rank, 2, quantize="int8", progress=False)
+        LazyCheckpoint(directory).load_into(kept, rank, 2, quantize=own_holder("int8"), progress=False)
         module = kept.model.layers[0].mlp.down_proj  # row parallel: half of each row's channel
         from test_tp import shard_of
 
@@ -516,7 +523,7 @@ def test_int8_channel_checkpoint_kept_and_fp8_requantized(checkpoint, tmp_path):
                         rank, 2, config.num_key_value_heads)
         assert torch.equal(module.dequantized_weight(torch.bfloat16), want)
     fp8 = build_model("llama", config, torch.bfloat16)  # int8 stored, fp8 asked: dequantized, quantized again
-    LazyCheckpoint(directory).load_into(fp8, quantize=Quantization("fp8", group_size=GROUP), progress=False)
+    LazyCheckpoint(directory).load_into(fp8, quantize=own_holder("fp8", group_size=GROUP), progress=False)
     module = fp8.model.layers[0].mlp.down_proj
     assert module.weight.dtype == torch.float8_e4m3fn
     error = (module.dequantized_weight(torch.float32) - full.model.layers[0].mlp.down_proj.weight.float()).abs()
@@ -528,10 +535,10 @@ def test_int8_channel_checkpoint_kept_and_fp8_requantized(checkpoint, tmp_path):
 
 @pytest.mark.parametrize("qdtype", ["int8", "fp8"])
 def test_torchao_tensors_hold_the_same_weights_and_give_the_same_logits(checkpoint, qdtype):
-    pytest.importorskip("torchao", reason="the optional extra lazyload[torchao]")
+    needs_torchao()
     from torchao.quantization import Float8Tensor, Int8Tensor
 
-    ours, config, _ = _load(checkpoint, "llama", Quantization(qdtype, group_size=GROUP))
+    ours, config, _ = _load(checkpoint, "llama", own_holder(qdtype, group_size=GROUP))
     theirs, _, _ = _load(checkpoint, "llama", Quantization(qdtype, group_size=GROUP, torchao=True))
     kind = Int8Tensor if qdtype == "int8" else Float8Tensor
     layers = {n: m for n, m in ours.named_modules() if isinstance(m, QuantizedLinear)}

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from checkpoints import build_model
-from lazyload import ArgumentError, DtypeError, LazyCheckpoint, MissingKeysError, UnexpectedKeysError, load_model
+from lazyload import (ArgumentError, DtypeError, LazyCheckpoint, MissingKeysError, Quantization, UnexpectedKeysError,
+                      load_model)
 
 
 def test_load_model_refuses_an_unknown_keyword_first_and_suggests_the_name(checkpoint, tmp_path):
@@ -73,7 +74,7 @@ def test_a_model_with_more_layers_than_the_checkpoint_says_to_check_the_config(c
 def test_printed_report_says_what_was_quantized_and_the_bytes_saved(checkpoint):
     directory, config = checkpoint("llama")
     model = build_model("llama", config, torch.float32)
-    report = LazyCheckpoint(directory).load_into(model, quantize="int8", progress=False)
+    report = LazyCheckpoint(directory).load_into(model, quantize=Quantization("int8", torchao=False), progress=False)
     layers = config.num_hidden_layers
     assert report.quantized_to == "int8, a float32 scale per 128 input columns"
     linears = {n for n, m in model.named_modules() if type(m).__name__ == "QuantizedLinear"}

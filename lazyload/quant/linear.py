@@ -7,11 +7,21 @@ kernel that dequantizes pre-quantized checkpoints), then runs `F.linear`. It is 
 `out_features` / `in_features` bookkeeping holds); under tensor parallelism its weight and
 scale are DTensors with the same placement, and forward sees their local shards.
 
-`to_torchao` turns the layers torchao 0.18 can hold (plain tensors, whole groups) into
-plain `nn.Linear` layers whose weight is torchao's `Int8Tensor` / `Float8Tensor`, built from
-the same data and scales (its dequantization gives the same values). torchao does not take
-a short last group (int8 refuses it, fp8 dequantizes it wrongly) and is not tested with
-DTensor; those layers stay `QuantizedLinear`.
+`to_torchao` turns the layers torchao 0.18 can hold (whole groups) into plain `nn.Linear`
+layers whose weight is torchao's `Int8Tensor` / `Float8Tensor`, built from the same data and
+scales (its dequantization gives the same values). torchao does not take a short last group
+(int8 refuses it, fp8 dequantizes it wrongly); those layers stay `QuantizedLinear`.
+
+Under tensor parallelism the torchao tensor is the rank's local shard in a plain `nn.Linear`
+(local sizes), not the local tensor of a DTensor: torchao 0.18's `Int8Tensor` implements
+neither `aten.view` (`DTensor.from_local` calls `view_as`) nor `aten.t` (DTensor runs
+`F.linear` as `t` + `mm` on the local tensor), on any device. transformers' TP styles run an
+`nn.Linear` at inference on its local tensors anyway, so the local form is what runs: a
+column-parallel layer's output is the rank's slice (as transformers' colwise gives it), a
+row-parallel layer sums its partial output over the mesh and adds its bias once
+(`tp.runnable.install_rowwise`, as `parallelize` does for plain row-parallel layers). Only
+layers whose split runs that way change holder (`parallel_role`); the others stay
+`QuantizedLinear`.
 """
 from __future__ import annotations
 
@@ -19,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..targets import local_tensor
+from ..targets import is_dtensor, local_tensor
+from ..tp.runnable import install_rowwise
 from .dequant import dequantized
 from .onload import Quantization, not_converted, scale_shape
 
@@ -81,7 +92,8 @@ def swap_linears(model: nn.Module, groups: dict[str, int], config: Quantization)
 
 def to_torchao(model: nn.Module, names: list[str]) -> list[str]:
     """Replace the named QuantizedLinear layers that torchao can hold by nn.Linear layers
-    with an Int8Tensor / Float8Tensor weight. Returns the names replaced."""
+    with an Int8Tensor / Float8Tensor weight (under TP: the rank's local shard, see the
+    module docstring). Returns the names replaced."""
     from torchao.quantization import Float8Tensor, Int8Tensor
 
     replaced = []
@@ -89,13 +101,31 @@ def to_torchao(model: nn.Module, names: list[str]) -> list[str]:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, attr)
-        weight, scale = old.weight.data, old.weight_scale.data
-        if not isinstance(old, QuantizedLinear) or hasattr(weight, "to_local") or weight.shape[-1] % old.group:
+        if not isinstance(old, QuantizedLinear):
+            continue
+        weight, scale = local_tensor(old.weight.data), local_tensor(old.weight_scale.data)
+        role = parallel_role(old)
+        if role is None or weight.shape[-1] % old.group:
             continue
         cls = Int8Tensor if weight.dtype == torch.int8 else Float8Tensor
-        new = nn.Linear(old.in_features, old.out_features, bias=False, device="meta")
+        new = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         new.weight = nn.Parameter(cls(weight, scale, [1, old.group], dtype=old.compute_dtype), requires_grad=False)
-        new.bias = old.bias
+        new.bias = None if old.bias is None else nn.Parameter(local_tensor(old.bias.data), requires_grad=False)
+        if role == "rowwise":
+            install_rowwise(new, old.weight.device_mesh)
         setattr(parent, attr, new)
         replaced.append(name)
     return replaced
+
+
+def parallel_role(layer: QuantizedLinear) -> str | None:
+    """How a plain nn.Linear holding the layer's local tensors runs as it did: "local" (world
+    1, or a plain shard that runs as it is), "rowwise" (transformers' "rowwise": partial
+    outputs summed over the mesh), or None (any other split or forward hook, e.g.
+    "colwise_gather_output", a user's own parallelize_module: left as it is)."""
+    if layer._forward_hooks or layer._forward_pre_hooks:
+        return None
+    style = getattr(layer, "_lazyload_tp_style", None)  # set by tp.runnable.parallelize
+    if is_dtensor(layer.weight):
+        return {"colwise": "local", "rowwise": "rowwise"}.get(style)
+    return "local" if style is None and "forward" not in vars(layer) else None

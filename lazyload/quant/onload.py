@@ -11,6 +11,7 @@ a GPU, where small chunks would make the load launch-bound), never a Python loop
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from dataclasses import dataclass
@@ -43,15 +44,17 @@ class Quantization:
     - `skip`: regexes (`re.search` on module names) of Linear layers (and fused experts
       modules, `mlp.experts`) kept in full precision, on top of the defaults (`lm_head`, MoE
       routers `gate` / `router`) and the model config's `modules_to_not_convert`.
-    - `torchao`: True holds each quantized weight, where torchao 0.18 takes it (world 1, no
-      short last group), as torchao's `Int8Tensor` / `Float8Tensor` in a plain `nn.Linear`
-      (torchao must be installed: `pip install lazyload[torchao]`); the others stay
-      `QuantizedLinear`. False (default): `QuantizedLinear` everywhere, no import of torchao."""
+    - `torchao`: True holds each quantized weight, where torchao 0.18 takes it (no short
+      last group; under TP the rank's local shard, see `quant.linear`), as torchao's
+      `Int8Tensor` / `Float8Tensor` in a plain `nn.Linear` (torchao must be installed:
+      `pip install lazyload[torchao]`); the others stay `QuantizedLinear`. None (default):
+      True when torchao is installed, else False. False: `QuantizedLinear` everywhere, no
+      import of torchao."""
 
     dtype: str = "int8"
     group_size: int | None = 128
     skip: tuple[str, ...] = ()
-    torchao: bool = False
+    torchao: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in QDTYPES:
@@ -60,12 +63,15 @@ class Quantization:
             raise ArgumentError(f"Quantization group_size={self.group_size!r}: a positive integer, or None for "
                                 "one scale per row.")
         object.__setattr__(self, "skip", tuple(self.skip))
-        if self.torchao:
+        if self.torchao is None:  # default: torchao's holders where it is installed (found, not imported)
+            object.__setattr__(self, "torchao", importlib.util.find_spec("torchao") is not None)
+        elif self.torchao:
             try:
                 import torchao  # noqa: F401
             except ImportError as exc:
                 raise ArgumentError("Quantization(torchao=True) needs torchao: pip install torchao (or "
-                                    "lazyload[torchao]); or leave torchao=False for lazyload's QuantizedLinear.") from exc
+                                    "lazyload[torchao]); or pass torchao=False for lazyload's QuantizedLinear."
+                                    ) from exc
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -80,10 +86,12 @@ class Quantization:
             return cls(quantize)
         raise ArgumentError(f"quantize={quantize!r}: use None, 'int8', 'fp8' or lazyload.Quantization(...).")
 
-    def describe(self) -> str:
-        """What the quantized weights hold, in words (for the LoadReport)."""
+    def describe(self, torchao_layers: int = 0) -> str:
+        """What the quantized weights hold, in words (for the LoadReport), with the number
+        of layers held by torchao's tensors."""
         scales = f"per {self.group_size} input columns" if self.group_size else "per row"
-        return f"{self.dtype}, a float32 scale {scales}" + (" (torchao)" if self.torchao else "")
+        return f"{self.dtype}, a float32 scale {scales}" + (f" ({torchao_layers} as torchao tensors)"
+                                                            if torchao_layers else "")
 
     def skips(self, module_name: str, not_convert: tuple[str, ...] = ()) -> bool:
         if any(re.search(p, module_name) for p in DEFAULT_SKIP + self.skip):

@@ -75,6 +75,9 @@ def _apply_model_plan(model: nn.Module, mesh: Any, plan: Any, experts: str, head
     ep = {k: v for k, v in expanded.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
     tp = {k: v for k, v in expanded.items() if k not in ep}
     apply_tensor_parallelism(model, mesh, tp)
+    for name, style in tp.items():  # what each module runs as, for holders swapped in later (quant.linear)
+        if isinstance(_get(model, name), nn.Module):
+            _get(model, name)._lazyload_tp_style = style
     _mark_packed(model, tp)
     _local_params_under_all_reduce(model, tp, mesh)
     if ep:
@@ -145,7 +148,7 @@ def _apply_structural_rule(model: nn.Module, mesh: Any, plan: Any, experts: str,
     for module_name, module in model.named_modules():
         weight = static.get(f"{module_name}.weight" if module_name else "weight")
         if weight is not None and weight.kind == "shard" and weight.dim == (0 if is_conv1d(module) else 1):
-            _install_rowwise(module, mesh)
+            install_rowwise(module, mesh)
     return recorded
 
 
@@ -376,10 +379,11 @@ def _out_widths(model: nn.Module, module_name: str, recorded: dict[str, Placemen
     return full // parts, local // parts
 
 
-def _install_rowwise(module: nn.Module, mesh: Any) -> None:
+def install_rowwise(module: nn.Module, mesh: Any) -> None:
     """Row-parallel Linear/Conv1D with a plain local weight: partial product, summed over
     the mesh by DTensor (Partial -> Replicate), then the (replicated) bias added once. A
-    quantized layer computes with its dequantized local weight."""
+    QuantizedLinear computes with its dequantized local weight, a torchao holder with its
+    local Int8Tensor / Float8Tensor (`quant.linear.to_torchao`)."""
     conv1d = is_conv1d(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
