@@ -1,0 +1,145 @@
+"""load_into(model, mesh=...) over a torch DeviceMesh (gloo, CPU, 4 spawned processes):
+a 2-D ("dp", "tp") mesh loads a runnable TP model on every replica, whose ranks read only
+their part of the shard they share (cooperative reads) and receive the rest from the other
+replicas; a 1-D mesh is rank/world. Every rank's tensors are compared bit for bit with the
+world-1 load's slices, its logits with world 1's."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from checkpoints import build_model, fixed_input, write_checkpoint
+from gloo import spawn_cases
+
+WORLD = 4
+# storage bytes of a cooperating rank, at most this fraction of a rank's share, by dp size
+AT_MOST = {2: 0.6, 4: 0.35}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory, _ = write_checkpoint("llama", torch.float32, tmp_path_factory.mktemp("mesh") / "llama")
+    return str(directory)
+
+
+def _logits(model, config):
+    with torch.no_grad():
+        return model(input_ids=fixed_input(config)).logits
+
+
+def _locals(model) -> dict[str, torch.Tensor]:
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in model.named_parameters()}
+
+
+def _load(directory, config, **kwargs):
+    from lazyload import LazyCheckpoint
+
+    model = build_model("llama", config, torch.float32)
+    report = LazyCheckpoint(directory).load_into(model, progress=False, **kwargs)
+    assert report.ok
+    return model, report
+
+
+def _assert_world1_slices(model, ref, label):
+    """Every tensor of `model` is its rank's slice of the world-1 tensor: gathered over
+    the tp dim (a DTensor) or whole, bit for bit."""
+    ref_params = dict(ref.named_parameters())
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+        assert torch.equal(full, ref_params[name].detach()), f"{label}: {name} differs from world 1's"
+
+
+def _case_replicas(directory, rank, dp, tp):
+    """(dp, tp): cooperative loads equal world 1's slices and the non-cooperative load's local
+    tensors bit for bit, read at most AT_MOST of the storage bytes, and receive the rest."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    ref, _ = _load(directory, config)
+    plain, alone = _load(directory, config, mesh=mesh, cooperative=False)
+    model, shared = _load(directory, config, mesh=mesh)
+    label = f"rank {rank} of (dp {dp}, tp {tp})"
+    assert (shared.rank, shared.world) == (mesh["tp"].get_local_rank(), tp), label
+    _assert_world1_slices(model, ref, label)
+    mine, theirs = _locals(model), _locals(plain)
+    assert all(torch.equal(mine[n], theirs[n]) for n in theirs), f"{label}: local tensors differ"
+    own = alone.bytes_read + alone.bytes_mapped
+    storage = shared.bytes_read + shared.bytes_mapped
+    assert alone.bytes_received == 0 and shared.bytes_received > 0, label
+    assert storage <= AT_MOST[dp] * own, f"{label}: {storage} bytes from storage of a share of {own}"
+    assert storage + shared.bytes_received >= own, f"{label}: {storage} + {shared.bytes_received} < {own}"
+    want = _logits(ref, config)
+    for got in (_logits(model, config), _logits(plain, config)):
+        if tp == 1:
+            assert torch.equal(got, want), label
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label}: {m}")
+
+
+def _case_one_dim(directory, rank, world):
+    """A 1-D mesh is rank/world: the same local tensors, and a runnable model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    by_mesh, report = _load(directory, config, mesh=init_device_mesh("cpu", (world,)))
+    by_rank, _ = _load(directory, config, rank=rank, world=world)
+    assert (report.rank, report.world, report.bytes_received) == (rank, world, 0)
+    mine, theirs = _locals(by_mesh), _locals(by_rank)
+    assert all(torch.equal(mine[n], theirs[n]) for n in theirs), f"rank {rank}: 1-D mesh differs from rank/world"
+    torch.testing.assert_close(_logits(by_mesh, config), _logits(by_rank, config), rtol=0, atol=0)
+
+
+def _case_failing_rank(directory, rank, faulty):
+    """A rank whose part fails mid-read makes every rank raise; no model is assigned where
+    RankFailedError is raised (its parameters stay on meta)."""
+    import errno
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+    from lazyload import RankFailedError, ReadError
+    from lazyload.readers import PreadReader
+
+    config = AutoConfig.from_pretrained(directory)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    original = PreadReader.read_into
+
+    def failing_read(self, item, out, _count=itertools.count(1)):
+        if next(_count) == 2:
+            raise OSError(errno.EIO, "injected", item.entry.file)
+        return original(self, item, out)
+
+    if rank == faulty:
+        PreadReader.read_into = failing_read
+    model = build_model("llama", config, torch.float32)
+    from lazyload import LazyCheckpoint
+    try:
+        LazyCheckpoint(directory).load_into(model, mesh=mesh, reader="pread", progress=False, rank_timeout=30)
+        raise AssertionError(f"rank {rank}: the load succeeded though rank {faulty} failed")
+    except RankFailedError as exc:
+        assert rank != faulty and faulty in exc.ranks and exc.ranks[faulty].startswith("ReadError"), str(exc)
+        assert all(p.is_meta for p in model.parameters()), f"rank {rank}: assigned although rank {faulty} failed"
+    except ReadError:
+        assert rank == faulty
+    finally:
+        PreadReader.read_into = original
+
+
+def _run_case(case, rank, world):
+    name, directory = case
+    if name == "dp2tp2":
+        _case_replicas(directory, rank, 2, 2)
+    elif name == "dp4tp1":
+        _case_replicas(directory, rank, 4, 1)
+    elif name == "one_dim":
+        _case_one_dim(directory, rank, world)
+    elif name == "failing":
+        _case_failing_rank(directory, rank, faulty=1)
+
+
+def test_mesh_loads(llama, tmp_path):
+    spawn_cases(WORLD, [(name, llama) for name in ("dp2tp2", "dp4tp1", "one_dim", "failing")], tmp_path, _run_case)
