@@ -12,6 +12,7 @@ import torch
 
 from checkpoints import build_model, fixed_input, write_checkpoint
 from gloo import spawn_cases
+from remote_servers import RangeServer
 
 WORLD = 4
 # storage bytes of a cooperating rank, at most this fraction of a rank's share, by dp size
@@ -33,11 +34,11 @@ def _locals(model) -> dict[str, torch.Tensor]:
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in model.named_parameters()}
 
 
-def _load(directory, config, **kwargs):
+def _load(source, config, **kwargs):
     from lazyload import LazyCheckpoint
 
     model = build_model("llama", config, torch.float32)
-    report = LazyCheckpoint(directory).load_into(model, progress=False, **kwargs)
+    report = LazyCheckpoint(source).load_into(model, progress=False, **kwargs)
     assert report.ok
     return model, report
 
@@ -51,18 +52,19 @@ def _assert_world1_slices(model, ref, label):
         assert torch.equal(full, ref_params[name].detach()), f"{label}: {name} differs from world 1's"
 
 
-def _case_replicas(directory, rank, dp, tp):
-    """(dp, tp): cooperative loads equal world 1's slices and the non-cooperative load's local
-    tensors bit for bit, read at most AT_MOST of the storage bytes, and receive the rest."""
+def _case_replicas(directory, source, rank, dp, tp):
+    """(dp, tp), from `source` (the directory or its URL): cooperative loads equal world 1's
+    slices and the non-cooperative load's local tensors bit for bit, read at most AT_MOST
+    of the storage bytes, and receive the rest."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(directory)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     ref, _ = _load(directory, config)
-    plain, alone = _load(directory, config, mesh=mesh, cooperative=False)
-    model, shared = _load(directory, config, mesh=mesh)
-    label = f"rank {rank} of (dp {dp}, tp {tp})"
+    plain, alone = _load(source, config, mesh=mesh, cooperative=False)
+    model, shared = _load(source, config, mesh=mesh)
+    label = f"rank {rank} of (dp {dp}, tp {tp}) from {source}"
     assert (shared.rank, shared.world) == (mesh["tp"].get_local_rank(), tp), label
     _assert_world1_slices(model, ref, label)
     mine, theirs = _locals(model), _locals(plain)
@@ -130,11 +132,13 @@ def _case_failing_rank(directory, rank, faulty):
 
 
 def _run_case(case, rank, world):
-    name, directory = case
+    name, directory, url = case
     if name == "dp2tp2":
-        _case_replicas(directory, rank, 2, 2)
+        _case_replicas(directory, directory, rank, 2, 2)
     elif name == "dp4tp1":
-        _case_replicas(directory, rank, 4, 1)
+        _case_replicas(directory, directory, rank, 4, 1)
+    elif name == "http":
+        _case_replicas(directory, url, rank, 2, 2)
     elif name == "one_dim":
         _case_one_dim(directory, rank, world)
     elif name == "failing":
@@ -142,4 +146,8 @@ def _run_case(case, rank, world):
 
 
 def test_mesh_loads(llama, tmp_path):
-    spawn_cases(WORLD, [(name, llama) for name in ("dp2tp2", "dp4tp1", "one_dim", "failing")], tmp_path, _run_case)
+    """Every case on one 4-process job: (dp 2, tp 2) and (dp 4, tp 1) on local files, (dp 2,
+    tp 2) over the HTTP test server (ranged GETs), a 1-D mesh, a failing rank."""
+    with RangeServer(llama) as server:
+        cases = [(name, llama, server.url + "/") for name in ("dp2tp2", "dp4tp1", "http", "one_dim", "failing")]
+        spawn_cases(WORLD, cases, tmp_path, _run_case)
