@@ -12,12 +12,14 @@ there too (bounded), so that the store (hosted by rank 0) outlives the others' r
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from datetime import timedelta
 from typing import Any
 
 from .errors import RankFailedError
 
+logger = logging.getLogger("lazyload")
 _loads = itertools.count()
 POLL = 0.01  # seconds between the looks of a failed rank at how many others have read its error
 # Where ranks agree: input checked and planned, before the model changes (or any byte is
@@ -39,15 +41,29 @@ class Agreement:
         self.passed = 0  # points of POINTS passed
         self.settled = False  # a point already told everyone the outcome
 
-    def reached(self, point: str) -> None:
+    def reached(self, point: str, seconds: float | None = None) -> None:
         """This rank got to `point` (the next of POINTS); returns once every rank did, or
-        raises RankFailedError naming the ranks that failed and their errors."""
+        raises RankFailedError naming the ranks that failed and their errors. `seconds`: how
+        long this rank took to get there; the first rank logs the slowest one."""
         assert point == POINTS[self.passed], f"agreement points out of order: {point}"
+        if seconds is not None:  # set before "ok": a rank that reads every "ok" finds every time
+            self.store.set(f"{self.prefix}/{point}/seconds{self.rank}", f"{seconds:.6f}")
         failed = self._exchange(point, "ok")
         self.passed += 1
         if failed:
             self.settled = True
             raise RankFailedError(_message(self.rank, point, failed), failed)
+        if seconds is not None and self.rank == self.ranks[0]:
+            self._log_slowest(point)
+
+    def _log_slowest(self, point: str) -> None:
+        """Log the slowest rank to `point` and how far behind the fastest it was (the skew
+        users see as "some ranks take much longer")."""
+        values = self.store.multi_get([f"{self.prefix}/{point}/seconds{r}" for r in self.ranks])
+        took = {r: float(v.decode()) for r, v in zip(self.ranks, values)}
+        slow, fast = max(took, key=took.get), min(took, key=took.get)
+        logger.info("lazyload: rank %d was the slowest to '%s': %.2f s, %.2f s behind the fastest (rank %d, %.2f s)",
+                    slow, point, took[slow], took[slow] - took[fast], fast, took[fast])
 
     def failed(self, exc: BaseException) -> None:
         """This rank failed: tell the others at the next point (and wait, bounded, for them
@@ -90,7 +106,7 @@ class NoAgreement:
 
     settled = True
 
-    def reached(self, point: str) -> None:
+    def reached(self, point: str, seconds: float | None = None) -> None:
         pass
 
     def failed(self, exc: BaseException) -> None:

@@ -57,7 +57,8 @@ def execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement = N
             stats = read_and_place(plan, reader, dests, slots, bar, share)
         finally:
             reader.close()
-        agree.reached("read")  # every rank read everything: only now is any model made runnable
+        # every rank read everything: only now is any model made runnable
+        agree.reached("read", time.perf_counter() - started)
         received = receive_shared(plan, share, dests, bar)
         assign_loaded(plan, slots, dests)
         recomputed = fill_meta_buffers(plan.recompute)

@@ -5,7 +5,10 @@ replicas; a 1-D mesh is rank/world. Every rank's tensors are compared bit for bi
 world-1 load's slices, its logits with world 1's."""
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
+import re
 
 import pytest
 import torch
@@ -23,6 +26,23 @@ AT_MOST = {2: 0.6, 4: 0.35}
 def llama(tmp_path_factory):
     directory, _ = write_checkpoint("llama", torch.float32, tmp_path_factory.mktemp("mesh") / "llama")
     return str(directory)
+
+
+@contextlib.contextmanager
+def _logged():
+    """The records the "lazyload" logger emits (INFO and above) inside the block."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("lazyload")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _logits(model, config):
@@ -63,7 +83,11 @@ def _case_replicas(directory, source, rank, dp, tp):
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     ref, _ = _load(directory, config)
     plain, alone = _load(source, config, mesh=mesh, cooperative=False)
-    model, shared = _load(source, config, mesh=mesh)
+    with _logged() as records:
+        model, shared = _load(source, config, mesh=mesh)
+    slowest = [r.getMessage() for r in records if "slowest" in r.getMessage()]
+    assert len(slowest) == (rank == 0), f"rank {rank}: {slowest}"  # rank 0 logs the slowest rank
+    assert not slowest or re.search(r"rank \d was the slowest to 'read': [\d.]+ s, [\d.]+ s behind", slowest[0])
     label = f"rank {rank} of (dp {dp}, tp {tp}) from {source}"
     assert (shared.rank, shared.world) == (mesh["tp"].get_local_rank(), tp), label
     _assert_world1_slices(model, ref, label)
