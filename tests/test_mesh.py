@@ -106,6 +106,29 @@ def _case_replicas(directory, source, rank, dp, tp):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label}: {m}")
 
 
+def _case_quantized(directory, rank):
+    """Quantized on load (8-bit data and scales per target) at (dp 2, tp 2): what replicas
+    exchange is each destination's tensors, so they equal the non-cooperative load's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+    from lazyload import Quantization
+
+    config = AutoConfig.from_pretrained(directory)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    int8 = Quantization("int8", group_size=16)  # whole groups in each rank's columns
+    plain, _ = _load(directory, config, mesh=mesh, cooperative=False, quantize=int8)
+    model, shared = _load(directory, config, mesh=mesh, quantize=int8)
+    assert shared.quantized and shared.bytes_received > 0
+    mine, theirs = _states(model), _states(plain)
+    assert mine.keys() == theirs.keys() and any(t.dtype == torch.int8 for t in mine.values())
+    assert all(torch.equal(mine[n], theirs[n]) for n in theirs), f"rank {rank}: quantized tensors differ"
+    torch.testing.assert_close(_logits(model, config), _logits(plain, config), rtol=0, atol=0)
+
+
+def _states(model) -> dict[str, torch.Tensor]:
+    return {n: (t.to_local() if hasattr(t, "to_local") else t) for n, t in model.state_dict().items()}
+
+
 def _case_one_dim(directory, rank, world):
     """A 1-D mesh is rank/world: the same local tensors, and a runnable model."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -163,6 +186,8 @@ def _run_case(case, rank, world):
         _case_replicas(directory, directory, rank, 4, 1)
     elif name == "http":
         _case_replicas(directory, url, rank, 2, 2)
+    elif name == "quantized":
+        _case_quantized(directory, rank)
     elif name == "one_dim":
         _case_one_dim(directory, rank, world)
     elif name == "failing":
@@ -171,7 +196,8 @@ def _run_case(case, rank, world):
 
 def test_mesh_loads(llama, tmp_path):
     """Every case on one 4-process job: (dp 2, tp 2) and (dp 4, tp 1) on local files, (dp 2,
-    tp 2) over the HTTP test server (ranged GETs), a 1-D mesh, a failing rank."""
+    tp 2) over the HTTP test server (ranged GETs), quantized on load, a 1-D mesh, a failing rank."""
     with RangeServer(llama) as server:
-        cases = [(name, llama, server.url + "/") for name in ("dp2tp2", "dp4tp1", "http", "one_dim", "failing")]
+        cases = [(name, llama, server.url + "/") for name in ("dp2tp2", "dp4tp1", "http", "quantized", "one_dim",
+                                                            "failing")]
         spawn_cases(WORLD, cases, tmp_path, _run_case)
