@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .agreement import Agreement, NoAgreement
 from .buffers import fill_meta_buffers
 from .cooperate import Share, exchange, share_of
-from .mesh import dp_mesh, tp_mesh
+from .mesh import tp_mesh
 from .engine import EngineStats, run_schedule, settle_failure
 from .errors import PlanError, ReadError
 from .tp.runnable import auto_parallelize
@@ -53,7 +53,7 @@ def execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement = N
             dests = allocate_destinations(plan, slots, reader)
             if not reader.prefetching:
                 bar.update(plan.bytes_mapped / 2**20)
-            share = share_of(plan.groups, dp_mesh(plan.options.mesh)) if plan.options.cooperating else None
+            share = share_of(plan, plan.options.mesh) if plan.options.cooperating else None
             stats = read_and_place(plan, reader, dests, slots, bar, share)
         finally:
             reader.close()

@@ -23,11 +23,6 @@ def tp_mesh(mesh: Any) -> Any:
     return mesh if mesh.ndim == 1 else mesh["tp"]
 
 
-def dp_mesh(mesh: Any) -> Any | None:
-    """The replica (sub-)mesh `mesh["dp"]`, or None for a 1-D mesh."""
-    return None if mesh.ndim == 1 else mesh["dp"]
-
-
 def ranks_of(mesh: Any, rank: int, world: int) -> tuple[int, int]:
     """(rank, world) of this process's tensor-parallel share: its `tp` coordinate and the
     size of the `tp` dim. An explicit rank/world beside the mesh must agree with it."""

@@ -76,12 +76,13 @@ def _case_replicas(directory, source, rank, dp, tp):
     """(dp, tp), from `source` (the directory or its URL): cooperative loads equal world 1's
     slices and the non-cooperative load's local tensors bit for bit, read at most AT_MOST
     of the storage bytes, and receive the rest."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(directory)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    ref, _ = _load(directory, config)
+    ref, world1 = _load(directory, config)
     plain, alone = _load(source, config, mesh=mesh, cooperative=False)
     with _logged() as records:
         model, shared = _load(source, config, mesh=mesh)
@@ -98,6 +99,11 @@ def _case_replicas(directory, source, rank, dp, tp):
     assert alone.bytes_received == 0 and shared.bytes_received > 0, label
     assert storage <= AT_MOST[dp] * own, f"{label}: {storage} bytes from storage of a share of {own}"
     assert storage + shared.bytes_received >= own, f"{label}: {storage} + {shared.bytes_received} < {own}"
+    # every byte of the checkpoint read once in the whole job: norms (held whole by every tp
+    # rank) by one rank of the mesh, each shard by one of its replicas
+    total = torch.tensor([shared.bytes_read])
+    dist.all_reduce(total)
+    assert total.item() == world1.bytes_read + world1.bytes_mapped, f"{label}: {total.item()} bytes read in all"
     want = _logits(ref, config)
     for got in (_logits(model, config), _logits(plain, config)):
         if tp == 1:
