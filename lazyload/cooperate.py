@@ -95,12 +95,17 @@ def _greedy(layers, sizes: dict[str, int], ranks: int) -> dict[str, int]:
     return readers
 
 
-def share_of(plan: Any, mesh: Any) -> Share:
+def share_of(plan: Any, mesh: Any) -> Share | None:
     """This rank's Share of its plan's reads over a ("dp", "tp") `mesh`. Targets every rank
     holds whole are split over the whole mesh when it is the whole process group (its
-    default group runs their broadcasts), else over the replicas like the others."""
+    default group runs their broadcasts), else over the replicas like the others. None for
+    a model that holds its own split (DTensors, local shapes: FSDP shards over "dp" too), whose
+    replicas need not hold the same bytes."""
     import torch.distributed as dist
 
+    resolved = plan.placements
+    if resolved.local_shaped or any(p.kind == "box" for p in resolved.placements.values()):
+        return None
     dp = mesh["dp"]
     everyone = sorted(mesh.mesh.flatten().tolist())
     whole: dict[str, int] = {}

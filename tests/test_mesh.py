@@ -131,6 +131,26 @@ def _case_quantized(directory, rank):
     torch.testing.assert_close(_logits(model, config), _logits(plain, config), rtol=0, atol=0)
 
 
+def _case_fsdp_over_dp(directory, rank):
+    """A model the user sharded over "dp" (FSDP2): replicas hold different bytes, so they read
+    their own (nothing received), and every tensor is world 1's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig
+    from lazyload import LazyCheckpoint
+
+    config = AutoConfig.from_pretrained(directory)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref, _ = _load(directory, config)
+    model = build_model("llama", config, torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    report = LazyCheckpoint(directory).load_into(model, mesh=mesh, progress=False)
+    assert report.bytes_received == 0, f"rank {rank}: received {report.bytes_received} bytes"
+    _assert_world1_slices(model, ref, f"rank {rank}, FSDP over dp")
+
+
 def _states(model) -> dict[str, torch.Tensor]:
     return {n: (t.to_local() if hasattr(t, "to_local") else t) for n, t in model.state_dict().items()}
 
@@ -194,6 +214,8 @@ def _run_case(case, rank, world):
         _case_replicas(directory, url, rank, 2, 2)
     elif name == "quantized":
         _case_quantized(directory, rank)
+    elif name == "fsdp":
+        _case_fsdp_over_dp(directory, rank)
     elif name == "one_dim":
         _case_one_dim(directory, rank, world)
     elif name == "failing":
@@ -204,6 +226,6 @@ def test_mesh_loads(llama, tmp_path):
     """Every case on one 4-process job: (dp 2, tp 2) and (dp 4, tp 1) on local files, (dp 2,
     tp 2) over the HTTP test server (ranged GETs), quantized on load, a 1-D mesh, a failing rank."""
     with RangeServer(llama) as server:
-        cases = [(name, llama, server.url + "/") for name in ("dp2tp2", "dp4tp1", "http", "quantized", "one_dim",
-                                                            "failing")]
+        cases = [(name, llama, server.url + "/") for name in ("dp2tp2", "dp4tp1", "http", "quantized", "fsdp",
+                                                            "one_dim", "failing")]
         spawn_cases(WORLD, cases, tmp_path, _run_case)
