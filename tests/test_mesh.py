@@ -151,6 +151,23 @@ def _case_fsdp_over_dp(directory, rank):
     _assert_world1_slices(model, ref, f"rank {rank}, FSDP over dp")
 
 
+def _case_mesh_errors(directory, rank):
+    """A mesh of other dims, or a rank/world the mesh contradicts: an ArgumentError before
+    anything is read, the model untouched."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+    from lazyload import ArgumentError, LazyCheckpoint
+
+    config = AutoConfig.from_pretrained(directory)
+    unnamed = init_device_mesh("cpu", (2, 2))
+    named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for kwargs, words in (({"mesh": unnamed}, "('dp', 'tp')"), ({"mesh": named, "rank": 0, "world": 4}, "mesh alone")):
+        model = build_model("llama", config, torch.float32)
+        with pytest.raises(ArgumentError, match=re.escape(words)):
+            LazyCheckpoint(directory).load_into(model, progress=False, **kwargs)
+        assert all(p.is_meta for p in model.parameters())
+
+
 def _states(model) -> dict[str, torch.Tensor]:
     return {n: (t.to_local() if hasattr(t, "to_local") else t) for n, t in model.state_dict().items()}
 
@@ -216,6 +233,8 @@ def _run_case(case, rank, world):
         _case_quantized(directory, rank)
     elif name == "fsdp":
         _case_fsdp_over_dp(directory, rank)
+    elif name == "errors":
+        _case_mesh_errors(directory, rank)
     elif name == "one_dim":
         _case_one_dim(directory, rank, world)
     elif name == "failing":
@@ -227,5 +246,5 @@ def test_mesh_loads(llama, tmp_path):
     tp 2) over the HTTP test server (ranged GETs), quantized on load, a 1-D mesh, a failing rank."""
     with RangeServer(llama) as server:
         cases = [(name, llama, server.url + "/") for name in ("dp2tp2", "dp4tp1", "http", "quantized", "fsdp",
-                                                            "one_dim", "failing")]
+                                                            "errors", "one_dim", "failing")]
         spawn_cases(WORLD, cases, tmp_path, _run_case)
