@@ -13,6 +13,7 @@ from torch import nn
 from .agreement import agreement
 from .executor import execute
 from .mapping import KeyMap
+from .mesh import ranks_of
 from .planner import LoadOptions, plan_load
 from .quant.onload import Quantization
 from .report import LoadReport
@@ -44,7 +45,7 @@ class LazyCheckpoint(StoredCheckpoint):
                   progress: bool | None = None, plan: dict[str, Any] | str | None = None, reader: str = "auto",
                   max_host_bytes: int | None = None, release_pages: bool = False,
                   shards_only: bool = False, quantize: str | Quantization | None = None,
-                  rank_timeout: float = 60.0) -> LoadReport:
+                  rank_timeout: float = 60.0, mesh: Any = None, cooperative: bool | None = None) -> LoadReport:
         """Fill `model` with this rank's share of the checkpoint; returns a LoadReport.
 
         Every input error (arguments, keys, shapes, casts, rank/world, plan) is a
@@ -97,6 +98,14 @@ class LazyCheckpoint(StoredCheckpoint):
           rank and world > 1) waits for the others at each point where they agree (after
           planning, after reading); a rank that fails, or does not report in time, makes
           every other one raise RankFailedError naming it and its error.
+        - `mesh`: a torch `DeviceMesh` instead of `rank`/`world`: 1-D (tensor parallel), or
+          2-D with dims named ("dp", "tp") (replicas of a tensor-parallel model). This rank's
+          share is its `tp` coordinate of the `tp` dim's size; the model is made runnable
+          on `mesh["tp"]`; every rank of the mesh agrees at `rank_timeout`'s points.
+        - `cooperative` (a mesh with a "dp" dim): True or None (default) splits the reads that
+          the replicas of one shard share between them, each reading its part from storage
+          and receiving the rest from the others (`report.bytes_received`); False reads all
+          of it on every rank.
 
         A read that fails (I/O error, permission, a file changed since it was indexed) is a
         ReadError listing the targets `loaded` (assigned) and `not_loaded` (kept as they
@@ -105,8 +114,10 @@ class LazyCheckpoint(StoredCheckpoint):
         options = LoadOptions(device=device, dtype=dtype, strict=strict, missing=missing, key_map=key_map,
                               progress=progress, plan=plan, reader=reader, max_host_bytes=max_host_bytes,
                               release_pages=release_pages, shards_only=shards_only, quantize=quantize,
-                              rank_timeout=rank_timeout)
-        agree = agreement(rank, world, rank_timeout)
+                              rank_timeout=rank_timeout, mesh=mesh, cooperative=cooperative)
+        if mesh is not None:
+            rank, world = ranks_of(mesh, rank, world)
+        agree = agreement(rank, world, rank_timeout, mesh)
         try:
             load_plan = plan_load(self, model, rank, world, options)
             agree.reached("planned")  # every rank's input is good: only now may any model change

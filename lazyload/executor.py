@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 
 from .agreement import Agreement, NoAgreement
 from .buffers import fill_meta_buffers
+from .cooperate import Share, exchange, share_of
+from .mesh import tp_mesh
 from .engine import EngineStats, run_schedule, settle_failure
 from .errors import PlanError, ReadError
 from .tp.runnable import auto_parallelize
@@ -51,14 +53,18 @@ def execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement = N
             dests = allocate_destinations(plan, slots, reader)
             if not reader.prefetching:
                 bar.update(plan.bytes_mapped / 2**20)
-            stats = read_and_place(plan, reader, dests, slots, bar)
+            share = share_of(plan, plan.options.mesh) if plan.options.cooperating else None
+            stats = read_and_place(plan, reader, dests, slots, bar, share)
         finally:
             reader.close()
-        agree.reached("read")  # every rank read everything: only now is any model made runnable
+        # every rank read everything: only now is any model made runnable
+        agree.reached("read", time.perf_counter() - started)
+        received = receive_shared(plan, share, dests, bar)
         assign_loaded(plan, slots, dests)
         recomputed = fill_meta_buffers(plan.recompute)
     held = torchao_holders(plan, model)
-    report = _report(plan, reader, dests, stats, memory, recomputed, time.perf_counter() - started, held)
+    report = _report(plan, reader, dests, stats, memory, recomputed, time.perf_counter() - started, held,
+                     received)
     logger.info("%s", report)
     if not report.ok:
         logger.warning("lazyload: rank %d: %s (strict=False); see the report", plan.rank,
@@ -79,7 +85,8 @@ def make_parallel(plan: LoadPlan, model: nn.Module, slots: dict[str, Slot]) -> N
     """Under torch.distributed, a model nobody made parallel is made runnable (DTensors of
     the planned split); each planned local shape must be the one its parameter now has."""
     o = plan.options
-    if not auto_parallelize(model, o.plan, plan.rank, plan.world, plan.device, plan.placements, o.shards_only):
+    tp = None if o.mesh is None else tp_mesh(o.mesh)
+    if not auto_parallelize(model, o.plan, plan.rank, plan.world, plan.device, plan.placements, o.shards_only, tp):
         return
     for target in plan.targets:
         tensor = current_tensor(slots[target.name])
@@ -103,15 +110,30 @@ def allocate_destinations(plan: LoadPlan, slots: dict[str, Slot], reader: Reader
 
 
 def read_and_place(plan: LoadPlan, reader: Reader, dests: dict[str, Destination], slots: dict[str, Slot],
-                   bar: tqdm) -> EngineStats:
-    """Run the schedule; after a failed read, what was fully read is assigned, the rest left as it was."""
+                   bar: tqdm, share: Share | None = None) -> EngineStats:
+    """Run the schedule (of the targets this rank reads, when replicas share reads); after a
+    failed read, what was fully read is assigned, the rest left as it was."""
     groups = plan.groups if reader.prefetching else plan.copy_groups
+    if share is not None:
+        groups = share.own(groups)
+        dests = {item.target: dests[item.target] for group in groups for item in group.items}
+    placing = with_whole(dests, [t for t in plan.targets if t.name in dests], plan.mapping.exprs, plan.items,
+                         plan.index.shape_of)
     try:
-        return run_schedule(groups, reader, with_whole(dests, plan.targets, plan.mapping.exprs, plan.items,
-                                                       plan.index.shape_of),
-                            plan.budget, on_bytes=_progress(bar, reader), mapped=frozenset(plan.views))
+        return run_schedule(groups, reader, placing, plan.budget, on_bytes=_progress(bar, reader),
+                            mapped=frozenset(plan.views))
     except ReadError as exc:
         raise settle_failure(exc, slots, dests) from exc
+
+
+def receive_shared(plan: LoadPlan, share: Share | None, dests: dict[str, Destination], bar: tqdm) -> int:
+    """The targets other replicas read, received from them (every rank having read its part);
+    returns the bytes received."""
+    if share is None:
+        return 0
+    received = exchange(plan.groups, share, dests)
+    bar.update(received / 2**20)
+    return received
 
 
 def assign_loaded(plan: LoadPlan, slots: dict[str, Slot], dests: dict[str, Destination]) -> None:
@@ -132,14 +154,16 @@ def torchao_holders(plan: LoadPlan, model: nn.Module) -> list[str]:
 
 
 def _report(plan: LoadPlan, reader: Reader, dests: dict[str, Destination], stats: EngineStats,
-            memory: MemorySampler, recomputed: list[str], seconds: float, torchao: list[str]) -> LoadReport:
+            memory: MemorySampler, recomputed: list[str], seconds: float, torchao: list[str],
+            received: int = 0) -> LoadReport:
     mapping, quantized = plan.mapping, plan.quantized
     return LoadReport(loaded=[t.name for t in plan.targets], missing=mapping.missing,
                       unexpected=mapping.unexpected, mismatched=mapping.mismatched,
                       initialized=list(plan.initialized), recomputed_buffers=recomputed,
                       ignored_buffer_keys=mapping.ignored_buffer_keys, other_stages=mapping.other_stages,
                       read_whole={n: sum(i.nbytes for i in plan.items if i.target == n) for n in plan.whole},
-                      bytes_read=reader.bytes_read, bytes_mapped=plan.bytes_mapped, seconds=seconds,
+                      bytes_read=reader.bytes_read, bytes_mapped=plan.bytes_mapped,
+                      bytes_received=received, seconds=seconds,
                       peak_rss=memory.peak_rss, peak_anon=memory.peak_anon, peak_file=memory.peak_file,
                       rank=plan.rank, world=plan.world, reader=reader.name, prefetched=reader.prefetching,
                       released_pages=plan.release_pages, pinned_bytes=stats.pinned_bytes,

@@ -37,6 +37,7 @@ from .plan import REPLICATE, ReadItem, TargetPlan, check_rank, local_regions, pl
 from .quant.formats import Quantization as PreQuantized
 from .quant.onload import Grid, Quantization
 from .quant.targets import quantized_targets
+from .mesh import cooperating
 from .readers import must_release_pages, reader_name
 from .remote import RemoteCheckpoint
 from .report import size
@@ -64,6 +65,13 @@ class LoadOptions:
     shards_only: bool = False
     quantize: str | Quantization | None = None
     rank_timeout: float = 60.0
+    mesh: Any = None  # a torch DeviceMesh, 1-D (tp) or ("dp", "tp"); rank and world are then its tp dim's
+    cooperative: bool | None = None  # replicas (a mesh's dp dim) split their reads; default on
+
+    @property
+    def cooperating(self) -> bool:
+        """Replicas split identical reads and exchange them (see cooperate.py)."""
+        return cooperating(self.mesh, self.cooperative)
 
     def checked(self, model: Any, remote: Any = None) -> "LoadOptions":
         """These options with `dtype` as a torch.dtype; arguments of the wrong kind refused."""
@@ -209,7 +217,8 @@ def place(mapped: Mapped, model: nn.Module, rank: int, world: int,
     if placements.local_shaped:  # the model holds local shards: map with the full shapes
         specs = placements.specs
         mapping = map_model(mapped.index, model, specs, mapped.aliases, options.key_map, mapped.quant)
-    check_process_group(rank, world, options.plan, placements, options.shards_only)
+    if options.mesh is None:  # a mesh's rank and world are its tp dim's by construction
+        check_process_group(rank, world, options.plan, placements, options.shards_only)
     if mapping.unused_key_map:
         logger.warning("lazyload: key_map patterns that match no checkpoint key (key_map maps checkpoint key "
                        "-> model key): %s", ", ".join(mapping.unused_key_map))
@@ -259,7 +268,8 @@ def _reads(targets: list[TargetPlan], items: list[ReadItem], whole: dict[str, in
         items, dest_bytes if device.type == "cpu" else 0, world))
     reader = reader_name(options.reader, device, remote)
     views = {}
-    if reader == "mmap" and device.type == "cpu" and not release_pages:
+    # a cooperating rank's destinations are written by its peers too: its own memory, not the file's
+    if reader == "mmap" and device.type == "cpu" and not release_pages and not options.cooperating:
         views = viewable([t for t in targets if t.name not in whole], items, slots)
     groups = schedule(items)  # views of warm pages need nothing more; cold ones are paged in by the schedule
     copy_groups = [Group(g.layer, kept) for g in groups if (kept := tuple(i for i in g.items if i.target not in views))]

@@ -120,6 +120,8 @@ class LoadReport:
     - `bytes_mapped`: bytes of tensors left as copy-on-write views of the file mapping
       (CPU, checkpoint dtype); with cold pages (`prefetched`) they are paged in during the
       load, with warm ones the pages are cached and mapped on first use.
+    - `bytes_received`: tensor bytes this rank got from its replicas instead of storage
+      (`load_into(..., mesh=...)` with a `dp` dim: cooperative reads).
     - `seconds`: wall time of the whole `load_into` call.
     - `peak_rss`, `peak_anon`, `peak_file`: peaks of this process's resident memory, its
       anonymous part and its file-backed part (mapped checkpoint pages) during the load,
@@ -157,6 +159,7 @@ class LoadReport:
     read_whole: dict[str, int] = field(default_factory=dict)
     bytes_read: int = 0
     bytes_mapped: int = 0
+    bytes_received: int = 0
     seconds: float = 0.0
     peak_rss: int = 0
     peak_anon: int = 0
@@ -185,6 +188,7 @@ class LoadReport:
     def __str__(self) -> str:
         lines = [f"lazyload: rank {self.rank}/{self.world}, {len(self.loaded)} tensors loaded, "
                  f"{size(self.bytes_read)} read" + (f", {size(self.bytes_mapped)} mapped" if self.bytes_mapped else "")
+                 + (f", {size(self.bytes_received)} from replicas" if self.bytes_received else "")
                  + f" in {self.seconds:.2f} s ({self.reader} reader{', prefetched' if self.prefetched else ''}); "
                  f"peak RSS {size(self.peak_rss)}, peak anonymous {size(self.peak_anon)}"
                  + (f", pinned {size(self.pinned_bytes)}" if self.pinned_bytes else "")

@@ -437,19 +437,20 @@ def check_process_group(rank: int, world: int, plan: Any, resolved: Resolved, sh
 
 
 def auto_parallelize(model: nn.Module, plan: Any, rank: int, world: int, device: torch.device,
-                     resolved: Resolved, shards_only: bool = False) -> bool:
+                     resolved: Resolved, shards_only: bool = False, mesh: Any = None) -> bool:
     """With torch.distributed initialised and (rank, world) this process's, make a model
-    that nobody made parallel runnable (`parallelize` on a 1-D mesh of all ranks). False
+    that nobody made parallel runnable (`parallelize` on a 1-D mesh of all ranks, or on
+    `mesh`, the load's tensor-parallel mesh, when given). False
     when nothing was done: no process group, world 1, `shards_only`, plan={} or a name ->
     Placement plan (local shards only), or a model already parallel (DTensors,
     `parallelize`, local shapes)."""
     group = _process_group()
-    if group is None or world == 1 or shards_only or (rank, world) != group:
+    if group is None or world == 1 or shards_only or (mesh is None and (rank, world) != group):
         return False
     if plan == {} or (isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values())):
         return False
     if _made_parallel(resolved):
         return False
-    parallelize(model, default_mesh(world, device), plan if isinstance(plan, dict) else None,
+    parallelize(model, default_mesh(world, device) if mesh is None else mesh, plan if isinstance(plan, dict) else None,
                 experts=plan if isinstance(plan, str) else "tp")
     return True

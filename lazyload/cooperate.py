@@ -1,0 +1,166 @@
+"""Ranks that need the same bytes read them once. The ranks of a (dp, tp) mesh with the
+same `tp` coordinate (replicas of one shard) have the same plan: they split its targets,
+balanced by bytes layer by layer (every rank computes the same split from its plan). A
+target every rank of the mesh holds whole (a norm, a replicated embedding) is read by one
+rank of the whole mesh, spread over all of them. Each rank reads its part from storage into
+its destinations, and once every rank has read its part (the agreement's "read" point) the
+targets are broadcast from their readers (over the `dp` group, or the whole mesh for the
+replicated ones) straight into the destinations (torch.distributed collectives: gloo on
+CPU, NCCL on GPU).
+
+A target is the unit: whatever its destination holds once read (a plain tensor, 8-bit data
+and scales, the result of a conversion) is what is broadcast, so every destination kind
+cooperates without knowing it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from .mapping import natural_key
+from .placer import Destination
+from .schedule import Group, layer_of
+
+
+@dataclass(frozen=True)
+class Circle:
+    """Ranks that hold the same targets: their process group (None: the default group) and
+    this rank's index in it."""
+
+    group: Any
+    me: int
+
+
+@dataclass(frozen=True)
+class Share:
+    """This rank's part of the reads it shares: `readers` maps each target to the index of
+    its reader in its circle, `dp` (the replicas of this shard), or `everyone` (the whole
+    mesh) for the targets of `replicated` (their layers, in the same order on every rank)."""
+
+    readers: dict[str, int]
+    dp: Circle
+    everyone: Circle | None = None
+    replicated: tuple[tuple[str, ...], ...] = ()
+
+    @cached_property
+    def replicated_names(self) -> frozenset[str]:
+        return frozenset(n for layer in self.replicated for n in layer)
+
+    def reads(self, name: str) -> bool:
+        """This rank reads target `name` from storage."""
+        circle = self.everyone if self.everyone is not None and name in self.replicated_names else self.dp
+        return self.readers[name] == circle.me
+
+    def own(self, groups: list[Group]) -> list[Group]:
+        """The groups, each with the items of the targets this rank reads (empty ones dropped)."""
+        mine = {name for name in self.readers if self.reads(name)}
+        return [Group(g.layer, kept) for g in groups if (kept := tuple(i for i in g.items if i.target in mine))]
+
+
+def split_reads(groups: list[Group], replicas: int, skip: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Each target's reader among `replicas` ranks (those in `skip` left out): layer by layer,
+    the largest targets first, each to the rank that has the fewest bytes so far."""
+    sizes: dict[str, int] = {}
+    layers = []
+    for group in groups:
+        names = []
+        for item in group.items:
+            if item.target not in skip:
+                names += [] if item.target in sizes else [item.target]
+                sizes[item.target] = sizes.get(item.target, 0) + item.nbytes
+        layers.append(sorted(names, key=lambda n: (-sizes[n], n)))
+    return _greedy(layers, sizes, replicas)
+
+
+def split_replicated(sizes: dict[str, int], ranks: int) -> tuple[dict[str, int], tuple[tuple[str, ...], ...]]:
+    """Readers among `ranks` for targets every rank holds whole (name -> bytes, the same on
+    every rank), and their layers in one order for all ranks."""
+    layers: dict[str, list[str]] = {}
+    for name in sorted(sizes, key=lambda n: (natural_key(layer_of(n)), -sizes[n], n)):
+        layers.setdefault(layer_of(name), []).append(name)
+    ordered = tuple(tuple(names) for names in layers.values())
+    return _greedy(ordered, sizes, ranks), ordered
+
+
+def _greedy(layers, sizes: dict[str, int], ranks: int) -> dict[str, int]:
+    """Each name (layer by layer, in order) to the rank with the fewest bytes so far."""
+    totals = [0] * ranks
+    readers: dict[str, int] = {}
+    for layer in layers:
+        for name in layer:
+            readers[name] = min(range(ranks), key=lambda r: (totals[r], r))
+            totals[readers[name]] += sizes[name]
+    return readers
+
+
+def share_of(plan: Any, mesh: Any) -> Share | None:
+    """This rank's Share of its plan's reads over a ("dp", "tp") `mesh`. Targets every rank
+    holds whole are split over the whole mesh when it is the whole process group (its
+    default group runs their broadcasts), else over the replicas like the others. None for
+    a model that holds its own split (DTensors, local shapes: FSDP shards over "dp" too), whose
+    replicas need not hold the same bytes."""
+    import torch.distributed as dist
+
+    resolved = plan.placements
+    if resolved.local_shaped or any(p.kind == "box" for p in resolved.placements.values()):
+        return None
+    dp = mesh["dp"]
+    everyone = sorted(mesh.mesh.flatten().tolist())
+    whole: dict[str, int] = {}
+    if mesh["tp"].size() > 1 and everyone == list(range(dist.get_world_size())):
+        whole = {t.name: 0 for t in plan.targets if _held_whole(plan, t)}
+        for item in plan.items:
+            if item.target in whole:
+                whole[item.target] += item.nbytes
+    readers = split_reads(plan.groups, dp.size(), skip=frozenset(whole))
+    if not whole:
+        return Share(readers, Circle(dp.get_group(), dp.get_local_rank()))
+    replicated_readers, replicated = split_replicated(whole, len(everyone))
+    return Share({**readers, **replicated_readers}, Circle(dp.get_group(), dp.get_local_rank()),
+                 Circle(None, dist.get_rank()), replicated)
+
+
+def _held_whole(plan: Any, target: Any) -> bool:
+    """Every tensor-parallel rank holds this target whole (the same bytes)."""
+    placement = plan.placements.placements.get(target.name)
+    return (placement is None or placement.kind == "replicate") and \
+        tuple(target.local_shape) == tuple(plan.specs[target.name].shape)
+
+
+def exchange(groups: list[Group], share: Share, dests: dict[str, Destination]) -> int:
+    """Broadcast every target from its reader to the ranks that did not read it, one layer
+    at a time (its broadcasts in flight together); returns the bytes this rank received."""
+    replicated = share.replicated_names
+    received = 0
+    for layer in groups:
+        names = [n for n in dict.fromkeys(item.target for item in layer.items) if n not in replicated]
+        received += _broadcast_all(names, share.readers, share.dp, dests)
+    for names in share.replicated:  # the same order on every rank of the mesh
+        received += _broadcast_all(list(names), share.readers, share.everyone, dests)
+    return received
+
+
+def _broadcast_all(names: list[str], readers: dict[str, int], circle: Circle, dests: dict[str, Destination]) -> int:
+    received = 0
+    pending = []
+    for name in names:
+        for tensor in dests[name].tensors(name).values():
+            pending.append(_broadcast(tensor, readers[name], circle.group))
+            received += tensor.nbytes if readers[name] != circle.me else 0
+    for work, staged, tensor in pending:
+        work.wait()
+        if staged is not tensor:
+            tensor.copy_(staged)
+    return received
+
+
+def _broadcast(tensor: torch.Tensor, source: int, group: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Start broadcasting `tensor`'s bytes from the group's rank `source`, as bytes (exact for
+    every dtype, float8 included); a tensor that is not contiguous goes through a contiguous copy."""
+    import torch.distributed as dist
+
+    staged = tensor if tensor.is_contiguous() else tensor.contiguous()
+    as_bytes = staged.reshape(-1).view(torch.uint8)
+    return dist.broadcast(as_bytes, group=group, group_src=source, async_op=True), staged, tensor
