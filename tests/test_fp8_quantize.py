@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from checkpoints import build_model
+from gloo import spawn_cases
 
 from lazyload import ArgumentError, LazyCheckpoint, PlanError, Quantization
 
@@ -56,16 +57,41 @@ def test_world1_equals_transformers_quantization_bit_for_bit(llama_bf16):
         assert torch.equal(layer.weight_scale_inv, scale_inv), name
 
 
+def assert_world1_slices(layers: dict, whole: dict, rank: int, world: int) -> None:
+    """Every layer's weight bytes and scales (local shards under a process group) are its
+    rank's slices of world 1's: row-parallel layers split the input dim, the others the output dim."""
+    from lazyload.targets import local_tensor
+
+    assert layers.keys() == whole.keys()
+    for name, layer in layers.items():
+        dim = 1 if name.endswith(("o_proj", "down_proj")) else 0
+        weight = whole[name].weight.view(torch.uint8).chunk(world, dim)[rank]
+        scale = whole[name].weight_scale_inv.chunk(world, dim)[rank]
+        assert torch.equal(local_tensor(layer.weight.data).view(torch.uint8), weight), f"rank {rank}: {name}"
+        assert torch.equal(local_tensor(layer.weight_scale_inv.data), scale), f"rank {rank}: {name}"
+
+
 def test_world2_ranks_hold_world1_slices(llama_bf16):
     directory, config = llama_bf16
     whole = fp8_layers(directory, config)
     for rank in range(2):
-        for name, layer in fp8_layers(directory, config, rank, 2).items():
-            dim = 1 if name.endswith(("o_proj", "down_proj")) else 0  # rowwise: input dim; colwise: output dim
-            weight = whole[name].weight.view(torch.uint8).chunk(2, dim)[rank]
-            scale = whole[name].weight_scale_inv.chunk(2, dim)[rank]
-            assert torch.equal(layer.weight.view(torch.uint8), weight), f"rank {rank}: {name}"
-            assert torch.equal(layer.weight_scale_inv, scale), f"rank {rank}: {name}"
+        assert_world1_slices(fp8_layers(directory, config, rank, 2), whole, rank, 2)
+
+
+def _gloo_case(case, rank, world):
+    from transformers import AutoConfig
+
+    from lazyload.targets import is_dtensor
+
+    directory, config = case, AutoConfig.from_pretrained(case)
+    layers = fp8_layers(directory, config, rank, world)
+    assert all(is_dtensor(layer.weight) and is_dtensor(layer.weight_scale_inv) for layer in layers.values())
+    assert_world1_slices(layers, fp8_layers(directory, config), rank, world)
+
+
+def test_world2_gloo_ranks_hold_world1_slices(llama_bf16, tmp_path):
+    """Under a gloo process group (the layers made parallel: DTensors of the planned split)."""
+    spawn_cases(2, [str(llama_bf16[0])], tmp_path, _gloo_case)
 
 
 def test_a_world_that_cuts_a_block_is_refused_before_anything_changes(llama_bf16):
@@ -81,3 +107,15 @@ def test_a_world_that_cuts_a_block_is_refused_before_anything_changes(llama_bf16
 def test_transformers_format_is_fp8_only():
     with pytest.raises(ArgumentError, match="format='transformers'.*'fp8'"):
         Quantization("int8", format="transformers")
+
+
+def test_layers_that_are_not_whole_blocks_stay_lazyloads_holders(checkpoint):
+    """The tiny Llama (hidden 64): no Linear is whole 128x128 blocks, so each stays a
+    QuantizedLinear (transformers' quantizer leaves such shapes unquantized)."""
+    from lazyload.quant.linear import QuantizedLinear
+
+    directory, config = checkpoint("llama", "bf16")
+    model = build_model("llama", config, torch.bfloat16)
+    LazyCheckpoint(directory).load_into(model, quantize=TRANSFORMERS_FP8, progress=False)
+    kinds = {type(m) for n, m in model.named_modules() if n.endswith(("_proj", "lm_head"))}
+    assert kinds == {QuantizedLinear, torch.nn.Linear}  # lm_head kept full precision
