@@ -119,3 +119,13 @@ def test_layers_that_are_not_whole_blocks_stay_lazyloads_holders(checkpoint):
     LazyCheckpoint(directory).load_into(model, quantize=TRANSFORMERS_FP8, progress=False)
     kinds = {type(m) for n, m in model.named_modules() if n.endswith(("_proj", "lm_head"))}
     assert kinds == {QuantizedLinear, torch.nn.Linear}  # lm_head kept full precision
+
+
+def test_save_sharded_refuses_the_transformers_format(llama_bf16, tmp_path):
+    """A written checkpoint is compressed-tensors' groups: the load-time format is refused,
+    not silently written as something else."""
+    from lazyload import save_sharded
+
+    with pytest.raises(ArgumentError, match="format='transformers'.*compressed-tensors"):
+        save_sharded(str(llama_bf16[0]), tmp_path / "out", 1, quantize=TRANSFORMERS_FP8)
+    assert not (tmp_path / "out").exists()
