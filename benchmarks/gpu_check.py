@@ -19,7 +19,7 @@ are compared bit for bit.
 | in place | a real bf16 Llama on the GPU loaded with `device="cuda"`: every tensor keeps its `data_ptr`, `max_memory_allocated` grows by less than 10% of the model |
 | fp8 checkpoint | an FP8 block-scaled Llama (blocks 16x16) dequantized to bf16, kept (`quantize="fp8"`), and rank 1 of 2: GPU load = CPU load, bit for bit |
 | quantize | int8 and fp8 quantize-on-load (groups of 16): GPU = CPU, bit for bit |
-| fp8 modules | transformers' `FP8Linear` / `FP8Experts` (Llama, Mixtral; 128x128 blocks) filled at world 1 and as rank 1 of 2: the stored bytes and block scales; their forward (transformers' FP8 kernels, which `kernels` fetches) gives logits within 10% relative L2 of the dequantized bf16 model |
+| fp8 modules | transformers' `FP8Linear` / `FP8Experts` (Llama, Mixtral; 128x128 blocks) filled at world 1 and as rank 1 of 2: the stored bytes and block scales; their forward (transformers' FP8 kernels, which `kernels` fetches from the Hub: a skip saying why where it cannot be loaded) gives logits within 10% relative L2 of the dequantized bf16 model; a bf16 Llama quantized on load into `FP8Linear` (`format="transformers"`), world 1 and rank 1 of 2: GPU = CPU, bit for bit, and its forward within 10% of the bf16 model |
 | whole conversion | Inkling2 (experts' gate/up interleaved by transformers' operation on whole sources): GPU = CPU |
 | remote | a checkpoint served over HTTP on 127.0.0.1 (ranged GETs into pinned staging), cast to fp16: GPU = CPU |
 | unpinned | `cudaHostRegister` refused for real: the load goes through bounce buffers, = the files, and the next kernel launch raises no stale CUDA error |
@@ -393,14 +393,15 @@ def fp8_modules_checkpoint(run, arch):
     return run.written(f"{arch}-fp8-aligned", lambda target: write_fp8_checkpoint(source, target, names=EXPERT_NAMES))
 
 
-def fp8_logits_error(run, arch, directory, config):
+def fp8_logits_error(run, arch, directory, config, fp8=None, **kw):
     """Relative L2 error of the FP8 model's logits (transformers' FP8 kernels) against the
-    dequantized bf16 model's, both loaded to the GPU by lazyload."""
+    dequantized (or full-precision) bf16 model's, both loaded to the GPU by lazyload; `fp8`:
+    a meta model to load with `kw` (default: transformers' FP8 layers, filled as stored)."""
     from checkpoints import fixed_input
     from test_fp8_modules import fp8_model
 
-    fp8, full = fp8_model(arch, config), build_model(arch, config, torch.bfloat16)
-    run.load(fp8, directory)
+    fp8, full = fp8 or fp8_model(arch, config), build_model(arch, config, torch.bfloat16)
+    run.load(fp8, directory, **kw)
     run.load(full, directory)
     ids = fixed_input(config).to(run.device)
     with torch.no_grad():
@@ -428,12 +429,48 @@ def case_fp8_modules(run):
             rows.append(row("fp8 modules", f"{arch} rank {rank} of {world} to {run.device}: the stored bytes and "
                             "block scales", problems, f"{len(got)} tensors"))
         check = f"{arch} forward (transformers' FP8 kernels): logits within 10% (relative L2) of the dequantized model"
-        if not run.cuda:
-            rows.append(skip("fp8 modules", check, "needs CUDA"))
+        missing = fp8_kernel_missing(run)
+        if missing:
+            rows.append(skip("fp8 modules", check, missing))
             continue
         error = fp8_logits_error(run, arch, directory, config)
         rows.append(row("fp8 modules", check, error < 0.1, f"relative error {error:.4f}"))
-    return rows
+    return rows + quantized_into_fp8_modules(run)
+
+
+def fp8_kernel_missing(run):
+    """Why transformers' FP8 forward cannot run here (None: it can): it needs CUDA and the
+    `kernels-community/finegrained-fp8` kernel, which the `kernels` package fetches from the
+    Hub (a machine without network or without `kernels` has none)."""
+    if not run.cuda:
+        return "needs CUDA"
+    from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+
+    try:
+        load_finegrained_fp8_kernel()
+    except Exception as exc:  # ImportError, or the Hub unreachable: whatever it is, the row says it
+        return f"transformers' FP8 kernel not loadable ({type(exc).__name__}: {str(exc)[:160]})"
+    return None
+
+
+def quantized_into_fp8_modules(run):
+    """A bf16 Llama quantized on load into transformers' FP8Linear (format="transformers",
+    128x128 blocks): GPU = CPU bit for bit, at world 1 and as rank 1 of 2."""
+    from lazyload import Quantization
+    from test_fp8_quantize import DIMS
+
+    directory, config = run.written("llama-bf16-blocks", lambda target: write_checkpoint("llama", torch.bfloat16,
+                                                                                           target, **DIMS))
+    llama = lambda: build_model("llama", config, torch.bfloat16)  # noqa: E731
+    fp8 = Quantization("fp8", format="transformers")
+    rows = [gpu_vs_cpu(run, "fp8 modules", f"quantize on load into FP8Linear, rank {rank} of {world}: GPU = CPU",
+                       llama, directory, rank=rank, world=world, quantize=fp8) for rank, world in ((0, 1), (1, 2))]
+    check = "quantized on load into FP8Linear, forward (transformers' FP8 kernels): logits within 10% of bf16"
+    missing = fp8_kernel_missing(run)
+    if missing:
+        return rows + [skip("fp8 modules", check, missing)]
+    error = fp8_logits_error(run, "llama", directory, config, llama(), quantize=fp8)
+    return rows + [row("fp8 modules", check, error < 0.1, f"relative error {error:.4f}")]
 
 
 def case_whole(run):

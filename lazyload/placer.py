@@ -26,7 +26,7 @@ from .targets import Slot, current_tensor, is_dtensor, local_tensor
 
 def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device) -> QuantizedDest:
     """8-bit data and float32 scales for a target quantized on load."""
-    scale = torch.empty(scale_shape(target.local_shape, grid.group, grid.axis), dtype=torch.float32, device=device)
+    scale = torch.empty(scale_shape(target.local_shape, grid.group, grid.axis, grid.rows), dtype=torch.float32, device=device)
     return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, *grid)
 
 

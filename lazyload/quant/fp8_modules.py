@@ -56,17 +56,29 @@ def check_block_splits(model: nn.Module, specs: Mapping, placements: Mapping[str
         return
     for name, block in block_scaled_pairs(model, specs).items():
         scale = name + SCALE_SUFFIX
-        args = (tuple(specs[name].shape), tuple(specs[scale].shape), block,
-                placements.get(name, REPLICATE), placements.get(scale, REPLICATE))
-        if not _splits_blocks(*args, rank, world):
-            continue
-        works = [w for w in range(1, MAX_WORLD + 1) if w == 1 or not any(
-            _splits_blocks(*args, r, w) for r in range(w))]
-        raise PlanError(f"{name}: rank {rank} of {world} would hold a slice of this FP8 weight (shape "
-                        f"{list(specs[name].shape)}, scale blocks of {list(block[-2:])}) that starts or ends inside "
-                        f"a block, whose one scale cannot be split. Use a world whose slices are whole blocks "
-                        f"({', '.join(map(str, works))}), or keep this layer a plain Linear (transformers' "
-                        "modules_to_not_convert) and load it dequantized.")
+        check_block_split(name, tuple(specs[name].shape), block, placements.get(name, REPLICATE), rank, world,
+                          tuple(specs[scale].shape), placements.get(scale, REPLICATE))
+
+
+def check_block_split(name: str, shape: tuple[int, ...], block: tuple[int, ...], placement: Placement, rank: int,
+                      world: int, scale_shape: tuple[int, ...] | None = None,
+                      scale_placement: Placement | None = None) -> None:
+    """Refuse, naming the worlds that work, a split whose rank slice of the FP8 weight `name`
+    cuts a block of `block` (the scale grid: `scale_shape` split by `scale_placement`; by
+    default the blocks' grid split as the weight, as quantize-on-load allocates it)."""
+    if world == 1:
+        return
+    scale_shape = scale_shape or tuple(-(-n // b) for n, b in zip(shape, block))
+    args = (shape, scale_shape, block, placement, placement if scale_placement is None else scale_placement)
+    if not _splits_blocks(*args, rank, world):
+        return
+    works = [w for w in range(1, MAX_WORLD + 1) if w == 1 or not any(
+        _splits_blocks(*args, r, w) for r in range(w))]
+    raise PlanError(f"{name}: rank {rank} of {world} would hold a slice of this FP8 weight (shape "
+                    f"{list(shape)}, scale blocks of {list(block[-2:])}) that starts or ends inside "
+                    f"a block, whose one scale cannot be split. Use a world whose slices are whole blocks "
+                    f"({', '.join(map(str, works))}), or keep this layer a plain Linear (transformers' "
+                    "modules_to_not_convert) and load it dequantized.")
 
 
 @lru_cache(maxsize=4096)  # one answer per layer kind, not per layer
@@ -110,3 +122,19 @@ def scale_conversions(converts: list) -> list:
     `_scale_inv` tensors into an FP8 layer's: a checkpoint scale they take is held by the
     model as stored, not a dequantization sibling of its weight."""
     return [c for c in converts if all(s.endswith(SCALE_SUFFIX) for s in c.sources)]
+
+
+def swap_to_fp8_linears(model: nn.Module, names: list[str], block: int) -> None:
+    """Replace the named Linear layers by transformers' `FP8Linear` (blocks of `block` x
+    `block`, its bias in the layer's dtype) on the meta device; the load fills them."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        with torch.device("meta"):
+            new = FP8Linear(old.in_features, old.out_features, block_size=(block, block), has_bias=old.bias is not None)
+        if old.bias is not None:
+            new.bias = nn.Parameter(torch.empty_like(old.bias, device="meta"), requires_grad=False)
+        setattr(parent, attr, new)

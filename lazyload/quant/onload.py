@@ -22,12 +22,14 @@ import torch
 from ..errors import ArgumentError, PlanError
 from ..expr import Expr, Piece, ShapeOf, apply_ops, box_shape, undo_ops
 from ..plan import Placement, ReadItem, local_regions
+from .fp8_modules import check_block_split
 from .dequant import CPU_CHUNK, GPU_CHUNK, QuantizedBox, dequantize_into
 
 QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # Kept in full precision unless asked: the output head and MoE routers (embeddings and
 # norms are no Linear layers, so never quantized).
+BLOCK = 128  # format="transformers": rows and columns per scale (FineGrainedFP8Config's weight_block_size)
 DEFAULT_SKIP = (r"(^|\.)lm_head$", r"(^|\.)(gate|router)$")
 
 
@@ -49,12 +51,17 @@ class Quantization:
       `Int8Tensor` / `Float8Tensor` in a plain `nn.Linear` (torchao must be installed:
       `pip install lazyload[torchao]`); the others stay `QuantizedLinear`. None (default):
       True when torchao is installed, else False. False: `QuantizedLinear` everywhere, no
-      import of torchao."""
+      import of torchao.
+    - `format`: "lazyload" (default) as above; "transformers" (fp8 only) makes each Linear
+      layer whose dims are multiples of 128 transformers' `FP8Linear` with a float32
+      `weight_scale_inv` per 128x128 block, quantized as transformers quantizes (the same
+      bytes; `BLOCK`); other layers and fused experts stay lazyload's holders."""
 
     dtype: str = "int8"
     group_size: int | None = 128
     skip: tuple[str, ...] = ()
     torchao: bool | None = None
+    format: str = "lazyload"
 
     def __post_init__(self) -> None:
         if self.dtype not in QDTYPES:
@@ -63,7 +70,12 @@ class Quantization:
             raise ArgumentError(f"Quantization group_size={self.group_size!r}: a positive integer, or None for "
                                 "one scale per row.")
         object.__setattr__(self, "skip", tuple(self.skip))
-        if self.torchao is None:  # default: torchao's holders where it is installed (found, not imported)
+        if self.format not in ("lazyload", "transformers") or (self.format == "transformers" and self.dtype != "fp8"):
+            raise ArgumentError(f"Quantization format={self.format!r} with dtype={self.dtype!r}: use format "
+                                "'lazyload', or 'transformers' with dtype 'fp8' (its FP8Linear layers).")
+        if self.format == "transformers" and not self.torchao:
+            object.__setattr__(self, "torchao", False)  # FP8Linear holds the blocked layers; the rest stay ours
+        elif self.torchao is None:  # default: torchao's holders where it is installed (found, not imported)
             object.__setattr__(self, "torchao", importlib.util.find_spec("torchao") is not None)
         elif self.torchao:
             try:
@@ -90,6 +102,8 @@ class Quantization:
         """What the quantized weights hold, in words (for the LoadReport), with the number
         of layers held by torchao's tensors."""
         scales = f"per {self.group_size} input columns" if self.group_size else "per row"
+        if self.format == "transformers":
+            scales = f"per {BLOCK}x{BLOCK} block in transformers' FP8Linear (others {scales})"
         return f"{self.dtype}, a float32 scale {scales}" + (f" ({torchao_layers} as torchao tensors)"
                                                             if torchao_layers else "")
 
@@ -112,13 +126,15 @@ def not_converted(model: torch.nn.Module) -> tuple[str, ...]:
 class QuantizedDest(NamedTuple):
     """The destination of a quantized target: its 8-bit data and its scale grid (the data's
     shape with the input dim `axis` divided by `group`, rounded up); `group` input elements
-    per scale. `keep`: a pre-quantized source kept as stored (`keep_into`)."""
+    per scale. `keep`: a pre-quantized source kept as stored (`keep_into`). `rows` > 1:
+    blocks of `rows` x `group`, quantized as transformers does (`quantize_blocks_into`)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     group: int
     axis: int = -1
     keep: bool = False
+    rows: int = 1
 
     @property
     def device(self) -> torch.device:
@@ -136,16 +152,17 @@ class QuantizedDest(NamedTuple):
         """The quantize-on-load stage: the item's values quantized into their box."""
         if self.keep:
             return keep_into(self, item, source)
-        return quantize_into(self, item.dst_box, full_precision(item, source, self.device))
+        self.write(item.dst_box, full_precision(item, source, self.device))
 
     def write(self, box: tuple[tuple[int, int], ...], values: torch.Tensor) -> None:
-        quantize_into(self, box, values)
+        (quantize_blocks_into if self.rows > 1 else quantize_into)(self, box, values)
 
     def scratch_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # whole sources are converted in full precision, quantized after
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        return {name: self.data, name + "_scale": self.scale}  # the 8-bit data, and its scales beside it
+        # the 8-bit data, and its scales beside it (transformers' FP8Linear names them `weight_scale_inv`)
+        return {name: self.data, name + ("_scale_inv" if self.rows > 1 else "_scale"): self.scale}
 
 
 class Grid(NamedTuple):
@@ -156,11 +173,31 @@ class Grid(NamedTuple):
     group: int
     axis: int = -1
     keep: bool = False
+    rows: int = 1  # > 1: rows per scale too (format="transformers": 128x128 blocks)
 
 
-def scale_shape(shape: tuple[int, ...], group: int, axis: int = -1) -> tuple[int, ...]:
+def scale_shape(shape: tuple[int, ...], group: int, axis: int = -1, rows: int = 1) -> tuple[int, ...]:
     axis %= len(shape)
-    return tuple(-(-n // group) if d == axis else n for d, n in enumerate(shape))
+    return tuple(-(-n // group) if d == axis else -(-n // rows) if d == len(shape) - 2 else n
+                 for d, n in enumerate(shape))
+
+
+def quantize_blocks_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values: torch.Tensor) -> None:
+    """Quantize `values` (the `box` of a 2-D local weight, whole blocks: the plan checks it)
+    in blocks of `dest.rows` x `dest.group` as transformers' `Fp8Quantize` does, bit for bit:
+    `scale = 448 / amax` (1 for an all-zero block), `q = fp8(clamp(w * scale))`, stored
+    `scale_inv = 1 / scale`. One block-row of the weight at a time (a small float32 scratch)."""
+    (r0, r1), (c0, c1) = box
+    rb, cb = dest.rows, dest.group
+    qmax = QMAX[dest.data.dtype]
+    for r in range(0, r1 - r0, rb):
+        w = values[r:r + rb].to(torch.float32)
+        blocks = w.reshape(w.shape[0], -1, cb)  # (rows, column blocks, cb)
+        amax = blocks.abs().amax(dim=(0, -1))
+        scale = torch.where(amax > 0, qmax / torch.where(amax > 0, amax, torch.ones_like(amax)), 1.0)
+        q = (blocks * scale[None, :, None]).clamp(-qmax, qmax).to(dest.data.dtype)
+        dest.data[r0 + r:r0 + r + w.shape[0], c0:c1] = q.reshape(w.shape)
+        dest.scale[(r0 + r) // rb, c0 // cb:c1 // cb] = (1.0 / scale).to(torch.float32)
 
 
 def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values: torch.Tensor) -> None:
@@ -215,6 +252,11 @@ def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement
     A pre-quantized source already in the asked dtype (symmetric, contracted over its last
     dim) is kept (`kept_group`); otherwise groups of `config.group_size`, or with None one
     scale per row of what this rank holds (a row-parallel rank: its own columns only)."""
+    if blocked(config, shape, axis):  # transformers' FP8Linear: whole 128x128 blocks on every rank
+        check_block_split(name, shape, (BLOCK, BLOCK), placement, rank, world)
+        for dim in (-2, -1):  # fused sources (pieces) must not cut a block either
+            check_groups(name, expr, shape, placement, rank, world, BLOCK, shape_of, dim)
+        return Grid(BLOCK, -1, False, BLOCK)
     full = expr.pieces(tuple((0, n) for n in shape), shape_of)
     keep = axis % len(shape) == len(shape) - 1 and bool(full) and all(
         p.scales is not None and p.scales.zero is None and dtype_of(p.key) == config.torch_dtype
@@ -227,6 +269,13 @@ def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement
         group = max(1, local_regions(name, shape, placement, rank, world)[0][axis])
     check_groups(name, expr, shape, placement, rank, world, group, shape_of, axis)
     return Grid(group, axis, keep)
+
+
+def blocked(config: Quantization, shape: tuple[int, ...], axis: int) -> bool:
+    """Whether a target becomes transformers' FP8Linear weight: format="transformers", a 2-D
+    Linear weight whose dims are whole blocks (transformers quantizes no other shape)."""
+    return (config.format == "transformers" and len(shape) == 2 and axis % 2 == 1
+            and shape[0] % BLOCK == 0 and shape[1] % BLOCK == 0)
 
 
 def kept_group(full: list[Piece], shape: tuple[int, ...], placement: Placement, world: int) -> int:

@@ -9,7 +9,8 @@ from ..index import CheckpointIndex
 from ..plan import REPLICATE
 from .experts import quantizable_experts, swap_experts
 from .linear import quantizable_linears, swap_linears
-from .onload import Grid, Quantization, grid_for
+from .fp8_modules import swap_to_fp8_linears
+from .onload import BLOCK, Grid, Quantization, grid_for
 
 
 def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict, specs: dict, placements: dict,
@@ -34,8 +35,9 @@ def saved_bytes(dests: dict, full_dtypes: dict) -> int:
 
 def swap_quantized(model: nn.Module, grids: dict[str, Grid], config: Quantization) -> None:
     """Swap the modules of the quantized targets (on meta; the load fills them)."""
-    linears = {name.rpartition(".")[0]: grid.group for name, grid in grids.items()
+    linears = {name.rpartition(".")[0]: grid for name, grid in grids.items()
                if isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)}
-    swap_linears(model, linears, config)
+    swap_to_fp8_linears(model, [name for name, grid in linears.items() if grid.rows > 1], BLOCK)
+    swap_linears(model, {name: grid.group for name, grid in linears.items() if grid.rows == 1}, config)
     swap_experts(model, {name: (grid.group, grid.axis) for name, grid in grids.items()
                          if name.rpartition(".")[0] not in linears}, config)

@@ -69,6 +69,10 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
     if qconfig is not None and world != 1:
         raise ArgumentError(f"save_sharded(quantize={quantize!r}) writes a compressed-tensors checkpoint of whole "
                             f"tensors, from which each rank of any world reads its slice; pass world=1, not {world}.")
+    if qconfig is not None and qconfig.format != "lazyload":
+        raise ArgumentError(f"save_sharded(quantize=Quantization(format={qconfig.format!r})): that format is a holder "
+                            "of a load (load_into); a checkpoint is written in compressed-tensors' groups: pass "
+                            "quantize='int8', 'fp8' or Quantization(dtype, group_size=...).")
     index = _index_of(src)
     check_output(out_dir, source_dirs(_local_paths(src) + list(index.files)), overwrite)
     view = _names_as_tensors(index)
