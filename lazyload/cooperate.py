@@ -129,38 +129,85 @@ def _held_whole(plan: Any, target: Any) -> bool:
         tuple(target.local_shape) == tuple(plan.specs[target.name].shape)
 
 
-def exchange(groups: list[Group], share: Share, dests: dict[str, Destination]) -> int:
+class Staging:
+    """Contiguous copies of destinations that are not contiguous, in flight at once: at most
+    `limit` bytes (the host budget: reading is over, its buffers free), `peak` the most held."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_contiguous():
+            return tensor
+        self.held += tensor.nbytes
+        self.peak = max(self.peak, self.held)
+        return tensor.contiguous()
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_contiguous() or self.held + tensor.nbytes <= self.limit
+
+
+def exchange(groups: list[Group], share: Share, dests: dict[str, Destination], budget: int) -> tuple[int, int]:
     """Broadcast every target from its reader to the ranks that did not read it, one layer
-    at a time (its broadcasts in flight together); returns the bytes this rank received."""
+    at a time (its broadcasts in flight together, their staging copies within `budget`
+    bytes); returns the bytes this rank received and the most staging bytes it held at once."""
     replicated = share.replicated_names
     received = 0
+    staging = Staging(budget)
     for layer in groups:
         names = [n for n in dict.fromkeys(item.target for item in layer.items) if n not in replicated]
-        received += _broadcast_all(names, share.readers, share.dp, dests)
+        received += _broadcast_all(names, share.readers, share.dp, dests, staging)
     for names in share.replicated:  # the same order on every rank of the mesh
-        received += _broadcast_all(list(names), share.readers, share.everyone, dests)
+        received += _broadcast_all(list(names), share.readers, share.everyone, dests, staging)
+    return received, staging.peak
+
+
+def _broadcast_all(names: list[str], readers: dict[str, int], circle: Circle, dests: dict[str, Destination],
+                   staging: Staging) -> int:
+    received = 0
+    pending: list = []
+    for name in names:
+        for tensor in dests[name].tensors(name).values():
+            for piece in pieces(tensor, staging.limit):
+                if not staging.fits(piece):
+                    _finish(pending, staging)  # every rank stages the same pieces: the same waits
+                pending.append(_broadcast(piece, readers[name], circle.group, staging))
+            received += tensor.nbytes if readers[name] != circle.me else 0
+    _finish(pending, staging)
     return received
 
 
-def _broadcast_all(names: list[str], readers: dict[str, int], circle: Circle, dests: dict[str, Destination]) -> int:
-    received = 0
-    pending = []
-    for name in names:
-        for tensor in dests[name].tensors(name).values():
-            pending.append(_broadcast(tensor, readers[name], circle.group))
-            received += tensor.nbytes if readers[name] != circle.me else 0
+def _finish(pending: list, staging: Staging) -> None:
+    """Wait for the broadcasts in flight; staged copies go to their destinations and are freed."""
     for work, staged, tensor in pending:
         work.wait()
         if staged is not tensor:
             tensor.copy_(staged)
-    return received
+    pending.clear()
+    staging.held = 0
 
 
-def _broadcast(tensor: torch.Tensor, source: int, group: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+def pieces(tensor: torch.Tensor, limit: int):
+    """`tensor` whole when within `limit` bytes, else views of it (runs of rows, rows of rows)
+    of at most `limit` bytes each (at least one element). By shape alone, whatever the
+    strides, so that every rank broadcasts the same pieces."""
+    if tensor.nbytes <= limit or tensor.dim() == 0:
+        yield tensor
+    elif tensor.shape[0] == 1:
+        yield from pieces(tensor[0], limit)
+    else:
+        rows = max(1, limit // tensor[0].nbytes)
+        for start in range(0, tensor.shape[0], rows):
+            yield from pieces(tensor[start:start + rows], limit)
+
+
+def _broadcast(tensor: torch.Tensor, source: int, group: Any, staging: Staging) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """Start broadcasting `tensor`'s bytes from the group's rank `source`, as bytes (exact for
     every dtype, float8 included); a tensor that is not contiguous goes through a contiguous copy."""
     import torch.distributed as dist
 
-    staged = tensor if tensor.is_contiguous() else tensor.contiguous()
+    staged = staging.stage(tensor)
     as_bytes = staged.reshape(-1).view(torch.uint8)
     return dist.broadcast(as_bytes, group=group, group_src=source, async_op=True), staged, tensor
