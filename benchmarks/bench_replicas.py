@@ -7,13 +7,26 @@ gloo processes on this host load the quick bf16 Llama (about 200 MB) onto meta m
 4 replicas of tp 1 and as 2 replicas of tp 2, each with cooperative=False (every replica
 reads its whole share) and with cooperation (each shard's replicas split its reads and
 broadcast them). Per case: wall time (the slowest rank's load), storage bytes per rank
-(`bytes_read`), bytes received from peers, peak anonymous memory per rank (the largest).
+(`bytes_read`), bytes received from peers, peak anonymous memory per rank (the largest),
+and the check the design promises: each rank's peak anonymous memory above its baseline
+(just before the load) and its destination (its local tensors) stays within one host
+budget of reads plus one of exchange staging (2 x `max_host_bytes`, here set to the
+checkpoint's largest layer or tensor).
+
+Then the same meshes from the local files with a cold page cache (dropped before every
+load: root only, else skipped with a message): storage bytes per rank as lazyload counts
+them (`bytes_read + bytes_mapped`) and as the kernel does (`read_bytes` of /proc/self/io;
+ranks on one host share a page cache, so a page one rank faulted in is not read again
+for another).
 
 Usage: python benchmarks/bench_replicas.py [--mbps 50] [--ckpt-dir DIR]
 """
 
 import argparse
+import ctypes
+import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,32 +86,50 @@ def start_server(directory, rate):
     return proc, proc.stdout.readline().strip() + "/"
 
 
-def _rank(rank, url, ckpt_dir, init_file, out):
-    import time
-
+def _rank(rank, url, ckpt_dir, cold, budget, init_file, out):
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from lazyload import LazyCheckpoint
 
     os.environ["LAZYLOAD_PROGRESS"] = "0"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    results = []
-    for (dp, tp), cooperative in CASES:
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        model = meta_model(ckpt_dir)
-        dist.barrier()
-        start = time.perf_counter()
-        report = LazyCheckpoint(url).load_into(model, mesh=mesh, cooperative=cooperative, progress=False)
-        seconds = time.perf_counter() - start
-        results.append(dict(dp=dp, tp=tp, cooperative=cooperative, seconds=seconds, read=report.bytes_read,
-                            received=report.bytes_received, anon=report.peak_anon))
-        del model
+    for source in (ckpt_dir, url):  # warm-up: one-time allocations (of each reader) stay out of the baselines
+        _load_case(source, ckpt_dir, 4, 1, True, budget)
+    results = [_load_case(url, ckpt_dir, dp, tp, cooperative, budget) for (dp, tp), cooperative in CASES]
+    for (dp, tp), cooperative in CASES if cold else []:
+        results.append(_load_case(ckpt_dir, ckpt_dir, dp, tp, cooperative, budget, cold=True))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _load_case(source, ckpt_dir, dp, tp, cooperative, budget, cold=False):
+    """One load of `source` (`ckpt_dir`'s files, or its URL) on every rank (after a barrier,
+    and with `cold` the page cache dropped by rank 0); this rank's figures."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lazyload import LazyCheckpoint
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = meta_model(ckpt_dir)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory of the last case leaves the baseline
+    dist.barrier()  # every rank's last model is gone: its mapped pages can be dropped
+    if cold and dist.get_rank() == 0 and (why_not := common.drop_page_cache()) is not None:
+        raise RuntimeError(f"could not drop the page cache: {why_not}")
+    dist.barrier()
+    baseline, disk = common.read_status()["RssAnon"], common.read_io()["read_bytes"]
+    start = time.perf_counter()
+    report = LazyCheckpoint(source).load_into(model, mesh=mesh, cooperative=cooperative, progress=False,
+                                              max_host_bytes=budget)
+    seconds = time.perf_counter() - start
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+    return dict(dp=dp, tp=tp, cooperative=cooperative, seconds=seconds, read=report.bytes_read,
+                storage=report.bytes_read + report.bytes_mapped, disk=common.read_io()["read_bytes"] - disk,
+                received=report.bytes_received, anon=report.peak_anon, above=report.peak_anon - baseline - local)
 
 
 def meta_model(ckpt_dir):
@@ -116,28 +147,54 @@ def main():
     parser.add_argument("--ckpt-dir", default=None)
     args = parser.parse_args()
     ckpt_dir = args.ckpt_dir or common.write_llama_checkpoint(common.default_ckpt_dir(quick=True), quick=True)
+    budget = max([common.largest_layer_bytes(ckpt_dir, 2),  # bf16
+                  *(2 * math.prod(shape) for _, shape in common.read_headers(ckpt_dir).values())])
+    why_not = common.can_drop_page_cache()
     import torch.multiprocessing as mp
 
     proc, url = start_server(ckpt_dir, args.mbps * 1e6)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result")
-            mp.spawn(_rank, args=(url, ckpt_dir, os.path.join(tmp, "pg"), out), nprocs=WORLD, join=True)
+            mp.spawn(_rank, args=(url, ckpt_dir, why_not is None, budget, os.path.join(tmp, "pg"), out),
+                     nprocs=WORLD, join=True)
             ranks = [json.load(open(f"{out}.{r}")) for r in range(WORLD)]
     finally:
         proc.kill()
-    print(f"uplink {args.mbps:g} MB/s shared, {WORLD} processes, {ckpt_dir}")
+    print(f"uplink {args.mbps:g} MB/s shared, {WORLD} processes, {ckpt_dir}, max_host_bytes {budget / MiB:.1f} MiB")
+    print_uplink(ranks, 2 * budget)
+    if why_not is not None:
+        print(f"local files with a cold page cache: skipped ({why_not})")
+    else:
+        print_local(ranks)
+
+
+def print_uplink(ranks, bound):
     print("| mesh (dp, tp) | cooperative | wall s | vs not | storage MiB per rank (max) | received MiB (max) "
-          "| peak anon MiB (max) |")
-    print("|---|---|---|---|---|---|---|")
+          f"| peak anon MiB (max) | anon above destination MiB (max; bound {bound / MiB:.0f}) |")
+    print("|---|---|---|---|---|---|---|---|")
     base = {}
     for i, ((dp, tp), cooperative) in enumerate(CASES):
         rows = [r[i] for r in ranks]
         wall = max(r["seconds"] for r in rows)
         base.setdefault((dp, tp), wall)
+        above = max(r["above"] for r in rows)
         print(f"| ({dp}, {tp}) | {cooperative} | {wall:.2f} | {common.ratio(wall, base[(dp, tp)])} "
               f"| {max(r['read'] for r in rows) / MiB:.1f} | {max(r['received'] for r in rows) / MiB:.1f} "
-              f"| {max(r['anon'] for r in rows) / MiB:.0f} |")
+              f"| {max(r['anon'] for r in rows) / MiB:.0f} | {above / MiB:.0f} "
+              f"({'within' if above <= bound else 'OVER'}) |")
+
+
+def print_local(ranks):
+    print("local files, cold page cache before every load:")
+    print("| mesh (dp, tp) | cooperative | wall s | storage MiB per rank (lazyload, max) "
+          "| disk MiB per rank (kernel, max) | disk MiB all ranks | received MiB (max) |")
+    print("|---|---|---|---|---|---|---|")
+    for i, ((dp, tp), cooperative) in enumerate(CASES, start=len(CASES)):
+        rows = [r[i] for r in ranks]
+        print(f"| ({dp}, {tp}) | {cooperative} | {max(r['seconds'] for r in rows):.2f} "
+              f"| {max(r['storage'] for r in rows) / MiB:.1f} | {max(r['disk'] for r in rows) / MiB:.1f} "
+              f"| {sum(r['disk'] for r in rows) / MiB:.1f} | {max(r['received'] for r in rows) / MiB:.1f} |")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,8 @@ def receive_shared(plan: LoadPlan, share: Share | None, dests: dict[str, Destina
     returns the bytes received."""
     if share is None:
         return 0
-    received = exchange(plan.groups, share, dests)
+    received, staged = exchange(plan.groups, share, dests, plan.budget)
+    logger.debug("lazyload: exchange staged at most %s of non-contiguous destinations", size(staged))
     bar.update(received / 2**20)
     return received
 
