@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-import tempfile
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from .checkpoint import LazyCheckpoint
 from .dtypes import dtype_named
 from .errors import ArgumentError, CheckpointError
 from .report import LoadReport
+from .stored import transformers_config
 
 
 def load_model(path: str | os.PathLike, rank: int = 0, world: int = 1, *, dtype: torch.dtype | str | None = "auto",
@@ -53,21 +53,10 @@ _NO_CONFIG = ("{}: no config.json to build the model from; pass config= (a trans
 
 def _checkpoint_config(path: str | os.PathLike, ckpt: LazyCheckpoint) -> Any:
     """The transformers config of the config.json beside the checkpoint's files (for a URL,
-    the one its store holds, fetched while indexing)."""
-    import transformers
-
-    if ckpt.remote is None:
-        directory = os.fspath(path) if os.path.isdir(path) else os.path.dirname(os.fspath(path))
-        if not os.path.isfile(os.path.join(directory, "config.json")):
-            raise CheckpointError(_NO_CONFIG.format(directory))
-        return transformers.AutoConfig.from_pretrained(directory)
-    ckpt.index  # indexing fetches config.json, beside the headers
-    if ckpt.remote.config_json is None:
+    the one its store holds, fetched while indexing): the one `lazyload plan` and the writer read."""
+    if ckpt.config_json() is None:
         raise CheckpointError(_NO_CONFIG.format(path))
-    with tempfile.TemporaryDirectory(prefix="lazyload-config-") as copy:  # transformers reads configs from disk
-        with open(os.path.join(copy, "config.json"), "wb") as f:
-            f.write(ckpt.remote.config_json[1])
-        return transformers.AutoConfig.from_pretrained(copy)
+    return transformers_config(ckpt)
 
 
 def _check_keywords(load_kwargs: dict) -> None:
