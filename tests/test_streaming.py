@@ -152,10 +152,16 @@ def test_release_pages_bounds_peak_rss(llama, reader):
     r = in_fresh_process(_measured_load, directory, config, reader, True)
     total = sum(os.path.getsize(f) for f in shard_files(directory))
     peak = r["after"]["VmHWM"]
-    bound = r["dest"] + 2 * budget + r["before"]["VmRSS"]
+    # SLACK absorbs what the process touches besides the load (a thread's stack, an
+    # allocator arena, a code page first used mid-load: CI once measured 0.2 MiB over a
+    # bound with none). Pages kept mapped would cost the whole checkpoint, far above it.
+    slack = 16 * MiB
+    assert total > 2 * budget + 3 * slack, "the checkpoint must dwarf the allowance, or the test proves nothing"
+    bound = r["dest"] + 2 * budget + slack + r["before"]["VmRSS"]
     assert peak < bound, (
         f"{reader}: VmHWM {peak / MiB:.1f} MiB >= destination {r['dest'] / MiB:.1f} + 2 budgets "
-        f"{2 * budget / MiB:.1f} + baseline {r['before']['VmRSS'] / MiB:.1f} MiB (checkpoint {total / MiB:.0f} MiB)")
+        f"{2 * budget / MiB:.1f} + {slack / MiB:.0f} MiB + baseline {r['before']['VmRSS'] / MiB:.1f} MiB "
+        f"(checkpoint {total / MiB:.0f} MiB)")
 
 
 # --------------------------------------------------------------------- identical results
