@@ -29,12 +29,11 @@ from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
 
 from ..errors import RemoteError
 from ..hub import repo_id_problem
-from .store import ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
+from .store import TRANSIENT_STATUS, ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
 
 logger = logging.getLogger("lazyload")
 
 _REDIRECTS = (301, 302, 303, 307, 308)
-_TRANSIENT = (408, 425, 429, 500, 502, 503, 504)
 _MAX_HOPS = 5
 _DISCARD = 64 << 10  # a redirect's or an error's body is read up to this, to keep the connection
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+)", re.ASCII)
@@ -131,7 +130,7 @@ class HttpStore(Store):
             return Response(b"", 0, response.getheader("ETag"), last_modified=response.getheader("Last-Modified"))
         if status in (412, 416):
             raise self.changed(key, identity)
-        if status in _TRANSIENT:
+        if status in TRANSIENT_STATUS:
             raise Transient(f"HTTP {status}")
         raise RemoteError(f"{self.url(key)}: HTTP {status} {response.reason}; lazyload needs a server that "
                           "answers ranged GETs (206).")

@@ -19,6 +19,7 @@ from ..errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError,
 from .cache import RangeCache
 
 MAX_BACKOFF = 10.0  # seconds: the longest wait between two attempts, before jitter
+TRANSIENT_STATUS = (408, 425, 429, 500, 502, 503, 504)  # HTTP statuses worth another attempt
 RERUN = "re-run the load (and re-index: a new LazyCheckpoint) once the checkpoint is complete and stable."
 
 

@@ -1,0 +1,105 @@
+"""The edges of remote reads, against real servers on 127.0.0.1: an S3 status that retrying
+cannot change fails at once (408/429/5xx and a body cut short are still retried), an S3
+answer the client cannot use is a RemoteError naming the object, and the name lookup, the
+TCP connect and the TLS handshake of an attempt are bounded by the attempt's deadline.
+No credential shows in any of these errors."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from checkpoints import copy_checkpoint, shard_files
+from remote_servers import RangeServer
+from test_remote import SECRET
+from test_remote_hostile import one_store
+
+KEY_ID = "AKIDEDGESTESTKEYID"
+SESSION = "edges-session-token-value"
+
+
+def assert_no_secret(exc: BaseException) -> None:
+    for text in (str(exc), repr(exc)):
+        for secret in (SECRET, KEY_ID, SESSION):
+            assert secret not in text
+
+
+def settled_log(server: RangeServer, at_least: int = 1) -> list:
+    """The server's log once it holds `at_least` entries (a 206 is logged after its body is
+    sent, so maybe after the client has it): what the server received."""
+    for _ in range(1000):
+        if len(server.log) >= at_least:
+            break
+        time.sleep(0.01)
+    return list(server.log)
+
+
+@pytest.fixture
+def s3_endpoint(checkpoint, tmp_path, monkeypatch):
+    """The tests' Range server as a bucket's S3 endpoint (path-style GETs of
+    /models/llama/..., answered 206 with Content-Range and ETag, as S3 answers them), with
+    throwaway credentials in the environment: (server, s3:// URL of the first shard)."""
+    pytest.importorskip("obstore", reason="the remote extra: pip install -e '.[remote,test]'")
+    directory, _ = checkpoint("llama", "bf16")
+    copy = copy_checkpoint(directory, tmp_path / "root" / "models" / "llama")
+    with RangeServer(str(tmp_path / "root")) as server:
+        for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "AWS_REGION"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in (("AWS_ENDPOINT_URL", server.url), ("AWS_ACCESS_KEY_ID", KEY_ID),
+                            ("AWS_SECRET_ACCESS_KEY", SECRET), ("AWS_SESSION_TOKEN", SESSION),
+                            ("AWS_DEFAULT_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        yield server, f"s3://models/llama/{shard_files(copy)[0].name}"
+
+
+# S3: what retrying cannot change fails at once; what can, is retried.
+
+@pytest.mark.parametrize("status", [400, 405, 409, 501])
+def test_s3_status_that_retrying_cannot_change_fails_at_once(s3_endpoint, status):
+    from lazyload.errors import RequestRefusedError
+    from lazyload.remote.store import Stats
+
+    server, url = s3_endpoint
+    server.fail(3, status)
+    store, key = one_store(url, retries=3, backoff=0.001)
+    stats = Stats()
+    with pytest.raises(RequestRefusedError, match=f"^{url}: the store answered HTTP {status}, which retrying "
+                                                  "cannot change; check the URL, the endpoint") as err:
+        store.get(key, 0, 100, stats)
+    assert [e.status for e in server.log] == [status]  # one request: no retry
+    assert stats.retries == 0
+    assert_no_secret(err.value)
+
+
+@pytest.mark.parametrize("fault", [503, 429, "drop"])
+def test_s3_transient_failures_are_still_retried(s3_endpoint, fault):
+    from lazyload.remote.store import Stats
+
+    server, url = s3_endpoint
+    if fault == "drop":
+        server.drop(2)  # headers and half the body, then the connection is closed
+    else:
+        server.fail(2, fault)
+    store, key = one_store(url, retries=3, backoff=0.001)
+    stats = Stats()
+    response = store.get(key, 0, 100, stats)
+    assert len(response.data) == 100
+    assert stats.requests == 3 and stats.retries == 2
+    if fault != "drop":
+        assert [e.status for e in settled_log(server, 3)] == [fault, fault, 206]
+
+
+def test_s3_answer_the_client_cannot_use_is_a_remote_error_naming_the_object(s3_endpoint):
+    from lazyload.errors import RemoteError
+    from lazyload.remote.store import Stats
+
+    server, url = s3_endpoint
+    server.content_range = lambda start, last, size: f"items {start}-{last}/{size}"  # a broken proxy's
+    store, key = one_store(url, retries=3, backoff=0.001)
+    stats = Stats()
+    with pytest.raises(RemoteError, match=f"^{url}: the S3 client could not make the request or use the answer "
+                                          r"\(.*CONTENT_RANGE.*\); check the URL and that the endpoint") as err:
+        store.get(key, 0, 100, stats)
+    assert type(err.value) is RemoteError
+    assert len(settled_log(server)) == 1  # no retry
+    assert_no_secret(err.value)
