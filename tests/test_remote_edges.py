@@ -1,10 +1,13 @@
-"""The edges of remote reads, against real servers on 127.0.0.1: an S3 status that retrying
-cannot change fails at once (408/429/5xx and a body cut short are still retried), an S3
-answer the client cannot use is a RemoteError naming the object, and the name lookup, the
-TCP connect and the TLS handshake of an attempt are bounded by the attempt's deadline.
-No credential shows in any of these errors."""
+"""The edges of remote reads, against real servers and sockets on 127.0.0.1: an S3 status
+that retrying cannot change fails at once (408/429/5xx and a body cut short are still
+retried), an S3 answer the client cannot use is a RemoteError naming the object, and the
+name lookup, the TCP connect and the TLS handshake of an HTTP attempt end by the attempt's
+deadline, the error saying which. No credential shows in any of these errors."""
 from __future__ import annotations
 
+import re
+import socket
+import threading
 import time
 
 import pytest
@@ -103,3 +106,101 @@ def test_s3_answer_the_client_cannot_use_is_a_remote_error_naming_the_object(s3_
     assert type(err.value) is RemoteError
     assert len(settled_log(server)) == 1  # no retry
     assert_no_secret(err.value)
+
+
+# HTTP connects: the name lookup, the TCP connect and the TLS handshake end by the attempt's deadline.
+
+def still_failing(url: str, retries: int, reason: str) -> str:
+    """The message (a regex) of a GET of bytes 0..100 of `url` that failed every attempt."""
+    return (f"^{url}: bytes 0..100 still failing after {retries} retries \\({reason}\\); check the store and "
+            "the network, then load again.$")
+
+
+@pytest.fixture
+def never_accepted():
+    """A port whose listener never accepts and whose accept queue is full: a TCP connect to
+    it is never answered (the kernel drops the SYN), as with an overloaded server."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port, queued = listener.getsockname()[1], []
+        for _ in range(8):  # until a connect is not answered: the queue is full
+            queued.append(socket.socket())
+            queued[-1].settimeout(0.2)
+            try:
+                queued[-1].connect(("127.0.0.1", port))
+            except TimeoutError:
+                break
+        else:
+            pytest.fail("the accept queue never filled")
+        yield port
+        for sock in queued:
+            sock.close()
+
+
+@pytest.fixture
+def never_answered():
+    """A port whose listener never accepts, with room in its queue: the kernel completes the
+    TCP connect, and nothing ever answers what the client sends (a TLS ClientHello)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield listener.getsockname()[1]
+
+
+@pytest.mark.parametrize("scheme, port_kind, phase", [
+    ("http", "never_accepted", "connecting to 127.0.0.1:{port}"),
+    ("https", "never_answered", "the TLS handshake with 127.0.0.1:{port}")])
+def test_a_connect_never_answered_ends_with_the_attempt(request, scheme, port_kind, phase):
+    from lazyload.errors import RemoteError
+    from lazyload.remote.store import Stats
+
+    port = request.getfixturevalue(port_kind)
+    store, key = one_store(f"{scheme}://127.0.0.1:{port}/ckpt/x.safetensors?X-Amz-Signature={SECRET}",
+                           retries=1, backoff=0.001, timeout=0.3)
+    stats = Stats()
+    reason = phase.format(port=port) + " did not finish within the attempt's timeout"
+    with pytest.raises(RemoteError, match=still_failing(f"{scheme}://127.0.0.1:{port}/ckpt/x.safetensors", 1,
+                                                        reason)) as err:
+        store.get(key, 0, 100, stats)
+    assert stats.requests == 2 and stats.retries == 1
+    assert_no_secret(err.value)
+
+
+def test_a_name_lookup_that_hangs_ends_with_the_attempt(monkeypatch):
+    """getaddrinfo has no timeout: a resolver that never answers (here the real one, held
+    for one name until the test ends) must not hold the attempt."""
+    from lazyload.errors import RemoteError
+    from lazyload.remote.store import Stats
+
+    release, real_lookup = threading.Event(), socket.getaddrinfo
+
+    def hanging_lookup(host, *args, **kwargs):
+        if host == "slow-lookup.test":
+            release.wait()
+            host = "127.0.0.1"
+        return real_lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging_lookup)
+    store, key = one_store(f"https://slow-lookup.test/ckpt/x.safetensors?sig={SECRET}", retries=1, backoff=0.001,
+                           timeout=0.3)
+    stats, outcome = Stats(), {}
+
+    def get() -> None:
+        try:
+            store.get(key, 0, 100, stats)
+        except Exception as exc:
+            outcome.update(error=exc, lookup_still_held=not release.is_set())
+
+    getter = threading.Thread(target=get, daemon=True)
+    getter.start()
+    getter.join(60)  # only a bound for a client that waits for the lookup: it then ends, and fails below
+    release.set()
+    getter.join(60)
+    assert outcome["lookup_still_held"]  # the attempts ended while the lookup hung
+    assert isinstance(outcome["error"], RemoteError)
+    assert re.match(still_failing("https://slow-lookup.test/ckpt/x.safetensors", 1,
+                                  "looking up slow-lookup.test did not finish within the attempt's timeout"),
+                    str(outcome["error"]))
+    assert stats.requests == 2 and stats.retries == 1
+    assert_no_secret(outcome["error"])
