@@ -5,6 +5,7 @@ name lookup, the TCP connect and the TLS handshake of an HTTP attempt end by the
 deadline, the error saying which. No credential shows in any of these errors."""
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import threading
@@ -21,8 +22,9 @@ KEY_ID = "AKIDEDGESTESTKEYID"
 SESSION = "edges-session-token-value"
 
 
-def assert_no_secret(exc: BaseException) -> None:
-    for text in (str(exc), repr(exc)):
+def assert_no_secret(exc: BaseException, log: str = "") -> None:
+    """No credential of these tests in the error's message, its repr or the log."""
+    for text in (str(exc), repr(exc), log):
         for secret in (SECRET, KEY_ID, SESSION):
             assert secret not in text
 
@@ -58,12 +60,13 @@ def s3_endpoint(checkpoint, tmp_path, monkeypatch):
 # S3: what retrying cannot change fails at once; what can, is retried.
 
 @pytest.mark.parametrize("status", [400, 405, 409, 501])
-def test_s3_status_that_retrying_cannot_change_fails_at_once(s3_endpoint, status):
+def test_s3_status_that_retrying_cannot_change_fails_at_once(s3_endpoint, status, caplog):
     from lazyload.errors import RequestRefusedError
     from lazyload.remote.store import Stats
 
     server, url = s3_endpoint
     server.fail(3, status)
+    caplog.set_level(logging.DEBUG)
     store, key = one_store(url, retries=3, backoff=0.001)
     stats = Stats()
     with pytest.raises(RequestRefusedError, match=f"^{url}: the store answered HTTP {status}, which retrying "
@@ -71,6 +74,19 @@ def test_s3_status_that_retrying_cannot_change_fails_at_once(s3_endpoint, status
         store.get(key, 0, 100, stats)
     assert [e.status for e in server.log] == [status]  # one request: no retry
     assert stats.retries == 0
+    assert_no_secret(err.value, caplog.text)
+
+
+def test_s3_range_not_satisfiable_is_a_changed_object_at_once(s3_endpoint):
+    from lazyload.errors import ObjectChangedError
+    from lazyload.remote.store import ObjectIdentity, Stats
+
+    server, url = s3_endpoint
+    server.fail(3, 416)  # the range indexed is past the end now: the object shrank
+    store, key = one_store(url, retries=3, backoff=0.001)
+    with pytest.raises(ObjectChangedError, match=f"^{url}: changed since it was indexed") as err:
+        store.get(key, 0, 100, Stats(), ObjectIdentity(100, '"indexed"'))
+    assert [e.status for e in server.log] == [416]
     assert_no_secret(err.value)
 
 
@@ -151,7 +167,7 @@ def never_answered():
 @pytest.mark.parametrize("scheme, port_kind, phase", [
     ("http", "never_accepted", "connecting to 127.0.0.1:{port}"),
     ("https", "never_answered", "the TLS handshake with 127.0.0.1:{port}")])
-def test_a_connect_never_answered_ends_with_the_attempt(request, scheme, port_kind, phase):
+def test_a_connect_never_answered_ends_with_the_attempt(request, scheme, port_kind, phase, caplog):
     from lazyload.errors import RemoteError
     from lazyload.remote.store import Stats
 
@@ -159,12 +175,13 @@ def test_a_connect_never_answered_ends_with_the_attempt(request, scheme, port_ki
     store, key = one_store(f"{scheme}://127.0.0.1:{port}/ckpt/x.safetensors?X-Amz-Signature={SECRET}",
                            retries=1, backoff=0.001, timeout=0.3)
     stats = Stats()
+    caplog.set_level(logging.DEBUG)
     reason = phase.format(port=port) + " did not finish within the attempt's timeout"
     with pytest.raises(RemoteError, match=still_failing(f"{scheme}://127.0.0.1:{port}/ckpt/x.safetensors", 1,
                                                         reason)) as err:
         store.get(key, 0, 100, stats)
     assert stats.requests == 2 and stats.retries == 1
-    assert_no_secret(err.value)
+    assert_no_secret(err.value, caplog.text)
 
 
 def test_a_name_lookup_that_hangs_ends_with_the_attempt(monkeypatch):
