@@ -111,3 +111,9 @@ class AccessDeniedError(RemoteError):
 
 class ObjectChangedError(RemoteError):
     """An object changed (another ETag, version or size) since its header was indexed."""
+
+
+class RequestRefusedError(RemoteError):
+    """The store answered a status that retrying cannot change (a 4xx other than those
+    above, or a redirect the client does not follow: a malformed request, a wrong region or
+    endpoint, a conflict); the request fails at once, unretried."""

@@ -11,10 +11,12 @@ Nothing the server says is trusted: an answer must be a 206 whose `Content-Range
 exactly the bytes asked for, unencoded, and no longer than asked (a body is never read
 past that); a server that ignores Range is refused (it would send the whole object for
 every request). The token goes to the endpoint's own https origin only, never after a
-redirect has left it. Each attempt has a deadline for all of its reads.
+redirect has left it. Each attempt has one deadline for its name lookups, connects, TLS
+handshakes and reads.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import http.client
 import io
@@ -29,12 +31,11 @@ from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
 
 from ..errors import RemoteError
 from ..hub import repo_id_problem
-from .store import ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
+from .store import TRANSIENT_STATUS, ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
 
 logger = logging.getLogger("lazyload")
 
 _REDIRECTS = (301, 302, 303, 307, 308)
-_TRANSIENT = (408, 425, 429, 500, 502, 503, 504)
 _MAX_HOPS = 5
 _DISCARD = 64 << 10  # a redirect's or an error's body is read up to this, to keep the connection
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+)", re.ASCII)
@@ -61,7 +62,7 @@ class HttpStore(Store):
         self.secrets = tuple(s for s in (token, query) if s)
         self.credentials_hint = credentials_hint
         self._local = threading.local()
-        self._open: set[http.client.HTTPConnection] = set()  # every thread's, to close
+        self._open: set[_Connection] = set()  # every thread's, to close
         self._lock = threading.Lock()
 
     def url(self, key: str) -> str:
@@ -71,6 +72,7 @@ class HttpStore(Store):
         url = self.base + self._path(key) + self._query
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity", **_conditions(identity)}
         token = self._token
+        deadline = time.monotonic() + self.options.timeout  # for every hop, connect and read of this attempt
         for _ in range(_MAX_HOPS):
             parts = urlsplit(url)
             if _origin(parts) != self._origin:
@@ -79,7 +81,7 @@ class HttpStore(Store):
             conn = self._connection(parts.scheme, parts.netloc)
             response = None
             try:
-                response = self._send(conn, parts, send)
+                response = self._send(conn, parts, send, deadline)
                 location = response.getheader("Location")
                 if response.status not in _REDIRECTS or not location:
                     return self._answer(key, start, end, identity, response)
@@ -98,10 +100,10 @@ class HttpStore(Store):
                               "by its plain path.")
         return quote(key)
 
-    def _send(self, conn: http.client.HTTPConnection, parts: SplitResult, headers: dict) -> http.client.HTTPResponse:
-        conn.deadline = time.monotonic() + self.options.timeout
-        if conn.sock is not None:  # a kept-alive connection: the send too waits at most `timeout`
-            conn.sock.settimeout(self.options.timeout)
+    def _send(self, conn: _Connection, parts: SplitResult, headers: dict, deadline: float) -> http.client.HTTPResponse:
+        conn.deadline = deadline  # a new connection's connect ends by it too
+        if conn.sock is not None:  # a kept-alive connection: the send too waits at most what is left
+            conn.sock.settimeout(_time_left(deadline))
         conn.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""), headers=headers)
         return conn.getresponse()
 
@@ -131,7 +133,7 @@ class HttpStore(Store):
             return Response(b"", 0, response.getheader("ETag"), last_modified=response.getheader("Last-Modified"))
         if status in (412, 416):
             raise self.changed(key, identity)
-        if status in _TRANSIENT:
+        if status in TRANSIENT_STATUS:
             raise Transient(f"HTTP {status}")
         raise RemoteError(f"{self.url(key)}: HTTP {status} {response.reason}; lazyload needs a server that "
                           "answers ranged GETs (206).")
@@ -200,6 +202,8 @@ class HttpStore(Store):
             return RemoteError(f"{where}: cannot resolve the host ({reason}); check the URL.")
         if isinstance(exc, ConnectionRefusedError):
             return RemoteError(f"{where}: connection refused; check the URL (host and port) and that the server is up.")
+        if isinstance(exc, _ConnectTimeout):
+            return Transient(str(exc))
         if isinstance(exc, OSError):  # timeouts (also the attempt's deadline), resets, a closed keep-alive
             return Transient(type(exc).__name__ if isinstance(exc, TimeoutError) else reason)
         return RemoteError(f"{where}: not a valid HTTP exchange ({reason}); check the URL and the server.")
@@ -208,15 +212,11 @@ class HttpStore(Store):
     def _tls(self) -> ssl.SSLContext:
         return ssl.create_default_context()  # once per store: loading the CA bundle costs milliseconds
 
-    def _connection(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+    def _connection(self, scheme: str, netloc: str) -> _Connection:
         conns = self._local.__dict__.setdefault("conns", {})
         conn = conns.get((scheme, netloc))
         if conn is None:
-            if scheme == "https":
-                conn = http.client.HTTPSConnection(netloc, timeout=self.options.timeout, context=self._tls)
-            else:
-                conn = http.client.HTTPConnection(netloc, timeout=self.options.timeout)
-            conn.response_class = functools.partial(_DeadlineResponse, conn)
+            conn = _TLSConnection(netloc, self._tls) if scheme == "https" else _Connection(netloc)
             conns[(scheme, netloc)] = conn
         with self._lock:  # again after a close: a closed connection reconnects on its next request
             self._open.add(conn)
@@ -236,6 +236,85 @@ class HttpStore(Store):
             conn.close()
 
 
+class _ConnectTimeout(TimeoutError):
+    """A phase of a connect (the name lookup, the TCP connect, the TLS handshake) that did
+    not end by the attempt's deadline; the message says which, and the host."""
+
+
+def _time_left(deadline: float) -> float:
+    """Seconds until an attempt's `deadline` (time.monotonic()); TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the attempt's deadline passed")
+    return left
+
+
+@functools.cache
+def _lookups() -> concurrent.futures.ThreadPoolExecutor:
+    """Where names are looked up: getaddrinfo has no timeout of its own, so an attempt waits
+    for it at most until its deadline (a lookup that hangs holds a worker until the system
+    resolver gives up)."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="lazyload-lookup")
+
+
+def _connect(host: str, port: int, deadline: float) -> socket.socket:
+    """A TCP connection to host:port whose name lookup and connect end by `deadline`;
+    each address the name has is tried in turn, as socket.create_connection does."""
+    lookup = _lookups().submit(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
+    try:
+        addresses = lookup.result(timeout=_time_left(deadline))
+    except TimeoutError:
+        raise _ConnectTimeout(f"looking up {host} did not finish within the attempt's timeout") from None
+    failure: OSError = OSError(f"{host} has no address")
+    for family, kind, proto, _, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(_time_left(deadline))
+            sock.connect(address)
+            return sock
+        except TimeoutError:
+            sock.close()
+            raise _ConnectTimeout(f"connecting to {host}:{port} did not finish within the attempt's timeout") from None
+        except OSError as exc:  # refused, unreachable: the next address
+            sock.close()
+            failure = exc
+    raise failure
+
+
+class _Connection(http.client.HTTPConnection):
+    """http.client's connection whose connect (name lookup, TCP, the TLS handshake of
+    `_TLSConnection`) and response reads (`_DeadlineResponse`) end by `deadline`, set by
+    each attempt, so that no phase is given more than what is left of it."""
+
+    deadline = 0.0  # time.monotonic()
+
+    def __init__(self, netloc: str):
+        super().__init__(netloc)
+        self.response_class = functools.partial(_DeadlineResponse, self)
+
+    def connect(self) -> None:
+        self.sock = _connect(self.host, self.port, self.deadline)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as http.client does
+
+
+class _TLSConnection(_Connection):
+    default_port = 443
+
+    def __init__(self, netloc: str, context: ssl.SSLContext):
+        super().__init__(netloc)
+        self.context = context
+
+    def connect(self) -> None:
+        super().connect()
+        try:  # the handshake as a whole ends by the deadline (the ssl module keeps one across its reads)
+            self.sock.settimeout(_time_left(self.deadline))
+            self.sock = self.context.wrap_socket(self.sock, server_hostname=self.host)
+        except TimeoutError:
+            self.close()
+            raise _ConnectTimeout(f"the TLS handshake with {self.host}:{self.port} did not finish within the "
+                                 "attempt's timeout") from None
+
+
 class _DeadlineReader(io.RawIOBase):
     """A socket's reads, each waiting at most until `deadline` (time.monotonic()): a server
     that trickles a byte at a time cannot hold an attempt past its timeout."""
@@ -248,10 +327,7 @@ class _DeadlineReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the attempt's deadline passed")
-        self._sock.settimeout(left)
+        self._sock.settimeout(_time_left(self._deadline))
         return self._raw.readinto(buffer)
 
     def close(self) -> None:

@@ -20,11 +20,13 @@ import os
 import re
 from datetime import timedelta
 
-from ..errors import RemoteError
-from .store import ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
+from ..errors import RemoteError, RequestRefusedError
+from .store import TRANSIENT_STATUS, ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
 
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
 _ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+_REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
+_STATUS = re.compile(r"non-2xx status code: ([0-9]{3})")  # in obstore's message for a store's error status
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}")
 
 
@@ -46,7 +48,7 @@ class S3Store(Store):
         self.secrets = tuple(os.environ[name] for name in _SECRET_ENV if os.environ.get(name))
         endpoint = next((os.environ[name] for name in _ENDPOINT_ENV if os.environ.get(name)), "")
         client = {"timeout": timedelta(seconds=options.timeout), "allow_http": endpoint.startswith("http://")}
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        region = next((os.environ[name] for name in _REGION_ENV if os.environ.get(name)), None)
         config = {"region": region} if region else {}
         if endpoint:  # named to obstore too: the endpoint it asks is the one the cache names
             config["endpoint"] = endpoint
@@ -75,15 +77,12 @@ class S3Store(Store):
             raise self.denied(key, type(exc).__name__) from None
         except ex.PreconditionError:
             raise self.changed(key, identity) from None
-        except ex.GenericError as exc:
-            if "Range" in str(exc) and "416" in str(exc):  # a range past the end: the object shrank
-                raise self.changed(key, identity) from None
-            raise Transient(self._say(exc)) from None  # 5xx, timeouts, dropped connections
+        except ex.BaseError as exc:
+            raise self._failure(key, identity, exc) from None
         except OSError as exc:
             raise Transient(self._say(exc)) from None
-        except (ex.BaseError, ValueError) as exc:  # any other refusal of the client: retrying will not help
-            raise RemoteError(f"{self.url(key)}: the S3 client refused the request ({self._say(exc)}); check the "
-                              "URL and the store's configuration.") from None
+        except ValueError as exc:  # the client refused the request's arguments
+            raise self._unusable(key, exc) from None
         meta = result.meta
         return Response(memoryview(data), meta["size"], meta.get("e_tag"), meta.get("version"))
 
@@ -106,6 +105,30 @@ class S3Store(Store):
         if why:
             raise RemoteError(f"{ascii(self.url(key))[1:-1]}: not a valid S3 key ({why}); name the object "
                               "exactly as it is stored.")
+
+    def _failure(self, key: str, identity: ObjectIdentity | None, exc: Exception) -> Exception:
+        """An obstore error other than the mapped ones, by the HTTP status it quotes: Transient
+        for 408/429/5xx and for failures of the connection (a timeout, a reset, a body cut
+        short: obstore's "HTTP error"), the error it is for any other status, and a RemoteError
+        for an answer the client could not use (a malformed Content-Range, a non-partial answer)."""
+        summary = str(exc).split("\n", 1)[0]  # the rest is obstore's debug dump
+        match = _STATUS.search(summary)
+        status = int(match.group(1)) if match else None
+        if status == 416:  # a range past the end: the object shrank
+            return self.changed(key, identity)
+        if status in TRANSIENT_STATUS or (status is None and "HTTP error" in summary):
+            return Transient(self._say(exc))
+        if status is None:
+            return self._unusable(key, exc)
+        # The status only, not the body: an S3 error body may echo a credential (an invalid session token).
+        return RequestRefusedError(f"{self.url(key)}: the store answered HTTP {status}, which retrying cannot "
+                                   f"change; check the URL, the endpoint ({_ENDPOINT_ENV[1]}) and the region "
+                                   f"({_REGION_ENV[0]}).")
+
+    def _unusable(self, key: str, exc: Exception) -> RemoteError:
+        return RemoteError(f"{self.url(key)}: the S3 client could not make the request or use the answer "
+                           f"({self._say(exc)}); check the URL and that the endpoint ({_ENDPOINT_ENV[1]}) is an S3 "
+                           "store (a proxy on the way may be changing its answers).")
 
     def _say(self, exc: BaseException) -> str:
         return redact(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", self.secrets)

@@ -19,6 +19,7 @@ from ..errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError,
 from .cache import RangeCache
 
 MAX_BACKOFF = 10.0  # seconds: the longest wait between two attempts, before jitter
+TRANSIENT_STATUS = (408, 425, 429, 500, 502, 503, 504)  # HTTP statuses worth another attempt
 RERUN = "re-run the load (and re-index: a new LazyCheckpoint) once the checkpoint is complete and stable."
 
 
@@ -39,7 +40,8 @@ class RemoteOptions:
       connection, HTTP 408/429/5xx), the first wait in seconds (doubled each time, at most
       `MAX_BACKOFF`, with jitter); a failure that cannot heal (TLS, an unknown host, a
       refused connection, an invalid URL) is not retried. `timeout`: seconds per attempt,
-      from the request to its last byte (a server trickling bytes cannot stretch it).
+      from the name lookup and connect to its last byte, redirects included (a slow resolver,
+      a server slow to accept or trickling bytes cannot stretch it).
     - `cache_dir`: keep every fetched range of tensor bytes in this directory (`cache.py`),
       so that loading again at the same rank and world fetches none of them; None (the
       default) writes nothing to disk."""
