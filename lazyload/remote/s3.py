@@ -59,7 +59,7 @@ class S3Store(Store):
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
-    def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None) -> Response:
+    def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None, into=None) -> Response:
         from obstore import exceptions as ex
 
         self.check_key(key)
