@@ -1,10 +1,10 @@
-"""A remote (HTTP) load holds no more host memory than a local one: at most the byte budget
-(`max_host_bytes`) above its destination tensors. A GET's body is read straight into its
+"""A remote load (HTTP, S3) holds no more host memory than a local one: at most the byte
+budget (`max_host_bytes`) above its destination tensors. A GET's body is written into its
 place (the staging arena, or the destination) as it arrives; a GET whose runs have gaps
 between them passes through a scratch of `CHUNK` bytes, never a buffer of the whole GET.
 
-The load runs in a fresh spawned process (its peak belongs to that load alone), the HTTP
-Range server in this one, so that the server's buffers are not counted.
+The load runs in a fresh spawned process (its peak belongs to that load alone), the server
+(the HTTP Range server, moto's S3) in this one, so that the server's buffers are not counted.
 """
 from __future__ import annotations
 
@@ -12,18 +12,20 @@ import numpy as np
 import torch
 
 from remote_servers import RangeServer
+from test_remote import s3, upload  # noqa: F401 (s3: a fixture)
 from test_streaming import MiB, in_fresh_process, model_bytes, status
 
-# Eight MLP matrices of 5.5 MiB per layer, each a GET of its own: before the fix, the
-# engine's eight workers held one response buffer each beside the destination (~44 MiB).
+# 94 MiB of bf16, three 5.5 MiB MLP matrices per layer, each one GET: when each GET's body was
+# held whole before it was copied, the engine's eight workers held up to eight of them beside
+# the destination (43 MiB above it measured, over the 24 MiB allowed).
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=4, vocab_size=2048, max_position_embeddings=128)
 BUDGET = 8 * MiB  # max_host_bytes: above every single tensor (5.5 MiB), below one layer
 SLACK = 16 * MiB  # what the process touches besides the load (thread stacks, an allocator arena)
 
 
-def _measured_http_load(url: str, config, dtype: torch.dtype) -> dict:
-    """In a fresh process: warm up on one layer, reset VmHWM, load over HTTP, report."""
+def _measured_remote_load(url: str, config, dtype: torch.dtype) -> dict:
+    """In a fresh process: warm up on one layer, reset VmHWM, load from `url`, report."""
     import copy
     import gc
 
@@ -53,7 +55,18 @@ def test_http_load_peak_anonymous_memory_is_destination_plus_budget(checkpoint):
     holds them on the way (a cast load stages them in the arena, which is the budget)."""
     directory, config = checkpoint("llama", "bf16", **SHAPE)
     with RangeServer(str(directory)) as server:
-        r = in_fresh_process(_measured_http_load, server.url + "/", config, torch.bfloat16)
+        _assert_within_budget(in_fresh_process(_measured_remote_load, server.url + "/", config, torch.bfloat16))
+
+
+def test_s3_load_peak_anonymous_memory_is_destination_plus_budget(s3, checkpoint):
+    """The same through obstore: its answers are streamed into place, not held whole."""
+    client, bucket = s3
+    directory, config = checkpoint("llama", "bf16", **SHAPE)
+    upload(client, bucket, directory, "memory")
+    _assert_within_budget(in_fresh_process(_measured_remote_load, f"s3://{bucket}/memory/", config, torch.bfloat16))
+
+
+def _assert_within_budget(r: dict) -> None:
     assert r["reader"] == "remote" and r["requests"] > 4 * 8  # every tensor a GET of its own, or more
     assert r["dest"] > 8 * BUDGET  # the load dwarfs the budget
     over = r["peak_anon"] - r["before"]["RssAnon"] - r["dest"]

@@ -6,11 +6,11 @@ apart are fetched by one GET and the gap dropped, since on object storage a requ
 about as much as a megabyte of transfer; a range longer than `part_bytes` is split, so that
 one large tensor is fetched over several connections. The engine treats it as it treats
 the pread reader: staged under the same byte budget, or written in place when no cast is
-needed. An HTTP GET's body lands as it arrives (`landing`): straight in its place when
-its runs are adjacent, else through a scratch of `CHUNK` bytes; so no GET holds a buffer
-of its own size beside the budget (an S3 answer, held whole by obstore, and a GET written
-to the cache are copied into the same places). Every GET is checked against the object's
-identity from the index (ETag, version, size); any failure is a ReadError naming the URL.
+needed. A GET's body lands as it arrives (`landing`): straight in its place when its runs
+are adjacent, else through a scratch of `CHUNK` bytes; so no GET holds a buffer of its own
+size beside the budget (except a GET written to the cache, held whole, then copied into
+the same places). Every GET is checked against the object's identity from the index
+(ETag, version, size); any failure is a ReadError naming the URL.
 """
 from __future__ import annotations
 

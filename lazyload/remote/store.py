@@ -94,11 +94,24 @@ def land(response: Response, into: Into | None) -> Response:
     store that streams would have written them)."""
     if into is None or not response.data:
         return response
-    data, at = memoryview(response.data).cast("B"), 0
-    for view in into():
-        view[:] = data[at:at + len(view)]
-        at += len(view)
-    return Response(b"", response.size, response.etag, response.version, response.last_modified, at)
+    landed = fill(into(), [response.data])
+    return Response(b"", response.size, response.etag, response.version, response.last_modified, landed)
+
+
+def fill(views: Iterable[memoryview], chunks: Iterable) -> int:
+    """Copy the bytes of `chunks` (buffers), in order, into `views`, in order, asking for
+    the next view only once the last is full; how many bytes were copied."""
+    views = iter(views)
+    view, used, copied = next(views, None), 0, 0
+    for chunk in chunks:
+        data = memoryview(chunk).cast("B")
+        while data and view is not None:
+            n = min(len(view) - used, len(data))
+            view[used:used + n] = data[:n]
+            used, copied, data = used + n, copied + n, data[n:]
+            if used == len(view):
+                view, used = next(views, None), 0
+    return copied
 
 
 class Transient(Exception):
