@@ -6,15 +6,18 @@ apart are fetched by one GET and the gap dropped, since on object storage a requ
 about as much as a megabyte of transfer; a range longer than `part_bytes` is split, so that
 one large tensor is fetched over several connections. The engine treats it as it treats
 the pread reader: staged under the same byte budget, or written in place when no cast is
-needed. Every GET is checked against the object's identity from the index (ETag, version,
-size); any failure is a ReadError naming the URL.
+needed. A GET's body lands as it arrives (`landing`): straight in its place when its runs
+are adjacent, else through a scratch of `CHUNK` bytes; so no GET holds a buffer of its own
+size beside the budget (except a GET written to the cache, held whole, then copied into
+the same places). Every GET is checked against the object's identity from the index
+(ETag, version, size); any failure is a ReadError naming the URL.
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -28,6 +31,9 @@ from ..report import size
 from ..remote.store import ObjectIdentity, Stats
 from .base import Reader
 from .runs import byte_runs
+
+
+CHUNK = 256 << 10  # a GET with gaps passes through a scratch buffer of this many bytes
 
 
 @dataclass(frozen=True)
@@ -61,17 +67,41 @@ def plan_gets(offsets: np.ndarray, run: int, merge_gap: int, part_bytes: int) ->
 def scatter(data: memoryview, get: Get, offsets: np.ndarray, run: int, out: np.ndarray) -> None:
     """Copy the runs a GET covers from its bytes into their places in `out` (run k at k * run)."""
     src = np.frombuffer(data, dtype=np.uint8)
-    first, last = get.first, get.last
-    rel = offsets[first:last] - get.start
-    inside = (rel >= 0) & (rel + run <= len(src))
-    if inside.all() and last - first > 1 and np.all(np.diff(rel) == rel[1] - rel[0]):  # evenly strided: one copy
-        stride = int(rel[1] - rel[0])
-        rows = np.lib.stride_tricks.as_strided(src[int(rel[0]):], shape=(last - first, run), strides=(stride, 1))
-        out[first * run:last * run].reshape(last - first, run)[:] = rows
-        return
-    for k, r in zip(range(first, last), rel.tolist()):
+    rel = offsets[get.first:get.last] - get.start
+    lo, hi = int(np.count_nonzero(rel < 0)), int(np.count_nonzero(rel + run <= len(src)))  # runs wholly inside
+    if hi - lo > 1 and np.all(np.diff(rel[lo:hi]) == rel[lo + 1] - rel[lo]):  # evenly strided: one copy
+        stride, first = int(rel[lo + 1] - rel[lo]), get.first + lo
+        rows = np.lib.stride_tricks.as_strided(src[int(rel[lo]):], shape=(hi - lo, run), strides=(stride, 1))
+        out[first * run:(get.first + hi) * run].reshape(hi - lo, run)[:] = rows
+        edges = [*range(lo), *range(hi, len(rel))]  # runs cut by the GET's ends
+    else:
+        edges = range(len(rel))
+    for i in edges:
+        k, r = get.first + i, int(rel[i])
         a, b = max(r, 0), min(r + run, len(src))  # a run split across parts: its share here
-        out[k * run + a - r:k * run + b - r] = src[a:b]
+        if a < b:
+            out[k * run + a - r:k * run + b - r] = src[a:b]
+
+
+def landing(get: Get, offsets: np.ndarray, run: int, out: np.ndarray, chunk: int = CHUNK) -> Iterator[memoryview]:
+    """Where a GET's bytes go as they arrive: writable views, in order, whose lengths add up
+    to the GET's. Runs next to each other in the file are next to each other in `out`, so a
+    GET without gaps lands straight in its place; one with gaps is read `chunk` bytes at a
+    time into a scratch buffer and scattered from it (each chunk once the caller has filled
+    it and asks for the next), so that no GET holds more than `chunk` bytes of its own."""
+    first, last = get.first, get.last
+    if np.all(offsets[first + 1:last] - offsets[first:last - 1] == run):
+        at = first * run + get.start - int(offsets[first])
+        yield memoryview(out[at:at + get.end - get.start])
+        return
+    ends = offsets + run
+    scratch = np.empty(min(chunk, get.end - get.start), dtype=np.uint8)
+    for start in range(get.start, get.end, chunk):
+        end = min(start + chunk, get.end)
+        yield memoryview(scratch[:end - start])
+        part = Get(start, end, int(np.searchsorted(ends, start, side="right")),
+                   int(np.searchsorted(offsets, end, side="left")))
+        scatter(memoryview(scratch[:end - start]), part, offsets, run, out)
 
 
 class RemoteReader(Reader):
@@ -116,8 +146,8 @@ class RemoteReader(Reader):
 
     def _fetch(self, url: str, get: Get, offsets: np.ndarray, run: int, out: np.ndarray) -> None:
         identity = self._identities.get(url)
-        response = self._remote.store.get(self._remote.keys[url], get.start, get.end, self.stats, identity)
-        scatter(response.data, get, offsets, run, out)
+        self._remote.store.get(self._remote.keys[url], get.start, get.end, self.stats, identity,
+                               into=lambda: landing(get, offsets, run, out))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)  # after a failure: no GET left to start

@@ -27,11 +27,12 @@ import socket
 import ssl
 import threading
 import time
+from typing import Iterable
 from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
 
 from ..errors import RemoteError
 from ..hub import repo_id_problem
-from .store import TRANSIENT_STATUS, ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
+from .store import TRANSIENT_STATUS, Into, ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
 
 logger = logging.getLogger("lazyload")
 
@@ -68,7 +69,8 @@ class HttpStore(Store):
     def url(self, key: str) -> str:
         return self.display + key
 
-    def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None) -> Response:
+    def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None, into: Into | None = None
+                ) -> Response:
         url = self.base + self._path(key) + self._query
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity", **_conditions(identity)}
         token = self._token
@@ -84,7 +86,7 @@ class HttpStore(Store):
                 response = self._send(conn, parts, send, deadline)
                 location = response.getheader("Location")
                 if response.status not in _REDIRECTS or not location:
-                    return self._answer(key, start, end, identity, response)
+                    return self._answer(key, start, end, identity, response, into)
                 url = self._redirect(key, parts, location)
                 response.read(_DISCARD)
             except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -118,12 +120,12 @@ class HttpStore(Store):
                               "server's redirect or read the files from where it points.")
         return url
 
-    def _answer(self, key, start, end, identity, response) -> Response:
+    def _answer(self, key, start, end, identity, response, into) -> Response:
         status = response.status
         if status == 206:
-            return self._partial(key, start, end, response)
+            return self._partial(key, start, end, response, into)
         if status == 200:
-            return self._whole(key, start, end, response)
+            return self._whole(key, start, end, response, into)
         response.read(_DISCARD)
         if status in (404, 410):
             raise self.not_found(key)
@@ -138,7 +140,8 @@ class HttpStore(Store):
         raise RemoteError(f"{self.url(key)}: HTTP {status} {response.reason}; lazyload needs a server that "
                           "answers ranged GETs (206).")
 
-    def _partial(self, key: str, start: int, end: int, response: http.client.HTTPResponse) -> Response:
+    def _partial(self, key: str, start: int, end: int, response: http.client.HTTPResponse, into: Into | None
+                 ) -> Response:
         """A 206: exactly bytes [start, min(end, size)) of the object, as stored, or an error."""
         self._check_encoding(key, response)
         header = response.getheader("Content-Range") or ""
@@ -151,17 +154,16 @@ class HttpStore(Store):
             raise RemoteError(f"{self.url(key)}: answered bytes {first}-{last} of {size} when asked for bytes "
                               f"{start}-{min(end, size) - 1}; the server or a proxy on the way is broken (these "
                               "would be the wrong bytes).")
-        return Response(self._body(key, response, last + 1 - first), size, response.getheader("ETag"),
-                        last_modified=response.getheader("Last-Modified"))
+        return self._body(key, response, last + 1 - first, size, into)
 
-    def _whole(self, key: str, start: int, end: int, response: http.client.HTTPResponse) -> Response:
+    def _whole(self, key: str, start: int, end: int, response: http.client.HTTPResponse, into: Into | None
+               ) -> Response:
         """A 200: the whole object, usable only when it is no longer than the range asked
         from byte 0 (a small file's header GET); otherwise the server ignores Range."""
         self._check_encoding(key, response)
         length = response.getheader("Content-Length") or ""
         if start == 0 and length.isascii() and length.isdigit() and int(length) <= end:
-            return Response(self._body(key, response, int(length)), int(length), response.getheader("ETag"),
-                            last_modified=response.getheader("Last-Modified"))
+            return self._body(key, response, int(length), int(length), into)
         size = f"{length}-byte " if length.isascii() and length.isdigit() else ""
         raise RemoteError(f"{self.url(key)}: the server ignores Range requests (it answered bytes {start}-{end - 1} "
                           f"with 200 and the whole {size}object, as `python -m http.server` does); lazyload reads "
@@ -175,19 +177,26 @@ class HttpStore(Store):
                               "(Content-Encoding) although lazyload asked for identity; byte ranges must be the "
                               "stored bytes.")
 
-    def _body(self, key: str, response: http.client.HTTPResponse, n: int) -> bytes:
-        """The body, which must be `n` bytes: never more is read."""
+    def _body(self, key: str, response: http.client.HTTPResponse, n: int, size: int, into: Into | None
+              ) -> Response:
+        """The answer with its body, which must be `n` bytes: never more is read. With `into`,
+        the body is read straight into its buffers (no copy of it is held)."""
         length = response.getheader("Content-Length")
         if length is not None and length != str(n):
             raise RemoteError(f"{self.url(key)}: answered {length[:40]} bytes (Content-Length) for the {n} asked; "
                               "the server or a proxy on the way is broken.")
-        data = response.read(n)
-        if len(data) < n:
-            raise Transient(f"connection closed after {len(data)} of {n} bytes", len(data))
+        if into is None:
+            data = response.read(n)
+            got = len(data)
+        else:
+            data, got = b"", _read_into(response, into(), n)
+        if got < n:
+            raise Transient(f"connection closed after {got} of {n} bytes", got)
         if not response.isclosed() and response.read(1):  # no Content-Length: it must end here
             raise RemoteError(f"{self.url(key)}: the server sent more than the {n} bytes asked; the server or a "
                               "proxy on the way is broken.")
-        return data
+        return Response(data, size, response.getheader("ETag"), last_modified=response.getheader("Last-Modified"),
+                        landed=0 if into is None else got)
 
     def _failure(self, key: str, parts: SplitResult, exc: BaseException) -> Exception:
         """A client-side failure as Transient (worth retrying) or RemoteError (it cannot heal)."""
@@ -342,6 +351,20 @@ class _DeadlineResponse(http.client.HTTPResponse):
         super().__init__(sock, *args, **kwargs)
         self.fp.close()
         self.fp = io.BufferedReader(_DeadlineReader(sock, conn.deadline))
+
+
+def _read_into(response: http.client.HTTPResponse, views: Iterable[memoryview], n: int) -> int:
+    """Read up to `n` body bytes into `views` in turn; how many arrived."""
+    got = 0
+    for view in views:
+        want = min(len(view), n - got)
+        if want <= 0:
+            break
+        k = response.readinto(view[:want])
+        got += k
+        if k < want:  # the connection closed early
+            break
+    return got
 
 
 def _origin(parts: SplitResult) -> tuple[str, str | None, int | None]:

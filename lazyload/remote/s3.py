@@ -21,12 +21,13 @@ import re
 from datetime import timedelta
 
 from ..errors import RemoteError, RequestRefusedError
-from .store import TRANSIENT_STATUS, ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
+from .store import TRANSIENT_STATUS, Into, ObjectIdentity, RemoteOptions, Response, Store, Transient, fill, redact
 
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
 _ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 _REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
 _STATUS = re.compile(r"non-2xx status code: ([0-9]{3})")  # in obstore's message for a store's error status
+STREAM_CHUNK = 256 << 10  # a GET's body comes from obstore in pieces of about this size
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}")
 
 
@@ -61,7 +62,8 @@ class S3Store(Store):
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
-    def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None) -> Response:
+    def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None, into: Into | None = None
+                ) -> Response:
         from obstore import exceptions as ex
 
         self.check_key(key)
@@ -70,7 +72,11 @@ class S3Store(Store):
             options["if_match"] = identity.etag  # S3 answers 412 for another version of the object
         try:
             result = self._obstore.get(self._store, key, options=options)
-            data = result.bytes()
+            if into is not None:  # the body as it arrives, into its place: no buffer of the whole range
+                landed = fill(into(), result.stream(min_chunk_size=STREAM_CHUNK))
+                data = b""
+            else:
+                data = result.bytes()
         except (ex.NotFoundError, FileNotFoundError):  # obstore raises the builtin one for a 404
             raise self.not_found(key) from None
         except (ex.PermissionDeniedError, ex.UnauthenticatedError, PermissionError) as exc:
@@ -84,7 +90,10 @@ class S3Store(Store):
         except ValueError as exc:  # the client refused the request's arguments
             raise self._unusable(key, exc) from None
         meta = result.meta
-        return Response(memoryview(data), meta["size"], meta.get("e_tag"), meta.get("version"))
+        if into is not None and landed < min(end, meta["size"]) - start:  # cut short (a smaller object: `check`)
+            raise Transient(f"the body ended after {landed} of {end - start} bytes", landed)
+        return Response(memoryview(data), meta["size"], meta.get("e_tag"), meta.get("version"),
+                        landed=0 if into is None else landed)
 
     def list(self, prefix: str) -> list[str]:
         from obstore import exceptions as ex

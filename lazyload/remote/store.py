@@ -14,6 +14,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 from ..errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError, RemoteError
 from .cache import RangeCache
@@ -71,15 +72,48 @@ class ObjectIdentity:
 
 @dataclass(frozen=True)
 class Response:
-    data: bytes | memoryview
+    data: bytes | memoryview  # empty when the body went straight into the caller's buffers (`landed`)
     size: int  # the whole object's
     etag: str | None
     version: str | None = None
     last_modified: str | None = None
+    landed: int = 0  # body bytes written into the caller's buffers (`into`) rather than held in `data`
+
+    @property
+    def served(self) -> int:
+        return len(self.data) + self.landed
 
     @property
     def identity(self) -> ObjectIdentity:
         return ObjectIdentity(self.size, self.etag, self.version, self.last_modified)
+
+
+Into = Callable[[], Iterable[memoryview]]  # where a GET's body goes (Store.get's `into`)
+
+
+def land(response: Response, into: Into | None) -> Response:
+    """`response` with the bytes it holds copied into `into()`'s buffers, in order (as a
+    store that streams would have written them)."""
+    if into is None or not response.data:
+        return response
+    landed = fill(into(), [response.data])
+    return Response(b"", response.size, response.etag, response.version, response.last_modified, landed)
+
+
+def fill(views: Iterable[memoryview], chunks: Iterable) -> int:
+    """Copy the bytes of `chunks` (buffers), in order, into `views`, in order, asking for
+    the next view only once the last is full; how many bytes were copied."""
+    views = iter(views)
+    view, used, copied = next(views, None), 0, 0
+    for chunk in chunks:
+        data = memoryview(chunk).cast("B")
+        while data and view is not None:
+            n = min(len(view) - used, len(data))
+            view[used:used + n] = data[:n]
+            used, copied, data = used + n, copied + n, data[n:]
+            if used == len(view):
+                view, used = next(views, None), 0
+    return copied
 
 
 class Transient(Exception):
@@ -153,7 +187,10 @@ class Store:
     def url(self, key: str) -> str:
         raise NotImplementedError
 
-    def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None) -> Response:
+    def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None, into: Into | None = None
+                ) -> Response:
+        """One request. A store that can stream writes the body into `into()`'s buffers and
+        returns it `landed`; one that cannot ignores `into` (`get` copies its `data` there)."""
         raise NotImplementedError
 
     def list(self, prefix: str) -> list[str]:
@@ -163,25 +200,30 @@ class Store:
     def close(self) -> None:
         """Close idle connections (they are opened again when needed)."""
 
-    def get(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None = None) -> Response:
+    def get(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None = None,
+            into: Into | None = None) -> Response:
         """Bytes [start, end) of the object (fewer when it ends first, while indexing),
         retried on transient failures; checked against `identity` when given. With a cache,
-        ranges of an object of known identity (a strong ETag) come from it when they are there."""
+        ranges of an object of known identity (a strong ETag) come from it when they are there.
+        `into`: a function giving the buffers the bytes go to (writable views, in order, as
+        long as the range together; called again for a retry); the response then holds none
+        of them, except where a cache entry is written."""
         entry = self.cache.path(self.endpoint, self.url(key), identity, start, end) if self.cache else None
         if entry is not None:
             data = self.cache.get(entry, start, end)
             if data is not None:
                 stats.cached(len(data))
-                return Response(data, identity.size, identity.etag, identity.version)
-        response = self._fetch(key, start, end, stats, identity)
+                return land(Response(data, identity.size, identity.etag, identity.version), into)
+        response = self._fetch(key, start, end, stats, identity, None if entry is not None else into)
         if entry is not None:
             self.cache.put(entry, response.data)
-        return response
+        return land(response, into)
 
-    def _fetch(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None) -> Response:
+    def _fetch(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None,
+               into: Into | None) -> Response:
         for attempt in range(self.options.retries + 1):
             try:
-                response = self.attempt(key, start, end, identity)
+                response = self.attempt(key, start, end, identity, into)
             except Transient as exc:
                 stats.add(end - start, exc.served, retried=attempt < self.options.retries)
                 if attempt == self.options.retries:
@@ -190,7 +232,7 @@ class Store:
                                       "the store and the network, then load again.") from None
                 time.sleep(backoff(self.options.backoff, attempt) * (0.5 + random.random()))
                 continue
-            stats.add(end - start, len(response.data), retried=False)
+            stats.add(end - start, response.served, retried=False)
             if identity is not None:
                 self.check(key, identity, response)
             return response
