@@ -32,7 +32,10 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 
 def box_numel(box: Box) -> int:
-    return math.prod(box_shape(box))
+    n = 1
+    for start, stop in box:  # no shape tuple built: asked for every read item of a plan
+        n *= stop - start
+    return n
 
 
 def _replace(box: Box, dim: int, span: tuple[int, int]) -> Box:
@@ -50,7 +53,9 @@ def _swap(seq: tuple, a: int, b: int) -> tuple:
     return tuple(out)
 
 
-@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
+# Not frozen: a frozen dataclass's __init__ costs three times as much, and a plan makes and
+# drops one Piece (and ScaleRef) or more per read item (DeepSeek-V3: 45k); none is changed.
+@dataclass(slots=True)  # no __dict__ each
 class ScaleRef:
     """The scales of a dequantized piece: `box` of the scale tensor `key` (and the same box
     of the zero points `zero`, if any) covers the piece's source box; each scale entry
@@ -62,7 +67,7 @@ class ScaleRef:
     block: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
+@dataclass(slots=True)  # not frozen, no __dict__: see ScaleRef
 class Piece:
     """Read `src_box` of checkpoint tensor `key`, dequantize it with `scales` if any, apply
     `ops` in order (("unsqueeze", d) or ("transpose", a, b)), and write the result to `dst_box`."""
@@ -85,6 +90,10 @@ class Expr:
 
     def keys(self) -> list[str]:
         raise NotImplementedError
+
+    def first_key(self) -> str:
+        """`keys()[0]`; a node of many parts (256 experts) answers without listing them all."""
+        return self.keys()[0]
 
     def pieces(self, box: Box, shape_of: ShapeOf) -> list[Piece]:
         raise NotImplementedError
@@ -158,6 +167,9 @@ class Stack(Expr):
     def keys(self):
         return [k for p in self.parts for k in p.keys()]
 
+    def first_key(self):
+        return self.parts[0].first_key()
+
     def pieces(self, box, shape_of):
         start, stop = box[self.dim]
         child_box = box[:self.dim] + box[self.dim + 1:]
@@ -197,6 +209,9 @@ class Cat(Expr):
 
     def keys(self):
         return [k for p in self.parts for k in p.keys()]
+
+    def first_key(self):
+        return self.parts[0].first_key()
 
     def pieces(self, box, shape_of):
         start, stop = box[self.dim]

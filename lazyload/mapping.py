@@ -232,7 +232,8 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
                   base_prefix: str = "", key_map: KeyMap | None = None, renames: Sequence = (),
                   converts: Sequence = (), ignore_unexpected: Sequence[str] = (),
                   ignore_missing: Sequence[str] = (), quant: Quantization = Quantization(),
-                  buffers: Collection[str] = (), other_stage: Callable[[str], bool] | None = None) -> Mapping:
+                  buffers: Collection[str] = (), other_stage: Callable[[str], bool] | None = None,
+                  give_up_unexpected: bool = False) -> Mapping | None:
     """Match checkpoint keys to model tensors. `aliases` maps a tied name to the target it
     shares storage with: a key for it fills that target unless the target has its own.
     `quant`: the checkpoint's quantized weights, each matched as its dequantization.
@@ -243,14 +244,20 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     the buffer.
 
     `other_stage`: whether a key belongs to a module the model left out as a pipeline stage
-    (`other_stages`): such keys go to `other_stages`, unread, instead of being unexpected."""
+    (`other_stages`): such keys go to `other_stages`, unread, instead of being unexpected.
+
+    `give_up_unexpected`: None as soon as a key would be unexpected (for a first mapping
+    without conversion rules, which the caller then makes again with them)."""
     computed = set(buffers) - set(targets) - set(aliases)
     resolver = _Resolver(set(targets) | computed, aliases, base_prefix, key_map, renames, converts)
     leaf = lambda key: quant.leaves.get(key) or index.expr(key)  # noqa: E731
-    matched = _match_keys(index, resolver, computed, aliases, quant, leaf)
+    left_over = _LeftOver(ignore_unexpected, quant, buffers, other_stage)
+    matched = _match_keys(index, resolver, computed, aliases, quant, leaf,
+                          left_over if give_up_unexpected else None)
+    if matched is None:
+        return None
     exprs = _with_converted(matched, aliases, leaf, index.shape_of)
-    unexpected, legacy_keys, other_stages = _unexpected_keys(matched.unexpected, ignore_unexpected, quant, buffers,
-                                                             other_stage)
+    unexpected, legacy_keys, other_stages = left_over.split(matched.unexpected)
     ignored_missing = _matcher(ignore_missing)
     unfilled = [n for n in targets if n not in exprs]
     missing = [n for n in unfilled if not ignored_missing(n)]
@@ -272,20 +279,26 @@ class _Matched:
 
 
 def _match_keys(index: CheckpointIndex, resolver: _Resolver, computed: set[str], aliases: MappingT[str, str],
-                quant: Quantization, leaf: Callable[[str], Expr]) -> _Matched:
-    """Each checkpoint name (a tensor split over files is one name) to the target it fills."""
+                quant: Quantization, leaf: Callable[[str], Expr], give_up: _LeftOver | None = None) -> _Matched | None:
+    """Each checkpoint name (a tensor split over files is one name) to the target it fills;
+    with `give_up`, None at the first key that stays unexpected."""
     matched = _Matched()
-    exprs, from_alias = matched.exprs, matched.from_alias
+    exprs, from_alias, groups = matched.exprs, matched.from_alias, matched.groups
     for key in index.natural_names(quant.siblings):
         hit = resolver.resolve(key)
         if hit is None:
+            if give_up is not None and give_up.unexpected(key):
+                return None
             matched.unexpected.append(key)
             continue
         name, convert, source_index = hit
         if name in computed:
             matched.ignored_buffer_keys.append(key)
         elif convert is not None:
-            matched.groups.setdefault(name, (convert, defaultdict(list)))[1][source_index].append(key)
+            group = groups.get(name)  # not setdefault: it would build a defaultdict for each of 44k keys
+            if group is None:
+                group = groups[name] = (convert, defaultdict(list))
+            group[1][source_index].append(key)
         elif name in aliases:
             from_alias.setdefault(aliases[name], leaf(key))
         elif name in exprs:
@@ -312,17 +325,26 @@ def _with_converted(matched: _Matched, aliases: MappingT[str, str], leaf: Callab
     return exprs
 
 
-def _unexpected_keys(unmatched: list[str], ignore_unexpected: Sequence[str], quant: Quantization,
-                     buffers: Collection[str], other_stage: Callable[[str], bool] | None
-                     ) -> tuple[list[str], list[str], list[str]]:
-    """(unexpected, legacy buffer keys, other stages' keys) of the keys that matched no
-    target, less those `ignore_unexpected` or the quantization format ignores."""
-    ignored = _matcher((*ignore_unexpected, *quant.ignored))
-    unexpected = [k for k in unmatched if not ignored(k)]
-    legacy = _matcher([p for suffix, p in LEGACY_BUFFER_KEYS.items() if any(b.endswith(suffix) for b in buffers)])
-    legacy_keys, unexpected = _split(unexpected, legacy)
-    other_stages, unexpected = _split(unexpected, other_stage)
-    return unexpected, legacy_keys, other_stages
+class _LeftOver:
+    """What becomes of a key that matches no target: ignored (`ignore_unexpected` or the
+    quantization format's patterns), a legacy buffer key, another pipeline stage's, or unexpected."""
+
+    def __init__(self, ignore_unexpected: Sequence[str], quant: Quantization, buffers: Collection[str],
+                 other_stage: Callable[[str], bool] | None):
+        self.ignored = _matcher((*ignore_unexpected, *quant.ignored))
+        self.legacy = _matcher([p for suffix, p in LEGACY_BUFFER_KEYS.items()
+                                if any(b.endswith(suffix) for b in buffers)])
+        self.other_stage = other_stage
+
+    def unexpected(self, key: str) -> bool:
+        return not (self.ignored(key) or self.legacy(key) or self.other_stage is not None and self.other_stage(key))
+
+    def split(self, unmatched: list[str]) -> tuple[list[str], list[str], list[str]]:
+        """(unexpected, legacy buffer keys, other stages' keys) of `unmatched`, less the ignored."""
+        unexpected = [k for k in unmatched if not self.ignored(k)]
+        legacy_keys, unexpected = _split(unexpected, self.legacy)
+        other_stages, unexpected = _split(unexpected, self.other_stage)
+        return unexpected, legacy_keys, other_stages
 
 
 def _drop_unfit(exprs: dict[str, Expr], targets: MappingT[str, TargetSpec], index: CheckpointIndex,
@@ -528,17 +550,20 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, Tar
     quant = detect(index, held=held_by(model, specs)) if quant is None else quant
     stage = other_stages(model)
 
-    def with_rules(renames, converts):
-        return replace(build_mapping(
+    def with_rules(renames, converts, give_up_unexpected=False):
+        mapping = build_mapping(
             index, specs, aliases={a: c for a, c in aliases.items() if c in specs},
             base_prefix=getattr(model, "base_model_prefix", "") or "", key_map=key_map,
             renames=renames, converts=converts,
             ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
             ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []), quant=quant,
-            buffers=[name for name, _ in model.named_buffers(remove_duplicate=False)], other_stage=stage),
-            unused_key_map=unused)
+            buffers=[name for name, _ in model.named_buffers(remove_duplicate=False)], other_stage=stage,
+            give_up_unexpected=give_up_unexpected)
+        return mapping and replace(mapping, unused_key_map=unused)
 
-    mapping = with_rules([], [])
-    if mapping.missing or mapping.unexpected or mapping.mismatched:
+    # An unexpected key without the rules means mapping again with them: the first pass stops
+    # there (DeepSeek-V3: at its first per-expert key, not after all 46k names).
+    mapping = with_rules([], [], give_up_unexpected=True)
+    if mapping is None or mapping.missing or mapping.unexpected or mapping.mismatched:
         mapping = with_rules(*_conversion_rules(model))
     return mapping

@@ -220,11 +220,11 @@ def box_regions(name: str, shape: tuple[int, ...],
     return local_shape, tuple(r for r in regions if box_numel(r.global_box))
 
 
-def _scale_read(ref: ScaleRef | None, index: CheckpointIndex) -> ScaleRead | None:
+def _scale_read(ref: ScaleRef | None, entries: MappingT[str, TensorEntry]) -> ScaleRead | None:
     if ref is None:
         return None
-    zero = index[ref.zero] if ref.zero is not None else None
-    return ScaleRead(index[ref.key], ref.box, zero, ref.block)
+    zero = entries[ref.zero] if ref.zero is not None else None
+    return ScaleRead(entries[ref.key], ref.box, zero, ref.block)
 
 
 def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],
@@ -239,14 +239,14 @@ def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: Ma
 def _plan(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],
           dtypes: MappingT[str, torch.dtype], placements: MappingT[str, Placement], rank: int,
           world: int) -> tuple[list[TargetPlan], list[ReadItem]]:
-    shape_of = index.shape_of
+    shape_of, entries = index.shape_of, index.by_key()
     targets, items = [], []
     for name, expr in exprs.items():
         placement = placements.get(name, REPLICATE)
         local_shape, regions = local_regions(name, shapes[name], placement, rank, world)
         targets.append(TargetPlan(name, shapes[name], local_shape, dtypes[name], placement, regions))
         if isinstance(expr, Whole):  # its sources read whole, in their own coordinates (placer.WholeDest)
-            items += [ReadItem(index[p.key], p.src_box, p.ops, name, p.dst_box, _scale_read(p.scales, index))
+            items += [ReadItem(entries[p.key], p.src_box, p.ops, name, p.dst_box, _scale_read(p.scales, entries))
                       for p in expr.pieces(full_box(shapes[name]), shape_of)]
             continue
         for region in regions:
@@ -254,6 +254,6 @@ def _plan(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[s
             moved = any(shift)  # else the pieces land where the full target has them
             for piece in expr.pieces(region.global_box, shape_of):
                 dst = tuple((a + d, b + d) for (a, b), d in zip(piece.dst_box, shift)) if moved else piece.dst_box
-                items.append(ReadItem(index[piece.key], piece.src_box, piece.ops, name, dst,
-                                      _scale_read(piece.scales, index)))
+                items.append(ReadItem(entries[piece.key], piece.src_box, piece.ops, name, dst,
+                                      _scale_read(piece.scales, entries)))
     return targets, items

@@ -184,7 +184,7 @@ def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, wor
         mapped = map_checkpoint(checkpoint, index, model, options.key_map)
     specs, mapping, placements = place(mapped, model, rank, world, options)
     quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
-    dtypes = {name: target_dtype(specs[name].dtype, checkpoint.values_dtype(expr.keys()[0], mapped.quant),
+    dtypes = {name: target_dtype(specs[name].dtype, checkpoint.values_dtype(expr.first_key(), mapped.quant),
                                  options.dtype) for name, expr in mapping.exprs.items()}
     full_dtypes = {name: dtypes[name] for name in quantized}
     dtypes.update({name: qconfig.torch_dtype for name in quantized})

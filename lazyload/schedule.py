@@ -35,8 +35,12 @@ def schedule(items: list[ReadItem]) -> list[Group]:
     """Groups by layer, each ordered by (file, offset); groups in file order, so that a
     checkpoint written layer by layer is read front to back."""
     by_layer: dict[str, list[ReadItem]] = {}
+    layers: dict[str, list[ReadItem]] = {}  # target -> its layer's list: one regex per target, not per item
     for item in items:
-        by_layer.setdefault(layer_of(item.target), []).append(item)
+        group = layers.get(item.target)
+        if group is None:
+            group = layers[item.target] = by_layer.setdefault(layer_of(item.target), [])
+        group.append(item)
     groups = [Group(layer, tuple(sorted(its, key=_order))) for layer, its in by_layer.items()]
     groups.sort(key=lambda g: (_order(g.items[0])[:2], natural_key(g.layer)))
     return groups

@@ -97,12 +97,13 @@ def detect(index: CheckpointIndex, config: dict | None = None,
     unsupported = any(k.endswith(UNSUPPORTED_SUFFIXES) for k in index.keys())  # rare: then look per weight
     block_of: dict[tuple, tuple[int, ...]] = {}  # (weight shape, scale shape) -> block: one per layer kind
     held_pairs: set[str] = set()  # weights the model holds with their scales (transformers' FP8Linear)
-    for key, entry in index.items():
+    entries = index.by_key()  # lookups without a method call each: 45k weights x 2-3 siblings
+    for key, entry in entries.items():
         if entry.dtype not in WEIGHT_DTYPES:  # most keys: no sibling lookups
             continue
         for suffix in SCALE_SUFFIXES:
             scale = key + suffix
-            if scale in index:
+            if scale in entries:
                 break
         else:
             continue
@@ -110,12 +111,12 @@ def detect(index: CheckpointIndex, config: dict | None = None,
             held_pairs.add(key)
             continue
         for suffix in UNSUPPORTED_SUFFIXES if unsupported else ():
-            if key + suffix in index:
+            if key + suffix in entries:
                 raise CheckpointError(f"{index[key + suffix].file}: {key + suffix!r} says that {key!r} is stored in "
                                       "a quantized layout lazyload cannot read yet (activation order, packed "
                                       "4-bit, global scale or padded blocks); dequantize the checkpoint first.")
-        zero = key + ZERO_SUFFIX if key + ZERO_SUFFIX in index else None
-        scale_entry = index[scale]
+        zero = key + ZERO_SUFFIX if key + ZERO_SUFFIX in entries else None
+        scale_entry = entries[scale]
         if not scale_entry.dtype.is_floating_point:
             raise CheckpointError(f"{scale_entry.file}: scale {scale!r} is {scale_entry.dtype}, not a floating "
                                   "point tensor; the checkpoint is not in a layout lazyload knows.")
