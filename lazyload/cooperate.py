@@ -80,7 +80,7 @@ def piece_name(target: str, index: int) -> str:
 
 def cut_rows(item: Any, rows: tuple[int, int]) -> Any:
     """The part of `item` that lands in rows [start, end) of its target (dim 0), or None."""
-    (dst_start, dst_end), (src_start, src_end) = item.dst_box[0], item.src_box[0]
+    (dst_start, dst_end), src_start = item.dst_box[0], item.src_box[0][0]
     start, end = max(dst_start, rows[0]), min(dst_end, rows[1])
     if start >= end:
         return None

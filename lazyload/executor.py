@@ -12,7 +12,6 @@ import logging
 import os
 import time
 
-import torch
 from torch import nn
 from tqdm.auto import tqdm
 

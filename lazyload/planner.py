@@ -26,7 +26,6 @@ from .buffers import meta_buffers_to_recompute
 from .devices import target_device, use_device
 from .dtypes import dtype_named
 from .errors import ArgumentError, DtypeError, PlanError
-from .expr import Whole
 from .index import CheckpointIndex
 from .mapping import KeyMap, Mapping, check_casts, check_mapping, held_by, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
