@@ -8,7 +8,7 @@ the outputs of the model's own `dummy_inputs`. Prints a table by outcome; classe
 small config could be made for, or that `from_pretrained` itself cannot load, are counted
 apart.
 
-    python benchmarks/sweep_architectures.py                      # every class (~1,500; about an hour on 2 cores)
+    python benchmarks/sweep_architectures.py                      # every class (~1,570; 15-35 min on 2 cores)
     python benchmarks/sweep_architectures.py --match llama,clip   # classes whose model type contains a word
     python benchmarks/sweep_architectures.py --tp                 # causal LMs at world 2 (gloo) vs world 1
 
