@@ -24,30 +24,41 @@ BUDGET = 8 * MiB  # max_host_bytes: above every single tensor (5.5 MiB), below o
 SLACK = 16 * MiB  # what the process touches besides the load (thread stacks, an allocator arena)
 
 
-def _measured_remote_load(url: str, config, dtype: torch.dtype) -> dict:
-    """In a fresh process: warm up on one layer, reset VmHWM, load from `url`, report."""
+def measured_remote_load(url: str, config, dtype: torch.dtype, cache_dir: str | None = None) -> dict:
+    """In a fresh process: warm up on one layer, reset VmHWM, load from `url`, report (with
+    the sha256 of each loaded tensor's bytes). With `cache_dir`, the warm-up uses a cache of
+    its own beside it, so that a first load into `cache_dir` finds it empty."""
     import copy
     import gc
+    import hashlib
 
     from checkpoints import build_model
 
     from lazyload import LazyCheckpoint
+    from lazyload.remote import RemoteOptions
+
+    def options(directory):
+        return RemoteOptions(cache_dir=directory) if directory else None
 
     small = copy.deepcopy(config)
     small.num_hidden_layers = 1
     warm = build_model("llama", small, dtype, empty="meta")
-    LazyCheckpoint(url).load_into(warm, dtype=dtype, strict=False, progress=False, max_host_bytes=BUDGET)
+    LazyCheckpoint(url, remote=options(cache_dir and cache_dir + "-warm-up")).load_into(
+        warm, dtype=dtype, strict=False, progress=False, max_host_bytes=BUDGET)
     del warm
     model = build_model("llama", config, dtype, empty="meta")
-    ckpt = LazyCheckpoint(url)
+    ckpt = LazyCheckpoint(url, remote=options(cache_dir))
     ckpt.index  # headers read before the baseline
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     before = status()
     report = ckpt.load_into(model, dtype=dtype, progress=False, max_host_bytes=BUDGET)
+    digests = {k: hashlib.sha256(v.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+               for k, v in model.state_dict().items()}
     return dict(before=before, after=status(), peak_anon=report.peak_anon, reader=report.reader,
-                requests=report.requests, dest=model_bytes(model))
+                requests=report.requests, bytes_cached=report.bytes_cached, dest=model_bytes(model),
+                digests=digests)
 
 
 def test_http_load_peak_anonymous_memory_is_destination_plus_budget(checkpoint):
@@ -55,7 +66,7 @@ def test_http_load_peak_anonymous_memory_is_destination_plus_budget(checkpoint):
     holds them on the way (a cast load stages them in the arena, which is the budget)."""
     directory, config = checkpoint("llama", "bf16", **SHAPE)
     with RangeServer(str(directory)) as server:
-        _assert_within_budget(in_fresh_process(_measured_remote_load, server.url + "/", config, torch.bfloat16))
+        _assert_within_budget(in_fresh_process(measured_remote_load, server.url + "/", config, torch.bfloat16))
 
 
 def test_s3_load_peak_anonymous_memory_is_destination_plus_budget(s3, checkpoint):
@@ -63,11 +74,16 @@ def test_s3_load_peak_anonymous_memory_is_destination_plus_budget(s3, checkpoint
     client, bucket = s3
     directory, config = checkpoint("llama", "bf16", **SHAPE)
     upload(client, bucket, directory, "memory")
-    _assert_within_budget(in_fresh_process(_measured_remote_load, f"s3://{bucket}/memory/", config, torch.bfloat16))
+    _assert_within_budget(in_fresh_process(measured_remote_load, f"s3://{bucket}/memory/", config, torch.bfloat16))
 
 
 def _assert_within_budget(r: dict) -> None:
-    assert r["reader"] == "remote" and r["requests"] > 4 * 8  # every tensor a GET of its own, or more
+    assert r["requests"] > 4 * 8  # every tensor a GET of its own, or more
+    assert_peak_within_budget(r)
+
+
+def assert_peak_within_budget(r: dict) -> None:
+    assert r["reader"] == "remote"
     assert r["dest"] > 8 * BUDGET  # the load dwarfs the budget
     over = r["peak_anon"] - r["before"]["RssAnon"] - r["dest"]
     assert over < BUDGET + SLACK, (

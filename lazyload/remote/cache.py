@@ -7,7 +7,9 @@ size) and the range: a changed object is never answered from the cache, nor are 
 endpoint (a mirror) served for the ETag another published. Objects without a strong ETag
 are not cached: nothing would tell their versions apart. Each entry holds the sha256 of its
 bytes, checked on every read (a mismatch is a miss, the entry removed). Entries are written
-to a temp file, fsynced, then renamed. The directory must be the user's own (created 0700):
+to a temp file as the GET's body arrives (`Pending`), fsynced, and renamed only once the
+whole range arrived and was checked; a hit is read into the caller's buffers piece by piece,
+so neither holds the whole range. The directory must be the user's own (created 0700):
 bytes anyone else can write there would be loaded into the model as they are.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import os
 import stat
 import tempfile
+from typing import Iterable, Iterator
 
 from ..errors import RemoteError
 
@@ -45,36 +48,126 @@ class RangeCache:
         return os.path.join(self.directory, name.hexdigest()[:32], f"{start}-{end}")
 
     def get(self, path: str, start: int, end: int) -> bytes | None:
+        """The entry's bytes, or None for a miss (`read_into`)."""
+        data = bytearray(end - start)
+        return bytes(data) if self.read_into(path, start, end, [memoryview(data)]) else None
+
+    def read_into(self, path: str, start: int, end: int, views: Iterable[memoryview]) -> bool:
+        """Read the entry into `views` (writable, in order, as long as the range together),
+        each checked into the sha256 as it is filled: False for a miss, the views then holding
+        nothing to trust (no entry; or a torn or altered one, removed and logged)."""
+        digest = hashlib.sha256()
         try:
-            with open(path, "rb") as f:
-                stored = f.read()
+            with open(path, "rb", buffering=0) as f:
+                stored = f.read(_DIGEST)
+                sound = os.fstat(f.fileno()).st_size == _DIGEST + end - start
+                for view in views if sound else ():
+                    if _read_fully(f, view) < len(view):
+                        sound = False
+                        break
+                    digest.update(view)
         except OSError:
-            return None
-        digest, data = stored[:_DIGEST], stored[_DIGEST:]
-        if len(data) == end - start and hashlib.sha256(data).digest() == digest:
-            return data
+            return False
+        if sound and digest.digest() == stored:
+            return True
         logger.warning("%s: cache entry of bytes %d..%d does not match its digest; removed, fetched again",
                        path, start, end)
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-        return None
+        _remove(path)
+        return False
 
     def put(self, path: str, data) -> None:
         """Best effort: a cache that cannot be written (full, read-only) is only a slower load."""
-        folder = os.path.dirname(path)
-        try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder)
-            with os.fdopen(fd, "wb") as f:
-                f.write(hashlib.sha256(data).digest())
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())  # a crash leaves the old entry or none, never a torn one
-            os.replace(tmp, path)
-        except OSError:
+        pending = Pending(path, len(data))
+        for _ in pending.tee([memoryview(data)]):
             pass
+        pending.keep()
+
+
+class Pending:
+    """A cache entry written as its GET's body arrives: `tee` hands the GET's views on and
+    writes each to a temp file beside the entry once it is filled (a retry calls it again and
+    starts the file over); `keep`, called once the GET is complete and checked, renames the
+    file into place only when exactly the range was written. A GET that fails (`discard`),
+    and a cache that cannot be written (full, read-only), leave no entry: only a slower load."""
+
+    def __init__(self, path: str, n: int):
+        self.path, self.n = path, n
+        self.tmp: str | None = None
+        self.file = None  # the temp file; None once it failed or is done
+        self.digest = hashlib.sha256()
+        self.written = 0
+
+    def tee(self, views: Iterable[memoryview]) -> Iterator[memoryview]:
+        self._start()
+        for view in views:
+            yield view  # the caller fills it, then asks for the next
+            self._write(view)
+
+    def _start(self) -> None:
+        try:
+            if self.tmp is None:
+                os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+                fd, self.tmp = tempfile.mkstemp(dir=os.path.dirname(self.path))
+                self.file = os.fdopen(fd, "wb")
+            if self.file is not None:
+                self.file.seek(0)
+                self.file.truncate()
+                self.file.write(bytes(_DIGEST))  # the digest's place, written by `keep`
+        except OSError:
+            self.discard()
+        self.digest, self.written = hashlib.sha256(), 0
+
+    def _write(self, view: memoryview) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(view)
+        except OSError:
+            return self.discard()
+        self.digest.update(view)
+        self.written += len(view)
+
+    def keep(self) -> None:
+        if self.file is None or self.written != self.n:
+            return self.discard()
+        try:
+            self.file.seek(0)
+            self.file.write(self.digest.digest())
+            self.file.flush()
+            os.fsync(self.file.fileno())  # a crash leaves the old entry or none, never a torn one
+            self.file.close()
+            os.replace(self.tmp, self.path)
+            self.file = None
+        except OSError:
+            self.discard()
+
+    def discard(self) -> None:
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:  # its buffered bytes could not be written: the file goes anyway
+                pass
+            self.file = None
+        if self.tmp is not None:
+            _remove(self.tmp)
+
+
+def _read_fully(f, view: memoryview) -> int:
+    """Read into all of `view` (fewer bytes only at the end of the file); how many."""
+    got = 0
+    while got < len(view):
+        k = f.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    return got
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _own_directory(directory: str) -> None:

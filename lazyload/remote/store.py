@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from ..errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError, RemoteError
-from .cache import RangeCache
+from .cache import Pending, RangeCache
 
 MAX_BACKOFF = 10.0  # seconds: the longest wait between two attempts, before jitter
 TRANSIENT_STATUS = (408, 425, 429, 500, 502, 503, 504)  # HTTP statuses worth another attempt
@@ -207,17 +207,39 @@ class Store:
         ranges of an object of known identity (a strong ETag) come from it when they are there.
         `into`: a function giving the buffers the bytes go to (writable views, in order, as
         long as the range together; called again for a retry); the response then holds none
-        of them, except where a cache entry is written."""
+        of them. A cached range is read and written through the same views, chunk by chunk."""
         entry = self.cache.path(self.endpoint, self.url(key), identity, start, end) if self.cache else None
-        if entry is not None:
+        if entry is not None and into is not None:
+            return self._through_cache(key, start, end, stats, identity, entry, into)
+        if entry is not None:  # wanted whole (header bytes)
             data = self.cache.get(entry, start, end)
             if data is not None:
                 stats.cached(len(data))
-                return land(Response(data, identity.size, identity.etag, identity.version), into)
-        response = self._fetch(key, start, end, stats, identity, None if entry is not None else into)
+                return Response(data, identity.size, identity.etag, identity.version)
+        response = self._fetch(key, start, end, stats, identity, into)
         if entry is not None:
             self.cache.put(entry, response.data)
         return land(response, into)
+
+    def _through_cache(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity, entry: str,
+                       into: Into) -> Response:
+        """The range read from its cache entry into `into()`'s views; on a miss fetched into
+        them, each view written to a new entry as it is filled (kept once the GET is checked)."""
+        if self.cache.read_into(entry, start, end, into()):
+            stats.cached(end - start)
+            return Response(b"", identity.size, identity.etag, identity.version, landed=end - start)
+        pending = Pending(entry, end - start)
+
+        def teed():
+            return pending.tee(into())
+
+        try:
+            response = land(self._fetch(key, start, end, stats, identity, teed), teed)
+        except BaseException:
+            pending.discard()
+            raise
+        pending.keep()
+        return response
 
     def _fetch(self, key: str, start: int, end: int, stats: Stats, identity: ObjectIdentity | None,
                into: Into | None) -> Response:
