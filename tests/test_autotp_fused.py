@@ -7,7 +7,7 @@ own split (`prepare_tp_fused_qkvw`, the per-part shard sizes of `GateUpPack_Line
 makes of a real tensor. With DeepSpeed at world 2 (CPU, gloo): every tensor of a model AutoTP
 made on meta and lazyload filled equals DeepSpeed's own load of the same checkpoint, and the
 logits equal world 1's where DeepSpeed's AutoTP forward runs with these transformers models
-(Falcon, CodeGen; Phi-3's and GPT-BigCode's attention read the unsplit head count from the
+(Falcon, CodeGen, GLM-4's gate_up_proj; Phi-3's and GPT-BigCode's attention read the unsplit head count from the
 config, so DeepSpeed's own model fails there too)."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from lazyload.plan import local_regions
 HAS_DEEPSPEED = bool(os.environ.get("CI")) or importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is in the 'test' extra")
 
-# arch -> (config fields, decoder layer class, its fused layer's attribute path)
+# arch -> (config fields, decoder layer class, its fused qkv layer's attribute path or None)
 ARCHS = {
     "phi3": (dict(hidden_size=64, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=128, pad_token_id=0), "Phi3DecoderLayer", "self_attn.qkv_proj"),
@@ -36,6 +36,8 @@ ARCHS = {
     "gpt_bigcode": (dict(n_embd=64, n_head=4, n_positions=64, multi_query=True), "GPTBigCodeBlock", "attn.c_attn"),
     "codegen": (dict(n_embd=64, n_head=8, n_positions=64, rotary_dim=4, bos_token_id=0, eos_token_id=0),
                 "CodeGenBlock", "attn.qkv_proj"),
+    "glm4": (dict(hidden_size=64, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=64, pad_token_id=0), "Glm4DecoderLayer", None),
 }
 
 
@@ -72,8 +74,9 @@ def _deepspeed_layers(arch: str):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     block = next(m for m in model.modules() if type(m).__name__ == ARCHS[arch][1])
-    qkv = block.get_submodule(ARCHS[arch][2])
-    layers = {"qkv": fused_LinearLayer(qkv, None, fused_module=block, tp_meta=meta)}
+    layers = {}
+    if ARCHS[arch][2]:
+        layers["qkv"] = fused_LinearLayer(block.get_submodule(ARCHS[arch][2]), None, fused_module=block, tp_meta=meta)
     if hasattr(block.mlp, "gate_up_proj"):
         layers["gate_up"] = GateUpPack_LinearLayer(block.mlp.gate_up_proj, None, tp_meta=meta)
     return layers, meta
@@ -181,7 +184,7 @@ def _check_against_deepspeed(arch: str, directory: str, rank: int, world: int) -
                                                                                "GateUpPack_LinearLayer")
         assert torch.equal(param, theirs_params[name]), f"{arch} rank {rank}: {name} is not DeepSpeed's"
     assert fused, f"{arch}: AutoTP made no fused layer"
-    if arch in ("falcon", "codegen"):  # DeepSpeed's AutoTP forward runs for these (module docstring)
+    if arch in ("falcon", "codegen", "glm4"):  # DeepSpeed's AutoTP forward runs for these (module docstring)
         LazyCheckpoint(directory).load_into(reference, progress=False)  # world 1
         with torch.no_grad():
             got = ours(input_ids=fixed_input(config)).logits
