@@ -7,8 +7,9 @@ own split (`prepare_tp_fused_qkvw`, the per-part shard sizes of `GateUpPack_Line
 makes of a real tensor. With DeepSpeed at world 2 (CPU, gloo): every tensor of a model AutoTP
 made on meta and lazyload filled equals DeepSpeed's own load of the same checkpoint, and the
 logits equal world 1's where DeepSpeed's AutoTP forward runs with these transformers models
-(Falcon, CodeGen, GLM-4's gate_up_proj; Phi-3's and GPT-BigCode's attention read the unsplit head count from the
-config, so DeepSpeed's own model fails there too)."""
+(Falcon, CodeGen, GLM-4's gate_up_proj; Phi-3's and GPT-BigCode's attention read the unsplit
+head count from the config and Bloom's alibi the unsplit heads, so DeepSpeed's own model fails
+there too). Falcon and Bloom also tie lm_head to the embedding, which AutoTP cuts apart."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,8 +32,11 @@ needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is in 
 ARCHS = {
     "phi3": (dict(hidden_size=64, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=128, pad_token_id=0), "Phi3DecoderLayer", "self_attn.qkv_proj"),
-    "falcon": (dict(hidden_size=64, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, bias=True),
-               "FalconDecoderLayer", "self_attention.query_key_value"),
+    # Falcon and Bloom tie lm_head to the embedding, which AutoTP cuts (LmHeadLinearAllreduce):
+    # at hidden 128 both ranks hold 64 columns, at 64 rank 0 holds them all and rank 1 none.
+    "falcon": (dict(hidden_size=128, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, bias=True,
+                    tie_word_embeddings=True), "FalconDecoderLayer", "self_attention.query_key_value"),
+    "bloom": (dict(hidden_size=64, n_head=4, tie_word_embeddings=True), "BloomBlock", "self_attention.query_key_value"),
     "gpt_bigcode": (dict(n_embd=64, n_head=4, n_positions=64, multi_query=True), "GPTBigCodeBlock", "attn.c_attn"),
     "codegen": (dict(n_embd=64, n_head=8, n_positions=64, rotary_dim=4, bos_token_id=0, eos_token_id=0),
                 "CodeGenBlock", "attn.qkv_proj"),
@@ -45,8 +49,8 @@ def make_config(arch: str):
     import transformers
 
     fields, _, _ = ARCHS[arch]
-    return transformers.AutoConfig.for_model(arch, vocab_size=256, num_hidden_layers=2, tie_word_embeddings=False,
-                                             **fields)
+    return transformers.AutoConfig.for_model(arch, **dict(vocab_size=256, num_hidden_layers=2,
+                                                          tie_word_embeddings=False) | fields)
 
 
 def save_checkpoint(arch: str, directory) -> str:
