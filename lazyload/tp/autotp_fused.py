@@ -44,17 +44,21 @@ def fused_kind(module: nn.Module) -> str | None:
         return "gate_up"
     if kind != "fused_LinearLayer":
         return None
-    layer = str(getattr(module, "fused_module", None) and module.fused_module.fused_module)
+    layer = str(module.fused_module.fused_module)  # the decoder layer, through DeepSpeed's wrapper
     matches = [k for k in FUSED_QKV_TYPES if k in layer]
     return FUSED_QKV_TYPES[max(matches, key=len)] if matches else "bloomtype"
 
 
-def _pieces(parts: list[int], world: int, name: str, kv_heads: int | None, grain: int) -> list[Runs]:
-    """Each rank's piece of every part (consecutive parts of the given sizes), in part order."""
+def _pieces(parts: list[int], world: int, name: str, kv_heads: int | None, grain: int) -> list[Runs] | None:
+    """Each rank's piece of every part (consecutive parts of the given sizes), in part order;
+    None where a part's shares do not tile it (DeepSpeed's get_shard_size_list refuses it)."""
     runs: list[Runs] = [[] for _ in range(world)]
     start = 0
     for size in parts:
-        for rank, width in enumerate(shard_sizes(size, world, name, kv_heads, grain)):
+        sizes = shard_sizes(size, world, name, kv_heads, grain)
+        if sum(sizes) != size:
+            return None
+        for rank, width in enumerate(sizes):
             runs[rank].append((start, start + width))
             start += width
     return runs
@@ -95,7 +99,8 @@ def fused_rows(kind: str, rows: int, in_features: int, world: int, meta: Any) ->
         parts = [n_embd] + [(rows - n_embd) // 2] * 2 if glm_by_n_embd else [rows // 3] * 3
         return _pieces(parts, world, "", kv, grain)
     if kind == "bigcodetype":
-        return [mine + [(n_embd, rows)] for mine in _pieces([n_embd], world, "", kv, grain)]
+        q_rows = _pieces([n_embd], world, "", kv, grain)
+        return q_rows and [mine + [(n_embd, rows)] for mine in q_rows]
     if kind == "codegentype":
         return _codegen_runs(rows, world, kv)
     return _pieces([rows], world, "", kv, grain)  # bloomtype
