@@ -233,9 +233,11 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
                   converts: Sequence = (), ignore_unexpected: Sequence[str] = (),
                   ignore_missing: Sequence[str] = (), quant: Quantization = Quantization(),
                   buffers: Collection[str] = (), other_stage: Callable[[str], bool] | None = None,
-                  give_up_unexpected: bool = False) -> Mapping | None:
+                  give_up_unexpected: bool = False, held_apart: MappingT[str, str] = {}) -> Mapping | None:
     """Match checkpoint keys to model tensors. `aliases` maps a tied name to the target it
     shares storage with: a key for it fills that target unless the target has its own.
+    `held_apart`: ties the model declares (tied -> source) whose tensors tensor parallelism
+    made apart (AutoTP's lm_head): the source's tensor fills the tied one where it has none.
     `quant`: the checkpoint's quantized weights, each matched as its dequantization.
 
     `buffers`: the model's buffer names. A key naming one that is no target (a non-persistent
@@ -257,6 +259,7 @@ def build_mapping(index: CheckpointIndex, targets: MappingT[str, TargetSpec], *,
     if matched is None:
         return None
     exprs = _with_converted(matched, aliases, leaf, index.shape_of)
+    exprs.update({t: exprs[s] for t, s in held_apart.items() if t not in exprs and s in exprs})
     unexpected, legacy_keys, other_stages = left_over.split(matched.unexpected)
     ignored_missing = _matcher(ignore_missing)
     unfilled = [n for n in targets if n not in exprs]
@@ -549,6 +552,8 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, Tar
     unused = check_key_map(key_map, list(index.keys()))
     quant = detect(index, held=held_by(model, specs)) if quant is None else quant
     stage = other_stages(model)
+    held_apart = {t: s for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items()
+                  if t in specs and s in specs and t != s}
 
     def with_rules(renames, converts, give_up_unexpected=False):
         mapping = build_mapping(
@@ -558,7 +563,7 @@ def map_model(index: CheckpointIndex, model: nn.Module, specs: MappingT[str, Tar
             ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
             ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []), quant=quant,
             buffers=[name for name, _ in model.named_buffers(remove_duplicate=False)], other_stage=stage,
-            give_up_unexpected=give_up_unexpected)
+            give_up_unexpected=give_up_unexpected, held_apart=held_apart)
         return mapping and replace(mapping, unused_key_map=unused)
 
     # An unexpected key without the rules means mapping again with them: the first pass stops

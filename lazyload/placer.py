@@ -199,16 +199,17 @@ def assign(slot: Slot, tensor: torch.Tensor) -> None:
     slot gets a DTensor again, `tensor` being its local shard (same mesh and placements)."""
     current = current_tensor(slot)
     local = local_tensor(current)
+    value = None
     if not local.is_meta and local.data_ptr() == tensor.data_ptr():
-        return  # filled in place (a real model, or FSDP2 parameters after to_empty)
-    if is_dtensor(current):
+        value = current  # filled in place (a real model, or FSDP2 parameters after to_empty)
+    elif is_dtensor(current):
         from torch.distributed.tensor import DTensor
 
         tensor = DTensor.from_local(tensor, current.device_mesh, current.placements, run_check=False,
                                     shape=current.shape, stride=current.stride())
-    value = nn.Parameter(tensor, requires_grad=slot.requires_grad) if slot.is_parameter else tensor
-    for module, attr in slot.owners:
-        if slot.is_parameter:
-            module._parameters[attr] = value
-        else:
-            module._buffers[attr] = value
+    if value is None:
+        value = nn.Parameter(tensor, requires_grad=slot.requires_grad) if slot.is_parameter else tensor
+    for module, attr in slot.owners:  # a declared tie held apart (AutoTP re-made lm_head) shares it again
+        store = module._parameters if slot.is_parameter else module._buffers
+        if store.get(attr) is not value:
+            store[attr] = value

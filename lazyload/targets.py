@@ -52,9 +52,12 @@ def model_slots(model: nn.Module) -> tuple[dict[str, Slot], dict[str, str]]:
                 by_id[key] = [[owner], is_param, bool(getattr(tensor, "requires_grad", False))]
     slots = {names[k]: Slot(tuple(o), p, g) for k, (o, p, g) in by_id.items()}
     # Ties the model declares but that are not (or no longer) the same object, e.g. under
-    # accelerate's init_empty_weights, which re-creates each registered meta parameter.
+    # accelerate's init_empty_weights, which re-creates each registered meta parameter. One
+    # that tensor parallelism cut to another shape (AutoTP's lm_head) stays its own target,
+    # filled from the same checkpoint tensor (mapping.map_model).
     for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
-        if tied in slots and source in slots and tied != source:
+        if (tied in slots and source in slots and tied != source
+                and current_tensor(slots[tied]).shape == current_tensor(slots[source]).shape):
             owners = slots[source].owners + slots.pop(tied).owners
             slots[source] = Slot(owners, slots[source].is_parameter, slots[source].requires_grad)
             aliases[tied] = source

@@ -1,7 +1,7 @@
 """Tensor parallel: where each tensor's split comes from, and making a model runnable split.
 
 One module per job, in dependency order (each imports only those above it):
-`autotp` (DeepSpeed AutoTP's shard sizes), `styles` (transformers' style names and plans),
+`autotp` (DeepSpeed AutoTP's shard sizes), `autotp_fused` (its fused qkv and gate_up cuts), `styles` (transformers' style names and plans),
 `heads` (attention heads and KV groups), `structural` (the structural rule for models
 without a plan), `placements` (each target's Placement for a rank, validated before any
 byte is read) and `runnable` (`parallelize`: DTensor styles, head bookkeeping, hooks).

@@ -11,7 +11,8 @@ Placements are found, per parameter, in this order:
    is the one where the checkpoint is `k` times larger (`k == world`: plain shard; `k` a
    divisor of world: KV-style groups); `plan=` may say "packed" for fused ones. Other local
    sizes, and every layer DeepSpeed's AutoTP made, are read by AutoTP's shard-size rule
-   (`tp/autotp.py`: KV heads or 64-column grains, so a rank may hold more, or nothing).
+   (`tp/autotp.py`: KV heads or 64-column grains, so a rank may hold more, or nothing);
+   its fused layers (qkv, gate_up) as a piece of each part (`tp/autotp_fused.py`).
 4. Only for a model that none of the above made parallel, and only when world > 1: the
    model's own transformers TP plan (or, without one, a structural rule by module name),
    with `plan=` entries (glob -> style in transformers' `base_model_tp_plan` format, or
@@ -37,6 +38,7 @@ from ..plan import Placement, REPLICATE, check_rank, local_regions
 from ..quant.fp8_modules import check_block_splits, scales_follow_weights
 from ..targets import TargetSpec, is_dtensor
 from .autotp import autotp_placement, is_autotp_layer
+from .autotp_fused import fused_kind, fused_placement
 from .heads import attention_checks, attention_group, divisor_group, model_heads
 from .structural import is_conv1d, paired_structural, structural_style
 from .styles import StylePlan, check_plan, in_whole_module, model_tp_plan, style_placement, whole_modules
@@ -222,6 +224,8 @@ def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank,
         return None
     module, module_name, _ = owner_of(model, name)
     style = StylePlan(explicit).style_of_param(name) if explicit else None
+    if style is None and fused_kind(module) is not None:  # AutoTP's fused layers: a piece of each part
+        return fused_placement(name, module, dims[0], ckpt_shape, model_shape, rank, world)
     if style is None and is_autotp_layer(module):
         return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
     if style is not None:
