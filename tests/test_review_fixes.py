@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from test_remote import served  # noqa: F401
+
 _HANGING_LOOKUP = textwrap.dedent("""
     import socket, threading
     from lazyload.errors import RemoteError
@@ -43,3 +45,15 @@ def test_a_hung_name_lookup_does_not_keep_the_process_from_exiting():
         pytest.fail(f"the process did not exit after its load failed: {exc.stdout!r}")
     assert done.returncode == 0, done.stderr
     assert "looking up hung-lookup.test did not finish within the attempt's timeout" in done.stdout
+
+
+@pytest.mark.parametrize("timeout", [None, 0, -1.0, float("nan"), float("inf"), "60"])
+def test_a_remote_timeout_that_is_no_positive_number_of_seconds_is_an_argument_error(timeout, served):
+    """An attempt's deadline is `timeout` seconds after it starts: None gave a TypeError from
+    inside the read (not a LazyLoadError), 0 or less failed every attempt as a lookup timeout."""
+    from lazyload import LazyCheckpoint
+    from lazyload.errors import ArgumentError
+    from lazyload.remote import RemoteOptions
+
+    with pytest.raises(ArgumentError, match=r"^RemoteOptions\(timeout=.*\): seconds per attempt, a number > 0"):
+        LazyCheckpoint(served[1], remote=RemoteOptions(timeout=timeout, retries=0))
