@@ -258,20 +258,27 @@ def _time_left(deadline: float) -> float:
     return left
 
 
-@functools.cache
-def _lookups() -> concurrent.futures.ThreadPoolExecutor:
-    """Where names are looked up: getaddrinfo has no timeout of its own, so an attempt waits
-    for it at most until its deadline (a lookup that hangs holds a worker until the system
-    resolver gives up)."""
-    return concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="lazyload-lookup")
+def _lookup(host: str, port: int, deadline: float) -> list:
+    """getaddrinfo(host, port), waited for at most until `deadline`: it has no timeout of its
+    own, so it runs on a daemon thread (one that hangs holds that thread until the system
+    resolver gives up, but neither the attempt nor the process's exit)."""
+    answer: concurrent.futures.Future = concurrent.futures.Future()
+
+    def look_up() -> None:
+        try:
+            answer.set_result(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+        except BaseException as exc:  # handed to the attempt, which raises it
+            answer.set_exception(exc)
+
+    threading.Thread(target=look_up, daemon=True, name="lazyload-lookup").start()
+    return answer.result(timeout=_time_left(deadline))
 
 
 def _connect(host: str, port: int, deadline: float) -> socket.socket:
     """A TCP connection to host:port whose name lookup and connect end by `deadline`;
     each address the name has is tried in turn, as socket.create_connection does."""
-    lookup = _lookups().submit(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
     try:
-        addresses = lookup.result(timeout=_time_left(deadline))
+        addresses = _lookup(host, port, deadline)
     except TimeoutError:
         raise _ConnectTimeout(f"looking up {host} did not finish within the attempt's timeout") from None
     failure: OSError = OSError(f"{host} has no address")

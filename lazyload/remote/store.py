@@ -9,6 +9,7 @@ checks each answer against the identity the index recorded, and counts.
 """
 from __future__ import annotations
 
+import math
 import random
 import re
 import threading
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ..errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError, RemoteError
+from ..errors import AccessDeniedError, ArgumentError, ObjectChangedError, ObjectNotFoundError, RemoteError
 from .cache import Pending, RangeCache
 
 MAX_BACKOFF = 10.0  # seconds: the longest wait between two attempts, before jitter
@@ -55,6 +56,12 @@ class RemoteOptions:
     backoff: float = 0.2
     timeout: float = 60.0
     cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        timeout = self.timeout  # every attempt's deadline is this many seconds after it starts
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ArgumentError(f"RemoteOptions(timeout={timeout!r}): seconds per attempt, a number > 0 (the "
+                                "default is 60.0); an attempt cannot go without a deadline.")
 
 
 @dataclass(frozen=True)
