@@ -8,9 +8,10 @@ one large tensor is fetched over several connections. The engine treats it as it
 the pread reader: staged under the same byte budget, or written in place when no cast is
 needed. A GET's body lands as it arrives (`landing`): straight in its place when its runs
 are adjacent, else through a scratch of `CHUNK` bytes; so no GET holds a buffer of its own
-size beside the budget; with a cache, each view is also written to the range's entry once
-filled, and a cached range is read from its entry into the same views. Every GET is checked against the object's identity from the index
-(ETag, version, size); any failure is a ReadError naming the URL.
+size beside the budget. With a cache, each view is also written to the range's entry once
+filled, and a cached range is read from its entry into the same views. Every GET is
+checked against the object's identity from the index (ETag, version, size); any failure is
+a ReadError naming the URL.
 """
 from __future__ import annotations
 
