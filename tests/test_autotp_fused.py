@@ -88,9 +88,10 @@ def _deepspeed_layers(arch: str):
 
 def _lazyload_rows(layer, full: torch.Tensor, local_rows: int, rank: int, world: int) -> torch.Tensor:
     """This rank's rows of `full`, from lazyload's placement for the fused `layer`."""
-    from lazyload.tp.autotp_fused import fused_placement
+    from lazyload.tp.autotp_fused import fused_kind, fused_placement
 
-    placement = fused_placement("w", layer, 0, tuple(full.shape), (local_rows, full.shape[1]), rank, world)
+    placement = fused_placement("w", layer, fused_kind(layer), 0, tuple(full.shape), (local_rows, full.shape[1]),
+                                rank, world)
     _, regions = local_regions("w", tuple(full.shape), placement, rank, world)
     return torch.cat([full[slice(*r.global_box[0])] for r in regions]) if regions else full[:0]
 

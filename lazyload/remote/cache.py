@@ -58,11 +58,11 @@ class RangeCache:
         nothing to trust (no entry; or a torn or altered one, removed and logged)."""
         digest = hashlib.sha256()
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(path, "rb") as f:
                 stored = f.read(_DIGEST)
                 sound = os.fstat(f.fileno()).st_size == _DIGEST + end - start
                 for view in views if sound else ():
-                    if _read_fully(f, view) < len(view):
+                    if f.readinto(view) < len(view):  # buffered: short only at the end of the file
                         sound = False
                         break
                     digest.update(view)
@@ -150,17 +150,6 @@ class Pending:
             self.file = None
         if self.tmp is not None:
             _remove(self.tmp)
-
-
-def _read_fully(f, view: memoryview) -> int:
-    """Read into all of `view` (fewer bytes only at the end of the file); how many."""
-    got = 0
-    while got < len(view):
-        k = f.readinto(view[got:])
-        if not k:
-            break
-        got += k
-    return got
 
 
 def _remove(path: str) -> None:

@@ -106,11 +106,11 @@ def fused_rows(kind: str, rows: int, in_features: int, world: int, meta: Any) ->
     return _pieces([rows], world, "", kv, grain)  # bloomtype
 
 
-def fused_placement(name: str, module: nn.Module, dim: int, ckpt_shape: tuple[int, ...],
+def fused_placement(name: str, module: nn.Module, kind: str, dim: int, ckpt_shape: tuple[int, ...],
                     model_shape: tuple[int, ...], rank: int, world: int) -> Placement:
-    """This rank's box of a tensor of AutoTP's fused layer `module` (weight or bias, rows cut);
-    a PlanError, before any byte is read, where the model's local shape is not AutoTP's cut."""
-    kind = fused_kind(module)
+    """This rank's box of a tensor of AutoTP's fused layer `module` of `kind` (`fused_kind`;
+    weight or bias, rows cut); a PlanError, before any byte is read, where the model's local
+    shape is not AutoTP's cut."""
     in_features = module.weight.shape[1]  # a column-parallel layer keeps its inputs whole
     runs = fused_rows(kind, ckpt_shape[0], in_features, world, module.tp_meta) if dim == 0 else None
     ok = runs is not None and sum(b - a for a, b in runs[rank]) == model_shape[0] and all(

@@ -224,8 +224,9 @@ def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank,
         return None
     module, module_name, _ = owner_of(model, name)
     style = StylePlan(explicit).style_of_param(name) if explicit else None
-    if style is None and fused_kind(module) is not None:  # AutoTP's fused layers: a piece of each part
-        return fused_placement(name, module, dims[0], ckpt_shape, model_shape, rank, world)
+    fused = fused_kind(module) if style is None else None
+    if fused is not None:  # AutoTP's fused layers: a piece of each part
+        return fused_placement(name, module, fused, dims[0], ckpt_shape, model_shape, rank, world)
     if style is None and is_autotp_layer(module):
         return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
     if style is not None:
