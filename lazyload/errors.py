@@ -1,10 +1,16 @@
 """Every failure lazyload raises is a LazyLoadError; each message names the file, key or
-parameter concerned and says what to do about it."""
+parameter concerned and says what to do about it. A message never shows a credential:
+it is redacted when the error is made (`redact.redact`)."""
 from __future__ import annotations
+
+from .redact import redact
 
 
 class LazyLoadError(Exception):
     """Base class of every lazyload error."""
+
+    def __init__(self, *args):
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class ArgumentError(LazyLoadError):

@@ -143,7 +143,9 @@ class LoadReport:
     - `requests`, `retries`, `bytes_requested`, `bytes_served`: a remote checkpoint's ranged
       GETs for this rank (every attempt, retries among them), the bytes they asked for and
       the bytes that arrived (gaps merged into a GET included); 0 for local files.
-      `bytes_cached`: bytes taken from `RemoteOptions.cache_dir` instead.
+      `bytes_cached`: bytes taken from `RemoteOptions.cache_dir` instead. `unversioned`: remote
+      files whose server sends neither ETag nor Last-Modified: a change of one during the load
+      cannot be detected (it would give a mix of old and new weights).
     - `ok` (property): True when nothing was missing, unexpected or mismatched."""
 
     loaded: list[str] = field(default_factory=list)
@@ -180,6 +182,7 @@ class LoadReport:
     bytes_requested: int = 0
     bytes_served: int = 0
     bytes_cached: int = 0
+    unversioned: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -212,6 +215,9 @@ class LoadReport:
                 lines.append(f"  {title}:")
                 lines += [f"    {pattern}" + (f"  x{count}" if count > 1 else "")
                           for pattern, count in group_layers(names)]
+        if self.unversioned:
+            lines.append("  remote files without ETag or Last-Modified (a change during the load cannot be detected):")
+            lines += [f"    {url}" for url in self.unversioned]
         if self.mismatched:
             lines.append("  mismatched (checkpoint shape vs model shape):")
             lines += [f"    {name}: {list(c)} vs {list(m)}" + ("  (given the model's own initialisation)"

