@@ -20,7 +20,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line (the usage is in --help)."""
 
     def error(self, message: str) -> None:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        from .redact import redact  # it may quote an argument: a URL with its signature
+
+        self.exit(2, f"{self.prog}: error: {redact(message)} (see {self.prog} --help)\n")
 
 
 def byte_count(text: str) -> int:
@@ -115,14 +117,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(message: str) -> int:
-    print(f"lazyload: error: {' '.join(message.split())}", file=sys.stderr)
+    from .redact import redact  # what names a location may name a credential: never shown
+
+    print(f"lazyload: error: {redact(' '.join(message.split()))}", file=sys.stderr)
     return 2
 
 
 def _print(text: str) -> int:
-    """Print; a reader that stops early (`| head`) is no failure and no traceback."""
+    """Print (redacted: an URL's signature or token is never shown); a reader that stops
+    early (`| head`) is no failure and no traceback."""
+    from .redact import redact
+
     try:
-        print(text, flush=True)
+        print(redact(text), flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
     return 0

@@ -30,7 +30,7 @@ _FIELD = re.compile(
     r"(?<![\w.-])((?i:(?:proxy-)?authorization|[\w-]*(?:secret|password|passwd|signature|credential|access_key|"
     r"access[-_]token|auth[-_]token|session[-_]token|security[-_]token|refresh[-_]token|api[-_]?key|hf[-_]token)|"
     r"token|sig|policy|key-pair-id))([\"']?\s*[:=]\s*)((?i:Bearer |Basic |AWS4-HMAC-SHA256 )?"
-    r"(?![a-z]+(?:[\s,&;\"']|$))[^\s,&;\"']{8,})")  # a value: 8 characters or more, not a lowercase word (prose)
+    r"(?![a-z]+(?:[\s,&;\"']|$))[^\s,&;\"']+)")  # its value: not a lowercase word (prose: `token: expired`)
 # Control characters but tab and newline (C0, DEL, C1) and the bidirectional overrides.
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 _CONTROL_ALL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")

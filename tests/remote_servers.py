@@ -23,7 +23,8 @@ If-Unmodified-Since is honoured, as a strict server does), and `dates=False` too
 neither (nothing tells versions apart). `query`: when set, a request without exactly that
 query string gets 403 (a presigned URL's signature).
 More, for the hostile tests: `junk` bytes come before the body (Content-Length counting them);
-`length` replaces the Content-Length sent; `endless` sends zeros after the body until the
+`length` replaces the Content-Length sent (the connection is closed after the body);
+`ignore_conditions` answers as if no If-Match came (a cache in front); `endless` sends zeros after the body until the
 client goes away; `stray_crlf` sends one CRLF after the body, a moment later (a separate
 packet); `chunked` sends the body in chunked transfer coding, cut to `chunked` bytes when it
 is an int; `reason` is the reason phrase of every status line; `etag_value` replaces the
@@ -106,7 +107,8 @@ class _Handler(BaseHTTPRequestHandler):
         with open(path, "rb") as f:
             info = os.fstat(f.fileno())
             etag = (server.etag_value or f'"{info.st_ino:x}-{info.st_size:x}-{info.st_mtime_ns:x}"') if server.etag else None
-            if self.headers.get("If-Match") not in (None, etag) or self._modified_since(info.st_mtime):
+            if not server.ignore_conditions and (self.headers.get("If-Match") not in (None, etag)
+                                                 or self._modified_since(info.st_mtime)):
                 return self._status(412)
             size, start, end = info.st_size, 0, info.st_size
             match = None if server.ignore_range else _RANGE.match(self.headers.get("Range", ""))
@@ -120,7 +122,7 @@ class _Handler(BaseHTTPRequestHandler):
             data = f.read(end - start) if body else b""
         self.send_response(206 if match else 200)
         self._send_headers(server, len(data), etag, info.st_mtime, match and server.content_range(start, end - 1, size))
-        if fault == "drop" or server.no_length:  # part of the body (or all of it), then the connection is gone
+        if fault == "drop" or server.no_length or server.length is not None:  # then the connection is gone
             data = data[:len(data) // 2] if fault == "drop" else data
             self.close_connection = True
         sent = self._write(data)
@@ -215,6 +217,7 @@ class RangeServer(ThreadingHTTPServer):
             self.tls.load_cert_chain(*tls)
         self.ignore_range, self.shift, self.pad, self.no_length, self.trickle, self.etag = False, 0, 0, False, 0.0, True
         self.dates, self.junk, self.length, self.endless, self.stray_crlf = True, b"", None, False, False
+        self.ignore_conditions = False
         self.chunked: bool | int = False
         self.reason: str | None = None
         self.etag_value: str | None = None

@@ -20,9 +20,8 @@ import torch
 
 from checkpoints import build_model, copy_checkpoint, header_bytes, shard_files
 from gloo import spawn_cases
+from no_secrets import SECRET, no_secret_shown  # noqa: F401 (an autouse fixture: no planted secret shows)
 from remote_servers import RangeServer, moto_server, replace_file, self_signed
-
-SECRET = "hf_s3cr3t-token-value"  # a credential that must never show in an error
 
 
 def local_state(directory, config, **kwargs) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from no_secrets import no_secret_shown  # noqa: F401 (an autouse fixture: no planted secret shows)
 from remote_servers import RangeServer
 from test_remote import local_state, remote_load, s3, served, upload  # noqa: F401 (s3, served: fixtures)
 from test_remote_memory import SHAPE, assert_peak_within_budget, measured_remote_load

@@ -14,12 +14,9 @@ import time
 import pytest
 
 from checkpoints import copy_checkpoint, shard_files
+from no_secrets import KEY_ID, SECRET, SESSION, no_secret_shown  # noqa: F401 (an autouse fixture)
 from remote_servers import RangeServer
-from test_remote import SECRET
 from test_remote_hostile import one_store
-
-KEY_ID = "AKIDEDGESTESTKEYID"
-SESSION = "edges-session-token-value"
 
 
 def assert_no_secret(exc: BaseException, log: str = "") -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from checkpoints import build_model, copy_checkpoint, shard_files
+from no_secrets import no_secret_shown  # noqa: F401 (an autouse fixture: no planted secret shows)
 from remote_servers import RangeServer, replace_file, self_signed
 from test_remote import SECRET, _state, assert_same_state, local_state, remote_load, served  # noqa: F401 (a fixture)
 

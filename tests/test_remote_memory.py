@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from no_secrets import no_secret_shown  # noqa: F401 (an autouse fixture: no planted secret shows)
 from remote_servers import RangeServer
 from test_remote import s3, upload  # noqa: F401 (s3: a fixture)
 from test_streaming import MiB, in_fresh_process, model_bytes, status

@@ -238,8 +238,9 @@ class HttpStore(Store):
             return RemoteError(f"{where}: connection refused; check the URL (host and port)"
                                + (f", {proxy.setting} and NO_PROXY" if proxy else "") + " and that the server is up.")
         if isinstance(exc, _TunnelRefused):
-            return Transient(reason) if exc.status in TRANSIENT_STATUS else RemoteError(
-                f"{where}: the proxy refused the tunnel ({reason}); check {proxy.setting} (its credentials) and "
+            said = printable(str(exc))
+            return Transient(said) if exc.status in TRANSIENT_STATUS else RemoteError(
+                f"{where}: the proxy refused the tunnel ({said}); check {proxy.setting} (its credentials) and "
                 "NO_PROXY.")
         if isinstance(exc, _ConnectTimeout):
             return Transient(str(exc))
