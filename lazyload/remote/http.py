@@ -244,7 +244,7 @@ class HttpStore(Store):
                 "NO_PROXY.")
         if isinstance(exc, _ConnectTimeout):
             return Transient(str(exc))
-        if isinstance(exc, http.client.BadStatusLine) and reused:  # RemoteDisconnected too: a closed keep-alive
+        if isinstance(exc, http.client.BadStatusLine) and reused and not isinstance(exc, ConnectionError):
             return Transient(f"the kept-alive connection answered out of turn ({reason}); retried on a fresh one")
         if isinstance(exc, OSError):  # timeouts (also the attempt's deadline), resets, a closed keep-alive
             return Transient(type(exc).__name__ if isinstance(exc, TimeoutError) else reason)
