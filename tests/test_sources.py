@@ -181,3 +181,25 @@ def test_cli_inspects_and_plans_a_resharded_copy_by_url(resharded, capsys):
             assert "self_attn.q_proj.weight" in out and "rank-00001-of-00002" in out, out
             assert main(["plan", url, "--world", "2"]) == 0  # config.json from the store, beside the files
             assert capsys.readouterr().out.split("\n", 1)[1] == local_plan
+
+
+def test_nothing_dispatches_on_a_format_kind():
+    """A new format is one module plus one registration: no module compares a source's
+    `kind` with a registered format's name (an if-chain a newcomer would have to edit)."""
+    import ast
+    import pathlib
+
+    import lazyload
+    from lazyload.formats import formats
+
+    names = {f.name for f in formats()}
+    found = []
+    for path in pathlib.Path(lazyload.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "kind":
+                values = [c.value for c in node.comparators if isinstance(c, ast.Constant)]
+                values += [e.value for c in node.comparators if isinstance(c, (ast.Tuple, ast.Set, ast.List))
+                           for e in c.elts if isinstance(e, ast.Constant)]
+                if names & set(values):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert not found, f"dispatch on a format's kind at {found}; register the format's hooks instead"
