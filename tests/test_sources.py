@@ -203,3 +203,24 @@ def test_nothing_dispatches_on_a_format_kind():
                 if names & set(values):
                     found.append(f"{path.name}:{node.lineno}")
     assert not found, f"dispatch on a format's kind at {found}; register the format's hooks instead"
+
+
+def test_a_refused_probe_on_s3_counts_as_absent(checkpoint, s3, monkeypatch):  # noqa: F811
+    """S3 answers 403 for a missing key to a caller without ListBucket: the probe for a
+    pre-sharded copy's json, refused, does not fail the load of a plain checkpoint."""
+    from lazyload.errors import AccessDeniedError
+    from lazyload.remote.s3 import S3Store
+
+    client, bucket = s3
+    original, config = checkpoint("llama")
+    upload(client, bucket, original, "plain403")
+    attempt = S3Store.attempt
+
+    def no_list_bucket(self, key, *args, **kwargs):
+        if key.endswith("lazyload_sharded.json"):
+            raise AccessDeniedError(f"{self.url(key)}: access denied (HTTP 403)")
+        return attempt(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(S3Store, "attempt", no_list_bucket)
+    got, _ = _state(f"s3://{bucket}/plain403/", config)
+    _assert_equal(got, _state(original, config)[0])

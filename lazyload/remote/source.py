@@ -16,7 +16,7 @@ import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-from ..errors import CheckpointError, ObjectNotFoundError, RemoteError
+from ..errors import AccessDeniedError, CheckpointError, ObjectNotFoundError, RemoteError
 from ..formats import CheckpointSource, OpenOptions, open_in, resolve_in
 from ..headers import MAX_HEADER, TensorEntry, entries_of_header, header_length, load_json
 from ..index import CheckpointIndex
@@ -86,9 +86,16 @@ class RemoteCheckpoint:
         return not path.endswith(FILE_SUFFIXES)
 
     def exists(self, path: str) -> bool:
+        """On S3 a refused probe counts as absent: S3 answers 403 for a missing key to a
+        caller without ListBucket (a real denial is raised by the read that follows). Other
+        stores say 404 for a missing object, so their denial is raised here."""
         try:
             self._first_get(self.key(path))
         except ObjectNotFoundError:
+            return False
+        except AccessDeniedError:
+            if not self._root.startswith("s3://"):
+                raise
             return False
         return True
 
