@@ -224,3 +224,23 @@ def test_a_refused_probe_on_s3_counts_as_absent(checkpoint, s3, monkeypatch):  #
     monkeypatch.setattr(S3Store, "attempt", no_list_bucket)
     got, _ = _state(f"s3://{bucket}/plain403/", config)
     _assert_equal(got, _state(original, config)[0])
+
+
+def test_engine_placer_and_executor_ask_destinations_not_their_classes():
+    """Destinations (and what a reader hands them) are known by their interface: no
+    isinstance against a concrete destination or read-result class where items are placed."""
+    import ast
+    import pathlib
+
+    import lazyload
+
+    concrete = {"QuantizedBox", "TensorDest", "QuantizedDest", "WholeDest"}
+    found = []
+    for name in ("engine.py", "placer.py", "executor.py"):
+        path = pathlib.Path(lazyload.__file__).parent / name
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                if concrete & {getattr(c, "id", getattr(c, "attr", None)) for c in classes}:
+                    found.append(f"{name}:{node.lineno}")
+    assert not found, f"isinstance on a concrete destination class at {found}; ask the destination or the read item"
