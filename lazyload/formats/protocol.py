@@ -42,7 +42,8 @@ Extension points, and what each promises:
   unpickler maps them) is not asked, so a URL of its files reaches the safetensors
   catch-all, which refuses them as not safetensors.
 - `Storage` (below): `LocalStorage` (`formats/local.py`) for paths, `RemoteCheckpoint`
-  (`remote/source.py`) for URLs, where a path is the object's URL. A storage for other
+  (`remote/source.py`) for URLs, where a path is the object's URL (any object under the
+  store's root the URL named; the remote reader reads the entries' files by their URLs). A storage for other
   places (chunks of training checkpoints, another rank's memory) implements the same
   methods, and a reader for its `TensorEntry.file`s.
 """

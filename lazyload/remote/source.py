@@ -47,6 +47,18 @@ def open_store(url: str, options: RemoteOptions) -> tuple[Store, str]:
     return hf_store(url, options) if url.startswith("hf://") else http_store(url, options)
 
 
+class _Keys(dict):
+    """URL -> key, worked out when first asked (any file a format names under the store's root)."""
+
+    def __init__(self, key):
+        super().__init__()
+        self._key = key
+
+    def __missing__(self, url: str) -> str:
+        self[url] = self._key(url)
+        return self[url]
+
+
 class RemoteCheckpoint:
     """What a URL names in its store, by the registered formats: `s3://bucket/prefix/` (its
     index json, else every `*.safetensors` directly under it), `https://host/path/` and
@@ -60,7 +72,7 @@ class RemoteCheckpoint:
         self.options = options or RemoteOptions()
         self.store, key = open_store(url, self.options)
         self.stats = Stats()  # indexing's requests
-        self.keys: dict[str, str] = {}  # file URL -> key, for the reader (filled as headers are read)
+        self.keys: dict[str, str] = _Keys(self.key)  # file URL -> key, for the reader
         self.config_json: tuple[str, bytes] | None = None  # (URL, bytes) of its config.json, once indexed
         self._first: dict[str, Response] = {}  # key -> its first GET, kept for the read that follows a probe
         self._read: dict[str, bytes] = {}  # key -> a small object read whole
@@ -117,8 +129,6 @@ class RemoteCheckpoint:
         return load_json(path, self.read(path, what), what)
 
     def headers(self, files: Sequence[str]) -> list[tuple[list[TensorEntry], int, ObjectIdentity]]:
-        for url in files:
-            self.keys[url] = self.key(url)
         with ThreadPoolExecutor(max(1, min(self.options.concurrency, len(files)))) as pool:
             return list(pool.map(self._header, files))
 
