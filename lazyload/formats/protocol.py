@@ -12,7 +12,7 @@ Adding a format is one module and one call (as `torch.distributed.checkpoint` ta
 
     from lazyload.formats import CheckpointSource, Format, register
 
-    def detect(storage, target):        # str (a path, URL or glob) or list of paths
+    def detect(storage, target):        # a path or URL, or a list of paths (a glob, expanded)
         if isinstance(target, str) and storage.is_dir(target) and storage.exists(storage.join(target, "my.json")):
             return CheckpointSource("mine", files=[...], description=storage.join(target, "my.json"))
         return None                     # not this format: the next one is asked
@@ -31,7 +31,8 @@ Extension points, and what each promises:
   order (`formats()`), the first answer wins; `register(..., before=name)` places a new
   one. The built-ins, in order: `sharded` (lazyload_sharded.json), `deepspeed` (DeepSpeed's
   json), `megatron` (mp_rank_XX/ directories), `torch` (.bin/.pt state dicts),
-  `safetensors` (files, a directory, an index json, a glob: the catch-all, last).
+  `safetensors` (files, a directory, an index json: the catch-all, last). A local glob is
+  expanded to its list of files before any format is asked.
   A detect that recognises its format but finds it broken raises a `CheckpointError`.
 - `Format.open_index(source, storage, options) -> CheckpointIndex`: the Index, without
   reading a tensor byte. `options` is an `OpenOptions` (`trust_pickle`). Each file's
@@ -43,9 +44,9 @@ Extension points, and what each promises:
   catch-all, which refuses them as not safetensors.
 - `Storage` (below): `LocalStorage` (`formats/local.py`) for paths, `RemoteCheckpoint`
   (`remote/source.py`) for URLs, where a path is the object's URL (any object under the
-  store's root the URL named; the remote reader reads the entries' files by their URLs). A storage for other
-  places (chunks of training checkpoints, another rank's memory) implements the same
-  methods, and a reader for its `TensorEntry.file`s.
+  root of the store the URL named; the remote reader reads files by their URLs). A storage
+  for other places (chunks of training checkpoints, another rank's memory) implements the
+  same methods, and a reader for its `TensorEntry.file`s.
 """
 from __future__ import annotations
 
@@ -56,11 +57,12 @@ from ..errors import ArgumentError, CheckpointError
 from ..headers import MAX_HEADER, TensorEntry
 from ..index import CheckpointIndex
 
+
 class Storage(Protocol):
     """Where metadata comes from. Paths are strings in the storage's own spelling (file
     paths; for a URL's store, URLs); `TensorEntry.file` is such a path."""
 
-    remote: bool  # a URL's store: formats with `remote=False` refuse it
+    remote: bool  # a URL's store: formats with `remote=False` are not asked
 
     def join(self, folder: str, name: str) -> str:
         """`name` (a plain or relative name) inside `folder`."""
@@ -101,11 +103,15 @@ class CheckpointSource:
 
 @dataclass(frozen=True)
 class OpenOptions:
+    """What the caller allows a format while indexing (grows by fields, with defaults)."""
+
     trust_pickle: bool = False  # let pickled files run the code they name (see torch_files)
 
 
 @dataclass(frozen=True)
 class Format:
+    """A registered checkpoint format: its name (`CheckpointSource.kind`) and its hooks."""
+
     name: str
     detect: Callable[[Storage, Any], CheckpointSource | None]
     open_index: Callable[[CheckpointSource, Storage, OpenOptions], CheckpointIndex]
