@@ -43,11 +43,11 @@ SHORT_LAYERS = 16
 # --------------------------------------------------------------------------- in-process measures
 
 def measure_index(directory):
-    from lazyload.index import CheckpointIndex, resolve_files
+    from lazyload.formats import open_index, resolve
 
     io0 = common.read_io()
     t0 = time.perf_counter()
-    index = CheckpointIndex(*resolve_files(directory))
+    index = open_index(resolve(directory))
     seconds = time.perf_counter() - t0
     io = common.read_io()
     return {"seconds": seconds, "tensors": len(index), "files": len(index.files),
@@ -111,9 +111,9 @@ def measure_plan(directory, model, world, plan=None, all_ranks=True):
            "max_bytes": max(per_rank), "min_bytes": min(per_rank), "items": len(items),
            "unexpected": len(mapping.unexpected)}
     if all_ranks:
-        from lazyload.index import CheckpointIndex, resolve_files
+        from lazyload.formats import open_index, resolve
 
-        index = CheckpointIndex(*resolve_files(directory))
+        index = open_index(resolve(directory))
         scales = {part.entry.key for i in items for part in i.reads()[1:]} | {
             k for k in index if k.endswith(("_scale_inv", "weight_scale", "_zero_point"))}
         expected = sum(_replicated_bytes(sum(index[k].nbytes for k in mapping.exprs[t.name].keys() if k not in scales),

@@ -126,7 +126,7 @@ class CudaCopies:
             self.wait(done)
 
     def _place(self, dest: Destination, item: ReadItem, source: torch.Tensor | QuantizedBox, uploaded: list) -> None:
-        if isinstance(source, QuantizedBox):  # a pre-quantized box: each part to the device
+        if item.scales is not None:  # the plan reads a pre-quantized box: each of its parts to the device
             parts = QuantizedBox(*(self.upload(part, uploaded) if part is not None else None for part in source))
             return copy_into(dest, item, parts)
         box = dest.box(item)  # None: converted on the GPU (quantized, a whole conversion)

@@ -1,25 +1,23 @@
-"""Index: every tensor of every checkpoint file, from the safetensors headers alone
-(`headers.py` parses and checks them).
+"""Index: every tensor of every checkpoint file, as (file, key, dtype, shape, byte range),
+from metadata alone (safetensors headers: `headers.py` parses and checks them).
 
-Other formats (`formats/`: pre-sharded layouts, `.bin`/`.pt`, Megatron, DeepSpeed) build the
-same index from their own metadata (`CheckpointIndex.of`). A tensor they store in pieces
-(one per source tensor-parallel rank) is one logical name whose expression concatenates the
-pieces; the Mapping stage sees names (`names`, `expr`), the Plan reads stored entries.
+Each format (`formats/`, one registered module each: safetensors, pre-sharded layouts,
+`.bin`/`.pt`, Megatron, DeepSpeed) builds it from its own metadata (`CheckpointIndex.of`).
+A tensor stored in pieces (one per source tensor-parallel rank) is one logical name whose
+expression concatenates the pieces; the Mapping stage sees names (`names`, `expr`), the
+Plan reads stored entries.
 """
 from __future__ import annotations
 
 import copy
-import glob
-import os
 import re
 from collections.abc import Mapping as MappingABC
 from types import MappingProxyType
-from typing import Any, Collection, Iterable, Iterator, Mapping as MappingT, Sequence
+from typing import Any, Collection, Iterable, Iterator, Mapping as MappingT
 
 from .errors import CheckpointError
 from .expr import Expr, Source
-from .headers import (FileIdentity, TensorEntry, check_weight_map, entries_of_file, files_from_index_json,
-                      read_weight_map)
+from .headers import FileIdentity, TensorEntry, entries_of_file
 
 INDEX_JSON = "model.safetensors.index.json"
 
@@ -34,35 +32,6 @@ def natural_key(key: str) -> list:
     return parts
 
 
-def resolve_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[str], str | None]:
-    """Turn a directory, a file, an index json, a glob or a list of files into (files, index json or None)."""
-    if isinstance(paths, (str, os.PathLike)):
-        path = os.fspath(paths)
-        if os.path.isdir(path):
-            index_json = os.path.join(path, INDEX_JSON)
-            if os.path.exists(index_json):
-                return files_from_index_json(index_json), index_json
-            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            if not files:
-                raise CheckpointError(f"{path}: directory holds no *.safetensors file and no {INDEX_JSON}.")
-            return files, None
-        if os.path.isfile(path) and path.endswith(".index.json"):  # the checkpoint it indexes is meant
-            return files_from_index_json(path), path
-        if os.path.isfile(path):
-            return [path], None
-        files = sorted(glob.glob(path))
-        if not files:
-            raise CheckpointError(f"{path}: no such file or directory, and no file matches it as a glob.")
-        return files, None
-    files = [os.fspath(p) for p in paths]
-    if not files:
-        raise CheckpointError("an empty list of checkpoint files was given; pass at least one .safetensors file.")
-    for f in files:
-        if not os.path.isfile(f):
-            raise CheckpointError(f"{f}: no such file (or not a regular file); pass .safetensors files.")
-    return files, None
-
-
 class CheckpointIndex(MappingABC):
     """key -> TensorEntry for every stored tensor of the checkpoint, built from headers only.
 
@@ -70,14 +39,13 @@ class CheckpointIndex(MappingABC):
     that the pieces of a tensor split across files appear once, as their logical name, whose
     `expr` concatenates them (a `Layout` from `formats/`)."""
 
-    def __init__(self, files: Iterable[str], index_json: str | None = None):
-        self._start(files, index_json)
+    def __init__(self, files: Iterable[str]):
+        """The index of local safetensors files (`formats/` opens every other checkpoint)."""
+        self._start(files, None)
         for path in self.files:
             entries, data_start, self.identities[path] = entries_of_file(path)
             self.header_bytes_read += data_start
             self._add((entry.key, entry) for entry in entries)
-        if index_json is not None:
-            self._check_against_index_json(index_json)
 
     @classmethod
     def of(cls, files: Iterable[str], entries: Iterable[tuple[str, TensorEntry]], layouts: MappingT[str, Any] | None = None,
@@ -118,13 +86,6 @@ class CheckpointIndex(MappingABC):
                 raise CheckpointError(f"tensor {key!r} is stored twice: in {other.file} and in "
                                       f"{entry.file}; remove one of the files from the checkpoint.")
             self._entries[key] = entry
-
-    def _check_against_index_json(self, index_json: str) -> None:
-        folder = os.path.dirname(index_json)
-        weight_map = read_weight_map(index_json)
-        paths = {name: os.path.join(folder, name) for name in set(weight_map.values())}  # once per file
-        check_weight_map(index_json, {key: paths[name] for key, name in weight_map.items()}, self._entries,
-                         lambda a, b: a == b or os.path.abspath(a) == os.path.abspath(b))
 
     def __getitem__(self, key: str) -> TensorEntry:
         return self._entries[key]

@@ -30,8 +30,7 @@ class StoredCheckpoint:
         self._quantization: PreQuantized | None = None
         self._config: dict | None = None
         self.remote = RemoteCheckpoint(paths, remote) if is_remote(paths) else None
-        self.source: CheckpointSource = (CheckpointSource("safetensors", self.remote.files, self.remote.index_json)
-                                         if self.remote else resolve(local_path(paths)))
+        self.source: CheckpointSource = self.remote.source if self.remote else resolve(local_path(paths))
         self.files = self.source.files
 
     @classmethod
@@ -51,7 +50,8 @@ class StoredCheckpoint:
     @property
     def index(self) -> CheckpointIndex:
         if self._index is None:
-            self._index = self.remote.index() if self.remote else open_index(self.source, self.trust_pickle)
+            self._index = (self.remote.index(self.trust_pickle) if self.remote
+                           else open_index(self.source, self.trust_pickle))
         return self._index
 
     @property

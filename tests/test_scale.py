@@ -28,9 +28,9 @@ def _module(name):
 
 
 def _index(directory):
-    from lazyload.index import CheckpointIndex, resolve_files
+    from lazyload.formats import open_index, resolve
 
-    return CheckpointIndex(*resolve_files(directory))
+    return open_index(resolve(directory))
 
 
 @pytest.fixture(scope="module")

@@ -1,88 +1,49 @@
 """Checkpoint formats: what a path names, and the Index built from that format's metadata.
 
-Each format is a source for the Index, in its own module: safetensors files (`index.py`),
-lazyload's pre-sharded layout (`sharded`), PyTorch `.bin`/`.pt` state dicts
-(`torch_files`), Megatron-LM per-rank checkpoints (`megatron`), DeepSpeed's checkpoint
-description json (`deepspeed`). All give the same `TensorEntry`s, and a tensor stored in
-pieces across files is one logical name (`logical`). None reads tensor data to build it.
+Each format is one module that registers a `Format` (`protocol.py` documents the protocol
+and its extension points): lazyload's pre-sharded layout (`sharded`), DeepSpeed's
+checkpoint json (`deepspeed`), Megatron-LM per-rank checkpoints (`megatron`), PyTorch
+`.bin`/`.pt` state dicts (`torch_files`), safetensors files (`safetensors`, the catch-all).
+All give the same `TensorEntry`s, and a tensor stored in pieces across files is one
+logical name (`logical`). None reads tensor data to build it. This module registers the
+built-ins, in the order they are asked, and resolves local paths (`local.py`); URLs are
+resolved by `remote.source` through the same registry.
 """
 from __future__ import annotations
 
+import glob
 import os
-from dataclasses import dataclass
 from typing import Sequence
 
-from ..errors import CheckpointError
-from ..headers import files_from_index_json, read_json
-from ..index import INDEX_JSON, CheckpointIndex, resolve_files
-from . import deepspeed, megatron, sharded, torch_files
+from ..index import CheckpointIndex
+from . import deepspeed, megatron, safetensors, sharded, torch_files
+from .local import LocalStorage
+from .protocol import (CheckpointSource, Format, OpenOptions, Storage, format_named, formats, open_in, register,
+                       resolve_in, unregister)
 
-BIN_INDEX_JSON = "pytorch_model.bin.index.json"
-DEEPSPEED_JSON = "ds_inference_config.json"  # what DeepSpeed's save_mp_checkpoint_path writes
+for _builtin in (sharded.FORMAT_SHARDED, deepspeed.FORMAT_DEEPSPEED, megatron.FORMAT_MEGATRON,
+                 torch_files.FORMAT_TORCH, safetensors.FORMAT_SAFETENSORS):
+    register(_builtin)
 
+LOCAL = LocalStorage()
 
-@dataclass(frozen=True)
-class CheckpointSource:
-    """What a path names: the format, its files, and the description file (index json,
-    layout json, DeepSpeed json, Megatron directory) when there is one."""
-
-    kind: str  # "safetensors" | "sharded" | "torch" | "megatron" | "deepspeed"
-    files: list[str]
-    description: str | None = None
+__all__ = ["CheckpointSource", "Format", "LocalStorage", "OpenOptions", "Storage", "format_named", "formats",
+           "open_index", "register", "resolve", "unregister"]
 
 
 def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> CheckpointSource:
-    """A directory, a file, a description json, a glob or a list of files -> its format and files."""
+    """A local directory, a file, a description json, a glob or a list of files -> its
+    format and files (the first registered format that claims it)."""
     if isinstance(paths, (str, os.PathLike)):
-        path = os.fspath(paths)
-        for name in (sharded.LAYOUT_JSON, DEEPSPEED_JSON):
-            if os.path.isdir(path) and os.path.isfile(os.path.join(path, name)):
-                path = os.path.join(path, name)
-        if os.path.isfile(path) and path.endswith(".json") and not path.endswith(".index.json"):
-            return _from_json(path)
-        if os.path.isdir(path) and megatron.is_megatron_dir(path):
-            return CheckpointSource("megatron", megatron.rank_files(path), path)
-        if os.path.isdir(path):
-            torch_dir = _torch_directory(path)
-            if torch_dir is not None:
-                return torch_dir
-    files, index_json = resolve_files(paths)
-    if all(torch_files.is_torch_file(f) for f in files):  # e.g. pytorch_model.bin.index.json's shards
-        return CheckpointSource("torch", files)
-    return CheckpointSource("safetensors", files, index_json)
-
-
-def _torch_directory(path: str) -> CheckpointSource | None:
-    """A directory of `.bin`/`.pt` state dicts (and no safetensors, which are preferred)."""
-    names = os.listdir(path)
-    if INDEX_JSON in names or any(n.endswith(".safetensors") for n in names):
-        return None
-    if BIN_INDEX_JSON in names:
-        return CheckpointSource("torch", files_from_index_json(os.path.join(path, BIN_INDEX_JSON)))
-    files = sorted(os.path.join(path, n) for n in names if n.endswith((".bin", ".pt", ".pth")))
-    return CheckpointSource("torch", files) if files else None
-
-
-def _from_json(path: str) -> CheckpointSource:
-    doc = read_json(path, "a checkpoint description json")
-    if isinstance(doc, dict) and doc.get("format") == sharded.FORMAT:
-        return CheckpointSource("sharded", sharded.files_of(path), path)
-    if deepspeed.is_description(doc):
-        return CheckpointSource("deepspeed", deepspeed.files_of(path), path)
-    raise CheckpointError(f"{path}: a json that lazyload does not know (not a {sharded.LAYOUT_JSON}, a "
-                          f"{INDEX_JSON} or a DeepSpeed checkpoint json with 'type' and 'checkpoints'); pass the "
-                          "checkpoint's directory or its files.")
+        target = os.fspath(paths)
+        if not os.path.exists(target):
+            target = sorted(glob.glob(target)) or target  # a glob that matches nothing is named as given
+    else:
+        target = [os.fspath(p) for p in paths]
+    return resolve_in(LOCAL, target)
 
 
 def open_index(source: CheckpointSource, trust_pickle: bool = False) -> CheckpointIndex:
-    """The Index of a resolved checkpoint, from its metadata alone. `trust_pickle`: let
-    pickled files run the code they name (see torch_files)."""
-    if source.kind == "sharded":
-        return sharded.open_index(source.description)
-    if source.kind == "torch":
-        return torch_files.open_index(source.files, trust_pickle)
-    if source.kind == "megatron":
-        return megatron.open_index(source.files, trust_pickle)
-    if source.kind == "deepspeed":
-        return deepspeed.open_index(source.description, trust_pickle)
-    return CheckpointIndex(source.files, source.description)
+    """The Index of a resolved local checkpoint, from its metadata alone. `trust_pickle`:
+    let pickled files run the code they name (see torch_files)."""
+    return open_in(source, LOCAL, OpenOptions(trust_pickle))

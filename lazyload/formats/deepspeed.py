@@ -31,8 +31,10 @@ from ..index import CheckpointIndex
 from ..names import COLWISE_NAMES, PACKED_NAMES, ROWWISE_NAMES
 from . import megatron, torch_files
 from .logical import Layout, Part
+from .protocol import CheckpointSource, Format, OpenOptions, Storage
 
 _ROW_PARALLEL = ROWWISE_NAMES | {"lm_head", "embed_out"}
+DEEPSPEED_JSON = "ds_inference_config.json"  # what DeepSpeed's save_mp_checkpoint_path writes
 
 
 def is_description(doc: Any) -> bool:
@@ -153,3 +155,22 @@ def _tp_layout(path: str, name: str, pieces: list, shape_of) -> Layout:
             offset += sizes[r]
     shape = tuple(total * parts_n if d == dim else n for d, n in enumerate(first))
     return Layout(name, shape, dtype, tuple(parts), len(pieces))
+
+
+def detect(storage: Storage, target) -> CheckpointSource | None:
+    """A directory holding `ds_inference_config.json`, or a DeepSpeed checkpoint json."""
+    if not isinstance(target, str):
+        return None
+    path = os.path.join(target, DEEPSPEED_JSON) if os.path.isdir(target) else target
+    if not (path.endswith(".json") and not path.endswith(".index.json") and os.path.isfile(path)):
+        return None
+    if not is_description(read_json(path, "a checkpoint description json")):
+        return None
+    return CheckpointSource("deepspeed", files_of(path), path)
+
+
+def _open(source: CheckpointSource, storage: Storage, options: OpenOptions) -> CheckpointIndex:
+    return open_index(source.description, options.trust_pickle)
+
+
+FORMAT_DEEPSPEED = Format("deepspeed", detect, _open)

@@ -31,6 +31,7 @@ from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from . import torch_files
 from .logical import Layout, Part, check_part_shapes
+from .protocol import CheckpointSource, Format, OpenOptions, Storage
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(_\d{3})?$")
@@ -276,3 +277,17 @@ def _add_qkv(add, layer, param, pieces, entries, version, heads, tp, llama, dtyp
     fused = [Part(e, _rows(offsets[c] + row, rows, local), r) for c in "qkv" for e, r, row, rows in parts[c]]
     total = (heads.heads + 2 * heads.groups) * heads.size
     add(f"transformer.h.{layer}.attn.c_attn.{param}", fused, dtype, (total,) + rest, param == "weight")
+
+
+def detect(storage: Storage, target) -> CheckpointSource | None:
+    """A Megatron checkpoint directory (its tracker, or mp_rank_XX/ directories)."""
+    if isinstance(target, str) and os.path.isdir(target) and is_megatron_dir(target):
+        return CheckpointSource("megatron", rank_files(target), target)
+    return None
+
+
+def _open(source: CheckpointSource, storage: Storage, options: OpenOptions) -> CheckpointIndex:
+    return open_index(source.files, options.trust_pickle)
+
+
+FORMAT_MEGATRON = Format("megatron", detect, _open)

@@ -11,7 +11,8 @@ and, for every piece, the file and key holding it and the box of the tensor it i
 
 Inside a rank's file a piece is stored under the tensor's name (`name@N` for a further
 piece of the same tensor in that file), so a rank's file is also a plain checkpoint of its
-local shards. The index is built from the json and the safetensors headers alone.
+local shards. The index is built from the json and the safetensors headers alone, through
+the storage, so a copy is read the same way from a directory and from a URL.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..expr import Source
-from ..headers import DTYPES, TensorEntry, entries_of_file, read_json
+from ..headers import DTYPES, TensorEntry
 from ..index import CheckpointIndex
 from .logical import Layout, Part, check_part_shapes
+from .protocol import CheckpointSource, Format, OpenOptions, Storage
 
 LAYOUT_JSON = "lazyload_sharded.json"
 FORMAT = "lazyload-sharded"
@@ -47,15 +49,27 @@ def _box(path: str, name: str, value: Any, shape: tuple[int, ...]) -> tuple[tupl
     return box
 
 
-def files_of(layout_json: str) -> list[str]:
-    """The rank files a layout json names, each inside its directory."""
-    doc = _document(layout_json)
-    folder = os.path.dirname(layout_json)
-    return [os.path.join(folder, f["name"]) for f in doc["files"]]
+def detect(storage: Storage, target) -> CheckpointSource | None:
+    """A directory holding `lazyload_sharded.json`, or that json (or another name for it)."""
+    if not isinstance(target, str):
+        return None
+    if storage.is_dir(target):
+        path = storage.join(target, LAYOUT_JSON)
+        if not storage.exists(path):
+            return None
+    elif target.endswith(".json") and not target.endswith(".index.json") and storage.exists(target):
+        path = target
+    else:
+        return None
+    doc = storage.read_json(path, "a checkpoint description json")
+    if not (isinstance(doc, dict) and doc.get("format") == FORMAT):
+        return None
+    doc = _document(path, doc)
+    folder = storage.dirname(path)
+    return CheckpointSource("sharded", [storage.join(folder, f["name"]) for f in doc["files"]], path)
 
 
-def _document(path: str) -> dict:
-    doc = read_json(path, "a lazyload layout json")
+def _document(path: str, doc: Any) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise _fail(path, f"not a {FORMAT} description (no \"format\": \"{FORMAT}\")")
     if doc.get("version") != VERSION:
@@ -79,18 +93,14 @@ def _document(path: str) -> dict:
     return doc
 
 
-def open_index(layout_json: str) -> CheckpointIndex:
-    doc = _document(layout_json)
-    folder = os.path.dirname(layout_json)
-    files = [os.path.join(folder, f["name"]) for f in doc["files"]]
-    stored: list[dict[str, TensorEntry]] = []
-    header_bytes, identities = 0, {}
-    for path in files:
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{layout_json} names {path}, which is missing (or not a regular file).")
-        entries, data_start, identities[path] = entries_of_file(path)
-        header_bytes += data_start
-        stored.append({e.key: e for e in entries})
+def open_index(source: CheckpointSource, storage: Storage, options: OpenOptions = OpenOptions()) -> CheckpointIndex:
+    layout_json = source.description
+    doc = _document(layout_json, storage.read_json(layout_json, "a lazyload layout json"))
+    files = source.files
+    headers = storage.headers(files)
+    stored = [{e.key: e for e in entries} for entries, _, _ in headers]
+    header_bytes = sum(start for _, start, _ in headers)
+    identities = {path: identity for path, (_, _, identity) in zip(files, headers)}
     entries: dict[str, TensorEntry] = {}  # piece key (unique over files) -> entry
     layouts = {}
     for name, info in doc["tensors"].items():
@@ -112,15 +122,22 @@ def open_index(layout_json: str) -> CheckpointIndex:
                 raise CheckpointError(f"{layout_json}: tensor {name!r} is {info['dtype']}, but its piece {key!r} in "
                                       f"{files[index]} is {entry.dtype}; the layout json and its files disagree.")
             box = _box(layout_json, name, piece.get("box"), shape)
-            piece_key = f"{key}@{os.path.basename(files[index])}"
+            piece_key = f"{key}@{_basename(files[index])}"
             entries[piece_key] = entry
             parts.append(Part(Source(piece_key), box, doc["files"][index]["rank"]))
         check_part_shapes(name, parts, lambda k: entries[k].shape)
         layouts[name] = Layout(name, shape, dtype, tuple(parts), doc["world"])
     for index, by_key in enumerate(stored):
         for key in by_key:
-            if f"{key}@{os.path.basename(files[index])}" not in entries:
+            if f"{key}@{_basename(files[index])}" not in entries:
                 raise CheckpointError(f"{files[index]} holds {key!r}, which {layout_json} does not place in any "
                                       "tensor; the layout json and its files disagree.")
     # Building the index tiles every tensor: pieces that do not tile it are refused here.
     return CheckpointIndex.of(files, entries.items(), layouts, header_bytes, layout_json, identities)
+
+
+def _basename(path: str) -> str:
+    return path.rpartition("/")[2].rpartition(os.sep)[2]
+
+
+FORMAT_SHARDED = Format("sharded", detect, open_index, remote=True)

@@ -24,9 +24,12 @@ import torch
 
 from ..errors import CheckpointError
 from ..expr import Source, Transpose, box_shape, full_box
-from ..headers import TensorEntry
-from ..index import CheckpointIndex
+from ..headers import TensorEntry, files_from_index_json
+from ..index import INDEX_JSON, CheckpointIndex
 from .logical import Layout, Part
+from .protocol import CheckpointSource, Format, OpenOptions, Storage
+
+BIN_INDEX_JSON = "pytorch_model.bin.index.json"
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format (torch >= 1.6) is a zip archive
 # Top-level keys under which training checkpoints keep the model's state dict.
@@ -160,3 +163,28 @@ def open_index(files: list[str], trust_pickle: bool = False) -> CheckpointIndex:
             if not isinstance(part.expr, Source):  # a transposed tensor: a name over its stored layout
                 layouts[name] = Layout(name, box_shape(part.box), by_key[part.expr.keys()[0]].dtype, (part,))
     return CheckpointIndex.of(files, entries, layouts, header_bytes)
+
+
+def detect(storage: Storage, target) -> CheckpointSource | None:
+    """A directory of `.bin`/`.pt` state dicts (and no safetensors, which are preferred),
+    `pytorch_model.bin.index.json`, or files that are all torch.save's."""
+    if isinstance(target, str) and storage.is_dir(target):
+        names = storage.list(target) or []
+        if INDEX_JSON in names or any(n.endswith(".safetensors") for n in names):
+            return None
+        if BIN_INDEX_JSON in names:
+            return CheckpointSource("torch", files_from_index_json(os.path.join(target, BIN_INDEX_JSON)))
+        files = [os.path.join(target, n) for n in names if n.endswith((".bin", ".pt", ".pth"))]
+        return CheckpointSource("torch", files) if files else None
+    if isinstance(target, str) and target.endswith(".index.json") and os.path.isfile(target):
+        files = files_from_index_json(target)  # e.g. pytorch_model.bin.index.json's shards
+    else:
+        files = [target] if isinstance(target, str) else list(target)
+    return CheckpointSource("torch", files) if files and all(is_torch_file(f) for f in files) else None
+
+
+def _open(source: CheckpointSource, storage: Storage, options: OpenOptions) -> CheckpointIndex:
+    return open_index(source.files, options.trust_pickle)
+
+
+FORMAT_TORCH = Format("torch", detect, _open)

@@ -3,9 +3,10 @@ from range requests, the bytes of read items as ranged GETs (see `readers/remote
 
 `store.py`: options, object identity, retries and counts; `http.py` and `s3.py`: one
 request to each kind of store; `proxy.py`: the proxy an HTTP(S) request goes through;
-`source.py`: what a URL names and its Index; `cache.py`: the optional local cache of
-fetched ranges. The clients
-(obstore for S3) are optional extras, imported only when such a URL is opened.
+`source.py`: the storage of a URL, through which the
+registered formats (`formats/protocol.py`) find what it names and build its Index;
+`cache.py`: the optional local cache of fetched ranges. The clients (obstore for S3) are
+optional extras, imported only when such a URL is opened.
 """
 from .source import RemoteCheckpoint, is_remote
 from .store import RemoteOptions

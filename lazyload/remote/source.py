@@ -1,29 +1,35 @@
-"""A remote checkpoint: what a URL names (its safetensors files, its index json) and its
-Index, from range requests alone.
+"""A remote checkpoint: the storage (`formats.protocol.Storage`) of a URL's store, so that
+every format registered with `remote=True` reads its metadata here as it reads local files
+(safetensors files and index jsons, lazyload's pre-sharded layout), from range requests
+alone. A path is the object's URL (`store.url(key)`); `keys` maps the files of the Index
+back to their keys, for the reader.
 
-Each file's first `header_bytes` come in one GET, which also tells the object's size and
-ETag (its identity for the readers); a longer header costs a second GET of the rest. All
-files are indexed concurrently; `model.safetensors.index.json` is read once. Nothing else
-is read until a load.
+Each object's first `header_bytes` come in one GET, which also tells its size and ETag
+(its identity for the readers) and is kept: a probe (`exists`) costs no second request
+when the object is then read. A longer header or json costs a second GET of the rest,
+from the same version of the object. All files' headers are read concurrently. Nothing
+else is read until a load.
 """
 from __future__ import annotations
 
 import logging
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
 
-from ..errors import CheckpointError, ObjectNotFoundError, RemoteError
-from ..headers import (MAX_HEADER, TensorEntry, check_weight_map, entries_of_header, header_length, load_json,
-                       weight_map_of)
-from ..index import INDEX_JSON, CheckpointIndex
-from ..redact import printable
-from .store import ObjectIdentity, RemoteOptions, Stats, Store
+from ..errors import AccessDeniedError, CheckpointError, ObjectNotFoundError, RemoteError
+from ..formats import CheckpointSource, OpenOptions, open_in, resolve_in
+from ..headers import MAX_HEADER, TensorEntry, entries_of_header, header_length, load_json
+from ..index import CheckpointIndex
+from .store import ObjectIdentity, RemoteOptions, Response, Stats, Store
 
 logger = logging.getLogger("lazyload")
 
 SCHEMES = ("s3://", "http://", "https://", "hf://")
 CONFIG_JSON = "config.json"
 MAX_CONFIG = 16 << 20  # the largest config.json read; real ones are kilobytes
+# A URL ending in one of these names an object; any other names a prefix (a folder).
+FILE_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth")
 
 
 def is_remote(path: object) -> bool:
@@ -44,103 +50,142 @@ def open_store(url: str, options: RemoteOptions) -> tuple[Store, str]:
     return hf_store(url, options) if url.startswith("hf://") else http_store(url, options)
 
 
+class _Keys(dict):
+    """URL -> key, worked out when first asked (any file a format names under the store's root)."""
+
+    def __init__(self, key):
+        super().__init__()
+        self._key = key
+
+    def __missing__(self, url: str) -> str:
+        self[url] = self._key(url)
+        return self[url]
+
+
 class RemoteCheckpoint:
-    """The files a URL names in its store: `s3://bucket/prefix/` (its index json, else every
-    `*.safetensors` directly under it), `https://host/path/` and `hf://org/repo[@rev]` (the
-    index json, else `model.safetensors`: HTTP cannot list), or one `.safetensors` or
-    `.index.json` object."""
+    """What a URL names in its store, by the registered formats: `s3://bucket/prefix/` (its
+    index json, else every `*.safetensors` directly under it), `https://host/path/` and
+    `hf://org/repo[@rev]` (the index json, else `model.safetensors`: HTTP cannot list), one
+    `.safetensors` or `.index.json` object, a pre-sharded copy's folder or its
+    `lazyload_sharded.json`."""
+
+    remote = True
 
     def __init__(self, url: str, options: RemoteOptions | None = None):
         self.options = options or RemoteOptions()
         self.store, key = open_store(url, self.options)
         self.stats = Stats()  # indexing's requests
-        self.index_json: str | None = None
+        self.keys: dict[str, str] = _Keys(self.key)  # file URL -> key, for the reader
         self.config_json: tuple[str, bytes] | None = None  # (URL, bytes) of its config.json, once indexed
-        self._weight_map: dict[str, str] | None = None
-        if key.endswith(".safetensors"):
-            keys = [key]
-        elif key.endswith(".index.json"):
-            keys = self._from_index_json(key)
-        else:
-            prefix = key if not key or key.endswith("/") else key + "/"
-            try:
-                keys = self._from_index_json(prefix + INDEX_JSON)
-            except ObjectNotFoundError:
-                keys = self._listed(url, prefix)
-        self.keys = {self.store.url(k): k for k in keys}  # file URL -> key
-        self.files = list(self.keys)
+        self._first: dict[str, Response] = {}  # key -> its first GET, kept for the read that follows a probe
+        self._read: dict[str, bytes] = {}  # key -> a small object read whole
+        self._root = self.store.url("")
+        self.source: CheckpointSource = resolve_in(self, self.store.url(key))
+        self.files = self.source.files
+
+    # The storage protocol, over URLs.
+
+    def key(self, url: str) -> str:
+        if not url.startswith(self._root):
+            raise CheckpointError(f"{url}: outside the store of this checkpoint ({self._root}); a description "
+                                  "names files beside it only.")
+        return url[len(self._root):]
+
+    def join(self, folder: str, name: str) -> str:
+        return posixpath.join(folder, name)
+
+    def dirname(self, path: str) -> str:
+        return posixpath.dirname(path)
+
+    def is_dir(self, path: str) -> bool:
+        return not path.endswith(FILE_SUFFIXES)
+
+    def exists(self, path: str) -> bool:
+        """On S3 a refused probe counts as absent: S3 answers 403 for a missing key to a
+        caller without ListBucket (a real denial is raised by the read that follows). Other
+        stores say 404 for a missing object, so their denial is raised here."""
+        try:
+            self._first_get(self.key(path))
+        except ObjectNotFoundError:
+            return False
+        except AccessDeniedError:
+            if not self._root.startswith("s3://"):
+                raise
+            return False
+        return True
+
+    def list(self, folder: str) -> list[str] | None:
+        prefix = self.key(folder)
+        prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+        listed = self.store.list(prefix)
+        if listed is None:
+            return None
+        return sorted(k[len(prefix):] for k in listed if k.startswith(prefix) and "/" not in k[len(prefix):])
+
+    def read(self, path: str, what: str, limit: int = MAX_HEADER) -> bytes:
+        key = self.key(path)
+        if key not in self._read:
+            self._read[key] = self._whole(key, limit, what)
+        return self._read[key]
+
+    def read_json(self, path: str, what: str) -> Any:
+        return load_json(path, self.read(path, what), what)
+
+    def headers(self, files: Sequence[str]) -> list[tuple[list[TensorEntry], int, ObjectIdentity]]:
+        with ThreadPoolExecutor(max(1, min(self.options.concurrency, len(files)))) as pool:
+            return list(pool.map(self._header, files))
+
+    # Requests.
+
+    def _first_get(self, key: str) -> Response:
+        if key not in self._first:
+            self._first[key] = self.store.get(key, 0, self.options.header_bytes, self.stats)
+        return self._first[key]
 
     def _whole(self, key: str, limit: int, what: str) -> bytes:
         """A small object, whole: its first `header_bytes`, then the rest (from the same
         version of the object); refused when longer than `limit`."""
-        first = self.store.get(key, 0, self.options.header_bytes, self.stats)
+        first = self._first_get(key)
         if first.size > limit:
             raise CheckpointError(f"{self.store.url(key)}: {first.size} bytes, too big for {what}; it is not one.")
         raw = bytes(first.data)
         if first.size > len(raw):  # the rest, from the same version of the object
-            identity = first.identity
-            raw += bytes(self.store.get(key, len(raw), first.size, self.stats, identity).data)
+            raw += bytes(self.store.get(key, len(raw), first.size, self.stats, first.identity).data)
         return raw
 
-    def _config_json(self) -> tuple[str, bytes] | None:
-        """(URL, bytes) of the config.json beside the checkpoint's files (where a local
-        checkpoint's is read: beside its first file); None when there is none."""
-        key = posixpath.join(posixpath.dirname(self.keys[self.files[0]]), CONFIG_JSON)
-        try:
-            return self.store.url(key), self._whole(key, MAX_CONFIG, "a config.json")
-        except ObjectNotFoundError:
-            return None
-
-    def _from_index_json(self, key: str) -> list[str]:
-        url = self.store.url(key)
-        raw = self._whole(key, MAX_HEADER, "an index json")
-        folder = posixpath.dirname(key)
-        names = weight_map_of(url, load_json(url, raw, "index json"))
-        for name in set(names.values()):
-            if printable(name) != name:  # a control character: it would be one in every message naming the file
-                raise CheckpointError(f"{url}: names the file {printable(name)!r}, with a control character; no "
-                                      "checkpoint file is named so. Fix the index json.")
-        self.index_json = url
-        self._weight_map = {k: self.store.url(posixpath.join(folder, name)) for k, name in names.items()}
-        return sorted({posixpath.join(folder, name) for name in names.values()})
-
-    def _listed(self, url: str, prefix: str) -> list[str]:
-        listed = self.store.list(prefix)
-        if listed is None:  # HTTP: no listing; a single-file checkpoint has a known name
-            return [prefix + "model.safetensors"]
-        keys = sorted(k for k in listed if k.endswith(".safetensors"))
-        if not keys:
-            raise ObjectNotFoundError(f"{url}: holds no {INDEX_JSON} and no *.safetensors object; check the URL.")
-        return keys
-
-    def index(self) -> CheckpointIndex:
-        """The Index, every file's header read concurrently (and `config_json`, beside them)."""
-        try:
-            with ThreadPoolExecutor(min(self.options.concurrency, len(self.files) + 1)) as pool:
-                config = pool.submit(self._config_json)
-                headers = list(pool.map(self._header, self.files))
-                self.config_json = config.result()
-        finally:
-            self.store.close()
-        entries = [(e.key, e) for file_entries, _ in headers for e in file_entries]
-        identities = {url: identity for url, (_, identity) in zip(self.files, headers)}
-        for url, identity in identities.items():
-            if not identity.versioned:
-                logger.warning("lazyload: %s: the server sends neither ETag nor Last-Modified, so a change of the "
-                               "file during a load cannot be detected (the model would hold a mix of old and new "
-                               "weights); the load report lists it under `unversioned`", url)
-        index = CheckpointIndex.of(self.files, entries, header_bytes_read=self.stats.bytes_served,
-                                   description=self.index_json, identities=identities)
-        if self._weight_map is not None:
-            check_weight_map(self.index_json, self._weight_map, index, lambda a, b: a == b)
-        return index
-
-    def _header(self, url: str) -> tuple[list[TensorEntry], ObjectIdentity]:
+    def _header(self, url: str) -> tuple[list[TensorEntry], int, ObjectIdentity]:
         key = self.keys[url]
-        first = self.store.get(key, 0, self.options.header_bytes, self.stats)
+        first = self._first.pop(key, None) or self.store.get(key, 0, self.options.header_bytes, self.stats)
         identity = first.identity
         raw = bytes(first.data)
         length = header_length(url, raw[:8], identity.size)
         if 8 + length > len(raw):  # a long header: the rest, from the same version of the object
             raw += bytes(self.store.get(key, len(raw), 8 + length, self.stats, identity).data)
-        return entries_of_header(url, raw[8:8 + length], 8 + length, identity.size), identity
+        return entries_of_header(url, raw[8:8 + length], 8 + length, identity.size), 8 + length, identity
+
+    def _config_json(self) -> tuple[str, bytes] | None:
+        """(URL, bytes) of the config.json beside the checkpoint's files (where a local
+        checkpoint's is read: beside its first file); None when there is none."""
+        key = posixpath.join(posixpath.dirname(self.key(self.files[0])), CONFIG_JSON)
+        try:
+            return self.store.url(key), self._whole(key, MAX_CONFIG, "a config.json")
+        except ObjectNotFoundError:
+            return None
+
+    def index(self, trust_pickle: bool = False) -> CheckpointIndex:
+        """The Index by the checkpoint's format (its headers read concurrently), and
+        `config_json`, fetched beside them. `header_bytes_read`: every byte indexing fetched."""
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                config = pool.submit(self._config_json)
+                index = open_in(self.source, self, OpenOptions(trust_pickle))
+                self.config_json = config.result()
+        finally:
+            self.store.close()
+        index.header_bytes_read = self.stats.bytes_served
+        for url, identity in index.identities.items():
+            if not identity.versioned:
+                logger.warning("lazyload: %s: the server sends neither ETag nor Last-Modified, so a change of the "
+                               "file during a load cannot be detected (the model would hold a mix of old and new "
+                               "weights); the load report lists it under `unversioned`", url)
+        return index
