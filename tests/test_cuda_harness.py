@@ -173,8 +173,9 @@ class StandInGPU:
         self.staging_spans: list[tuple[float, float]] = []  # host time of pageable copies
         self.pools: dict[int, list[torch.Tensor]] = {}  # stream index -> free blocks
         self.engine_locks: list[OwnedLock] = []
+        self.reading: dict[int, int] = {}  # device address -> queued casts that read it
         self.staged_ranges = 0
-        self.landed = threading.Event()  # a first copy has landed
+        self.cast_done = threading.Event()  # a first cast has written its destination
 
     def stream(self) -> Stream:
         stream = Stream(self, len(self.streams))
@@ -223,6 +224,8 @@ class StandInGPU:
 
     def release(self, index: int, block: torch.Tensor) -> None:
         with self.lock:
+            if self.reading.get(block.data_ptr()):
+                self.problems.append("device memory was freed while a queued cast still reads it")
             self.pools[index].append(block)
 
     # cudart
@@ -264,7 +267,6 @@ class StandInGPU:
             with self.lock:
                 self.in_flight.remove(source)
             stream.clock += src.nbytes
-            self.landed.set()
 
         stream.enqueue(complete)
         return dst
@@ -286,7 +288,6 @@ class StandInGPU:
         def land():
             original(dst, staged)
             stream.clock += staged.nbytes
-            self.landed.set()
 
         stream.enqueue(land)
         return dst
@@ -298,17 +299,27 @@ class StandInGPU:
         stream = self.queuing()
         if stream is None:
             return copy_into(dest, item, source)
-        parts = [source] if isinstance(source, torch.Tensor) else list(source)
+        whole = isinstance(source, torch.Tensor)
+        rebuild = None if whole else type(source)
+        parts = [source] if whole else list(source)
         scratch = [self.alloc(stream, p.shape, p.dtype) if p is not None else None for p in parts]
         pairs = [(alias(p), alias(s)) if p is not None else None for p, s in zip(parts, scratch)]
-        del scratch  # back to the pool: the next allocation on this stream may take it
+        del scratch, parts, source  # back to the pool (the scratch) or the caller's alone (the uploads)
+        read = [pair[0].untyped_storage().data_ptr() for pair in pairs if pair is not None]
+        with self.lock:
+            for address in read:
+                self.reading[address] = self.reading.get(address, 0) + 1
 
         def cast():
             for pair in pairs:
                 if pair is not None:
                     pair[1].copy_(pair[0])
+            with self.lock:
+                for address in read:
+                    self.reading[address] -= 1
             held = [pair[1] if pair is not None else None for pair in pairs]
-            copy_into(dest, item, held[0] if isinstance(source, torch.Tensor) else type(source)(*held))
+            copy_into(dest, item, held[0] if whole else rebuild(*held))
+            self.cast_done.set()
 
         stream.enqueue(cast)
 
@@ -547,21 +558,27 @@ def test_tensors_over_the_bounce_size_go_through_both_slots_in_turn(llama, gpu, 
     assert all(pinned for _, pinned in standin.copies)
 
 
-def test_work_queued_on_the_current_stream_before_the_load_lands_first(llama, gpu):
+def test_work_queued_on_the_current_stream_before_the_load_lands_first(llama, gpu, monkeypatch):
     """A real model whose tensors a kernel still queued on the current stream writes (its
-    initialisation, say) when load_into starts: the load's copies land after it."""
+    initialisation, say) when the engine starts: the load's copies land after it."""
     directory, config = llama
     want, _ = load(directory, config, torch.float16, dict(reader="pread", dtype=torch.float16))
     model = build_model("llama", config, torch.float16, empty=None)
     standin = gpu()
     tensors = list(model.state_dict().values())
 
-    def initialise():  # a long kernel: it writes once the load's first copy has landed (or after a while)
-        standin.landed.wait(0.5)
+    def initialise():  # a long kernel: it writes once the load's first cast is done (or after a while)
+        standin.cast_done.wait(1.0)
         for tensor in tensors:
             tensor.detach().fill_(float("nan"))
 
-    standin.default.enqueue(initialise)
+    start = engine.CudaCopies.__init__
+
+    def queued_first(copies, *args, **kwargs):
+        standin.default.enqueue(initialise)
+        start(copies, *args, **kwargs)
+
+    monkeypatch.setattr(engine.CudaCopies, "__init__", queued_first)
     LazyCheckpoint(directory).load_into(model, reader="pread", dtype=torch.float16, progress=False)
     assert_clean(standin)
     assert_same(state_bytes(model), want)
@@ -704,3 +721,35 @@ def test_quantize_on_a_gpu_steps_through_the_gpu_chunk():
     assert chunk_rows(torch.device("cuda", 1), 1024) == GPU_CHUNK // 1024
     assert chunk_rows(torch.device("cpu"), 1024) == CPU_CHUNK // 1024
     assert chunk_rows(torch.device("cuda", 0), GPU_CHUNK * 2) == 1
+
+
+# --------------------------------------------------------------------------- CUDA's division
+
+
+def test_cuda_division_by_a_cpu_scalar_loses_bits_that_a_device_tensor_keeps(monkeypatch):
+    """The emulation is live (a control): `x / 127.0` as CUDA computes it differs from the
+    CPU's in some elements; divided by a 1-element tensor (on the device) it does not."""
+    x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(0)) * 10
+    true = x / 127.0
+    cuda_division(monkeypatch, lambda: True)
+    assert not torch.equal(x / 127.0, true)
+    assert not torch.equal(x.clone().div_(127.0), true)
+    assert torch.equal(x / torch.full((1,), 127.0), true)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_quantize_on_load_is_the_same_under_cuda_division(monkeypatch, dtype):
+    from lazyload.quant.onload import QDTYPES, QuantizedDest, quantize_into, scale_shape
+
+    values = torch.randn(40, 100, generator=torch.Generator().manual_seed(1)) * 3
+
+    def quantized():
+        dest = QuantizedDest(torch.empty(40, 100, dtype=QDTYPES[dtype]), torch.empty(scale_shape((40, 100), GROUP)),
+                             GROUP)
+        quantize_into(dest, ((0, 40), (0, 100)), values)
+        return raw_bytes(dest.data), raw_bytes(dest.scale)
+
+    want = quantized()
+    cuda_division(monkeypatch, lambda: True)
+    got = quantized()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
