@@ -334,17 +334,36 @@ def test_every_read_thread_sets_the_destination_device_first(monkeypatch):
 # --------------------------------------------------------------------------- gpu_check
 
 
+def gpu_check(tmp_path, *args) -> subprocess.CompletedProcess:
+    """benchmarks/gpu_check.py in fresh processes (its children too) where pytest and
+    hypothesis cannot be imported: the README's install has neither."""
+    blocker = tmp_path / "no_test_packages"
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules.update(pytest=None, hypothesis=None)\n")
+    env = dict(os.environ, PYTHONPATH=f"{blocker}{os.pathsep}{ROOT}", LAZYLOAD_PROGRESS="0")
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--work-dir",
+                           str(tmp_path / "work"), *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_gpu_check_without_cuda_says_so_and_exits_cleanly(tmp_path):
+    proc = gpu_check(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "no CUDA device here" in proc.stdout
+
+
 def test_gpu_check_cpu_smoke_runs_its_cpu_halves(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LAZYLOAD_PROGRESS="0")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke",
-                           "--work-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    proc = gpu_check(tmp_path, "--cpu-smoke")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     cases = {line.split("|")[1].strip() for line in table[2:]}
     assert {"reference", "race", "mixed dtypes", "mmap", "conversions", "in place", "dtensor", "device index",
             "one visible GPU", "pinned", "h2d", "fp8 checkpoint", "quantize", "whole conversion", "remote",
-            "second load", "unpinned", "quantize speed"} <= cases, cases
+            "second load", "unpinned", "quantize speed", "quantize at size", "host memory", "local rank",
+            "fp8 modules"} <= cases, cases
     assert all("| FAIL |" not in line for line in table)
+    ran = [line for line in table[2:] if "| PASS |" in line]
+    assert any(line.startswith("| host memory |") for line in ran) and any(line.startswith("| local rank |")
+                                                                          for line in ran)
 
 
 # --------------------------------------------------------------------------- quantize into 128x128 blocks
