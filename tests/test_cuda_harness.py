@@ -543,18 +543,21 @@ def test_pinning_refused_copies_from_pageable_memory_outside_the_lock_warned_onc
     assert report.h2d_seconds >= engine.covered(standin.staging_spans) > report.h2d_bytes * 1e-9
 
 
-def test_tensors_over_the_bounce_size_go_through_both_slots_in_turn(llama, gpu, monkeypatch):
-    """mmap pages (pageable) through the pinned bounce buffer, a few KiB a slot: every tensor
-    is many chunks, each slot refilled only once its previous copy has landed."""
+@pytest.mark.parametrize("rank,world,bounce", [(0, 1, 4096), (1, 2, 128)])
+def test_tensors_over_the_bounce_size_go_through_both_slots_in_turn(llama, gpu, monkeypatch, rank, world, bounce):
+    """mmap pages (pageable) through the pinned bounce buffer, slots far smaller than the
+    tensors: every tensor is many chunks (flat runs; for rank 1 of 2, rows of the strided
+    column slices, and parts of rows longer than a slot), each slot refilled only once its
+    previous copy has landed."""
     directory, config = llama
-    kw = dict(reader="mmap", dtype=torch.float16)
+    kw = dict(reader="mmap", dtype=torch.float16, rank=rank, world=world)
     want, _ = load(directory, config, torch.float16, kw)
-    monkeypatch.setattr(engine, "BOUNCE_BYTES", 4096)
+    monkeypatch.setattr(engine, "BOUNCE_BYTES", bounce)
     standin = gpu()
     got, report = load(directory, config, torch.float16, kw)
     assert_same(got, want)
     assert_clean(standin)  # no slot rewritten while its copy was queued
-    assert max(n for n, _ in standin.copies) == 4096 and len(standin.copies) > 2 * len(want)
+    assert max(n for n, _ in standin.copies) == bounce and len(standin.copies) > 2 * len(want)
     assert all(pinned for _, pinned in standin.copies)
 
 
