@@ -1,9 +1,11 @@
 """The GPU path, on a machine without one: what can be shown on the CPU. Staging ranges are
 aligned for any dtype (every item of a CUDA load is staged); the device a load targets is
 concrete and follows this process's GPU (LOCAL_RANK, CUDA_VISIBLE_DEVICES, the current
-device; `torch.cuda` patched); worker threads set it; staging is pinned with CUDA and
-unpinned after; benchmarks/gpu_check.py runs its CPU halves. The GPU halves are
-gpu_check.py's, on a GPU."""
+device; `torch.cuda` patched), warns when CUDA's default device 0 disagrees with LOCAL_RANK,
+and an explicit other device never becomes current; worker threads set it; staging is
+pinned with CUDA and unpinned after; 128x128 blocks are quantized whole chunks at a time;
+benchmarks/gpu_check.py runs its CPU halves without pytest or hypothesis, and says so when
+there is no CUDA. The GPU halves are gpu_check.py's, on a GPU."""
 from __future__ import annotations
 
 import os
