@@ -6,6 +6,8 @@ Checked before any byte is read: a device that does not exist is a `DeviceError`
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 
 import torch
@@ -13,6 +15,8 @@ from torch import nn
 
 from .errors import DeviceError
 from .targets import is_dtensor
+
+logger = logging.getLogger("lazyload")
 
 
 def target_device(requested: str | int | torch.device | None, model: nn.Module) -> torch.device:
@@ -59,24 +63,23 @@ def concrete(device: torch.device) -> torch.device:
 
 def process_gpu() -> int:
     """The GPU of this process, as torch's DeviceMesh chooses it: the current device once
-    one was chosen (CUDA initialised: `torch.cuda.set_device`, a mesh, any CUDA work);
-    else LOCAL_RANK (a launcher's), or the only visible GPU when each process sees just
-    its own (CUDA_VISIBLE_DEVICES); else, under torch.distributed, rank % devices; else 0."""
-    if torch.cuda.is_initialized():
-        return torch.cuda.current_device()
+    one was chosen (CUDA initialised: `torch.cuda.set_device`, a mesh, any CUDA work; a
+    warning when that is GPU 0 and LOCAL_RANK names another: a CUDA call before set_device
+    leaves every rank on GPU 0); else LOCAL_RANK (a launcher's), or the only visible GPU
+    when each process sees just its own (CUDA_VISIBLE_DEVICES); else, under
+    torch.distributed, rank % devices; else 0."""
     count = torch.cuda.device_count()
-    local = os.environ.get("LOCAL_RANK")
+    if torch.cuda.is_initialized():
+        current = torch.cuda.current_device()
+        if current == 0:  # CUDA's default: maybe chosen, maybe only never set (any other was chosen)
+            with contextlib.suppress(DeviceError):
+                local = _local_rank(count)
+                if local:
+                    _warn_once(current, local)
+        return current
+    local = _local_rank(count)
     if local is not None:
-        try:
-            index = int(local)
-        except ValueError:
-            raise DeviceError(f"LOCAL_RANK={local!r} is not a number; pass device='cuda:N'.") from None
-        if 0 <= index < count:
-            return index
-        if count == 1:
-            return 0
-        raise DeviceError(f"LOCAL_RANK={index} names no GPU of this process: {_visible(count)}. Pass "
-                          "device='cuda:N', or call torch.cuda.set_device before load_into.")
+        return local
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -84,12 +87,46 @@ def process_gpu() -> int:
     return 0
 
 
+def _local_rank(count: int) -> int | None:
+    """The GPU LOCAL_RANK names (0 when this process sees one GPU only), or None without it."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        return None
+    try:
+        index = int(local)
+    except ValueError:
+        raise DeviceError(f"LOCAL_RANK={local!r} is not a number; pass device='cuda:N'.") from None
+    if 0 <= index < count:
+        return index
+    if count == 1:
+        return 0
+    raise DeviceError(f"LOCAL_RANK={index} names no GPU of this process: {_visible(count)}. Pass "
+                      "device='cuda:N', or call torch.cuda.set_device before load_into.")
+
+
+_warned: set[tuple[int, int]] = set()
+
+
+def _warn_once(current: int, local: int) -> None:
+    if (current, local) not in _warned:
+        _warned.add((current, local))
+        logger.warning("LOCAL_RANK=%d, but CUDA's current device is cuda:%d (a CUDA call came before "
+                       "torch.cuda.set_device): loading to cuda:%d, as torch's DeviceMesh would. Call "
+                       "torch.cuda.set_device(%d) before any CUDA work, or pass device='cuda:%d'.",
+                       local, current, current, local, local)
+
+
 def use_device(device: torch.device) -> None:
     """Make a CUDA `device` this process's current device if none was chosen yet (CUDA not
-    initialised), as DeviceMesh would: a mesh made later then agrees with the load, and no
-    stray CUDA call of this thread creates a context on GPU 0."""
-    if device.type == "cuda" and not torch.cuda.is_initialized():
-        torch.cuda.set_device(device)
+    initialised) and it is the process's own GPU (`process_gpu`), as DeviceMesh would: a
+    mesh made later then agrees with the load, and no stray CUDA call of this thread creates
+    a context on GPU 0. Another device asked for explicitly leaves the current one as it is
+    (the loader's allocations name their device)."""
+    if device.type != "cuda" or torch.cuda.is_initialized():
+        return
+    with contextlib.suppress(DeviceError):  # a LOCAL_RANK naming no GPU: not this one
+        if device.index == process_gpu():
+            torch.cuda.set_device(device)
 
 
 def use_device_in_thread(device: torch.device) -> None:

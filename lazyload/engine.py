@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -71,7 +72,8 @@ class ByteBudget:
 @dataclass(frozen=True)
 class EngineStats:
     """What a run cost beyond its reads: page-locked staging (bytes, held during the run
-    only), and its host-to-device copies (bytes; GPU seconds, timed with CUDA events)."""
+    only), and its host-to-device copies (bytes; seconds: timed with CUDA events, or for
+    copies from pageable memory on the host, from the call until they landed)."""
 
     pinned_bytes: int = 0
     h2d_bytes: int = 0
@@ -91,18 +93,24 @@ class CudaCopies:
     range is freed only once its bytes have landed, also when the placing failed.
 
     `pinned_sources`: the sources are page-locked (the staging arena, pinned), so copies from
-    them are asynchronous. Pageable sources (mmap pages, staging CUDA refused to pin) are
-    copied by the worker, page faults included, into its own pinned bounce buffer first, a
-    chunk at a time and outside the lock; copies from pageable memory would block the
-    enqueuing thread (CUDA stages them itself), and so every other worker, under the lock."""
+    them are asynchronous. Pageable sources (mmap pages) are copied by the worker, page
+    faults included, into its own pinned bounce buffer first, a chunk at a time and outside
+    the lock; copies from pageable memory would block the enqueuing thread (CUDA stages them
+    itself), and so every other worker, under the lock. `pinning_refused` (CUDA refused to
+    pin the staging; or, found here, a bounce buffer): every copy is from pageable memory,
+    made straight from the source (a bounce would only add a memcpy), outside the lock,
+    timed on the host until it has landed (staging included: events would time the DMA alone)."""
 
-    def __init__(self, device: torch.device, pinned_sources: bool):
+    def __init__(self, device: torch.device, pinned_sources: bool, pinning_refused: bool = False):
         self.device = device
         self.pinned_sources = pinned_sources
+        self.pageable = pinning_refused  # set once: the refusal was logged once, by the first arena refused
         self.copy_stream = torch.cuda.Stream(device)
         self.stream = torch.cuda.Stream(device)
         self._lock = threading.Lock()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self._spans: list[tuple[float, float, int]] = []  # host-timed pageable copies: (start, end, bytes)
+        self._bounce_lock = threading.Lock()
         self._local = threading.local()
         self._bounces: list[Arena] = []
         # Destinations were allocated (or last used) on the current stream: let it finish.
@@ -152,6 +160,9 @@ class CudaCopies:
             self._copy(dst, src)
             return
         bounce = self._bounce()
+        if bounce is None:
+            self._copy_pageable(dst, src)
+            return
         for part_dst, part_src in host_chunks(dst, src, BOUNCE_BYTES // src.element_size()):
             staged = bounce.take(part_src)  # waits until the slot's previous copy has landed
             staged.copy_(part_src)  # page faults and memcpy here, outside the lock
@@ -168,12 +179,33 @@ class CudaCopies:
         self.stream.wait_event(end)
         return end
 
-    def _bounce(self) -> "Bounce":
+    def _copy_pageable(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A copy from pageable memory: the calling thread is held while CUDA stages it."""
+        end = torch.cuda.Event(blocking=True)
+        start = time.perf_counter()
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            end.record(self.copy_stream)
+        end.synchronize()
+        with self._lock:
+            self._spans.append((start, time.perf_counter(), src.nbytes))
+        self.stream.wait_event(end)
+
+    def _bounce(self) -> "Bounce | None":
+        """This worker's pinned bounce buffer; None once CUDA refused to pin one (it then
+        refuses them all: no other worker tries, so the refusal is logged once)."""
         bounce = getattr(self._local, "bounce", None)
-        if bounce is None:
-            bounce = self._local.bounce = Bounce(self.wait)
-            with self._lock:
-                self._bounces.append(bounce.arena)
+        if bounce is not None:
+            return bounce
+        with self._bounce_lock:
+            if self.pageable:
+                return None
+            bounce = Bounce(self.wait)
+            if not bounce.arena.pinned_bytes:
+                self.pageable = True
+                return None
+            self._local.bounce = bounce
+            self._bounces.append(bounce.arena)
         return bounce
 
     @staticmethod
@@ -187,10 +219,22 @@ class CudaCopies:
             self.copy_stream.synchronize()
             self.stream.synchronize()
             seconds = sum(start.elapsed_time(end) for start, end, _ in self._timed) / 1e3
-            return sum(n for _, _, n in self._timed), seconds
+            seconds += covered([(start, end) for start, end, _ in self._spans])
+            return sum(n for _, _, n in self._timed) + sum(n for _, _, n in self._spans), seconds
         finally:
             for arena in self._bounces:
                 arena.close()
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one of the (start, end) spans ran (workers' pageable
+    copies overlap: their sum would count the same wall time more than once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 class Bounce:
@@ -326,7 +370,8 @@ def run_schedule(groups: list[Group], reader: Reader, dests: dict[str, Destinati
             if reader.staged:
                 arena = Arena(budget, pin=cuda)
             if cuda:
-                copies = CudaCopies(device, pinned_sources=arena is not None and arena.pinned_bytes > 0)
+                pinned = arena is not None and arena.pinned_bytes > 0
+                copies = CudaCopies(device, pinned, pinning_refused=arena is not None and not pinned)
             _run(groups, Tasks(reader, dests, ByteBudget(budget), arena, copies, progress, on_bytes, mapped), device)
             if mapped:
                 try:

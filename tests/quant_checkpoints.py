@@ -176,3 +176,17 @@ def needs_torchao() -> None:
         import torchao  # noqa: F401
     else:
         pytest.importorskip("torchao", reason="the optional extra lazyload[torchao] (the test extra has it)")
+
+
+def fp8_model(arch: str, config) -> torch.nn.Module:
+    """A meta model whose Linear layers and fused experts are transformers' FP8 layers, as
+    its FP8 quantizer prepares it (the head and the router stay full precision)."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    from checkpoints import build_model
+
+    model = build_model(arch, config, torch.bfloat16)
+    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", "gate"],
+                            quantization_config=FineGrainedFP8Config(), pre_quantized=True)
+    return model

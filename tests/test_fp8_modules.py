@@ -7,7 +7,7 @@ import pytest
 import torch
 from checkpoints import build_model
 from gloo import spawn_cases
-from quant_checkpoints import QUANTIZED, expand, write_fp8_checkpoint
+from quant_checkpoints import QUANTIZED, expand, fp8_model, write_fp8_checkpoint
 from test_dequant import read_all
 
 from lazyload import LazyCheckpoint, PlanError
@@ -19,18 +19,6 @@ ALIGNED = dict(hidden_size=256, intermediate_size=256, num_attention_heads=2, nu
                num_hidden_layers=2)
 EXPERT_NAMES = QUANTIZED + ("w1", "w2", "w3")  # Mixtral's per-expert projections, quantized too
 SCALE = "_scale_inv"
-
-
-def fp8_model(arch, config):
-    """A meta model whose Linear layers and fused experts are transformers' FP8 layers, as
-    its FP8 quantizer prepares it (the head and the router stay full precision)."""
-    from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
-
-    model = build_model(arch, config, torch.bfloat16)
-    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", "gate"],
-                            quantization_config=FineGrainedFP8Config(), pre_quantized=True)
-    return model
 
 
 def fp8_tensors(model) -> dict[str, torch.Tensor]:

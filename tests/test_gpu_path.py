@@ -1,9 +1,11 @@
 """The GPU path, on a machine without one: what can be shown on the CPU. Staging ranges are
 aligned for any dtype (every item of a CUDA load is staged); the device a load targets is
 concrete and follows this process's GPU (LOCAL_RANK, CUDA_VISIBLE_DEVICES, the current
-device; `torch.cuda` patched); worker threads set it; staging is pinned with CUDA and
-unpinned after; benchmarks/gpu_check.py runs its CPU halves. The GPU halves are
-gpu_check.py's, on a GPU."""
+device; `torch.cuda` patched), warns when CUDA's default device 0 disagrees with LOCAL_RANK,
+and an explicit other device never becomes current; worker threads set it; staging is
+pinned with CUDA and unpinned after; 128x128 blocks are quantized whole chunks at a time;
+benchmarks/gpu_check.py runs its CPU halves without pytest or hypothesis, and says so when
+there is no CUDA. The GPU halves are gpu_check.py's, on a GPU."""
 from __future__ import annotations
 
 import os
@@ -238,6 +240,45 @@ def test_a_chosen_current_device_wins_over_local_rank(fake_cuda):
     assert set_calls == []
 
 
+def test_a_cuda_call_before_set_device_under_torchrun_is_not_silent(fake_cuda, monkeypatch, caplog):
+    """torchrun's rank 1, whose script touched CUDA before set_device: device 0 is current.
+    The load goes where DeviceMesh would put the rank (the current device), saying once
+    that LOCAL_RANK disagrees and what to do; a current device other than 0 was chosen:
+    no warning."""
+    from lazyload import devices
+
+    monkeypatch.setattr(devices, "_warned", set())
+    machine, set_calls = fake_cuda
+    machine(2, current=0, initialized=True, LOCAL_RANK=1)
+    with caplog.at_level("WARNING", logger="lazyload"):
+        assert target_device(None, meta_linear()) == torch.device("cuda", 0)
+        assert target_device("cuda", meta_linear()) == torch.device("cuda", 0)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "LOCAL_RANK=1" in warnings[0] and "torch.cuda.set_device(1)" in warnings[0]
+    assert "device='cuda:1'" in warnings[0]
+    caplog.clear()
+    machine(4, current=3, initialized=True, LOCAL_RANK=1)
+    assert target_device(None, meta_linear()) == torch.device("cuda", 3)
+    machine(2, current=0, initialized=True, LOCAL_RANK=0)
+    assert target_device(None, meta_linear()) == torch.device("cuda", 0)
+    assert caplog.records == [] and set_calls == []
+
+
+@pytest.mark.parametrize("env,requested,current", [
+    ({}, "cuda:1", None),                     # one process asking for its second GPU: cuda:0 stays current
+    ({"LOCAL_RANK": 0}, "cuda:1", None),      # a rank asking for another GPU than its own
+    ({"LOCAL_RANK": 1}, "cuda:1", 1),         # the rank's own GPU: current, as DeviceMesh makes it
+    ({"LOCAL_RANK": 1}, "cuda", 1),           # no index: the process's GPU
+    ({}, None, 0),
+])
+def test_an_explicit_device_never_changes_the_current_one_behind_the_request(fake_cuda, env, requested, current):
+    machine, set_calls = fake_cuda
+    machine(2, **env)
+    device = target_device(requested, meta_linear())
+    use_device(device)
+    assert set_calls == ([] if current is None else [torch.device("cuda", current)])
+
+
 def test_without_local_rank_ranks_share_gpus_as_device_mesh_does(fake_cuda, monkeypatch):
     import torch.distributed as dist
 
@@ -295,14 +336,71 @@ def test_every_read_thread_sets_the_destination_device_first(monkeypatch):
 # --------------------------------------------------------------------------- gpu_check
 
 
+def gpu_check(tmp_path, *args) -> subprocess.CompletedProcess:
+    """benchmarks/gpu_check.py in fresh processes (its children too) where pytest and
+    hypothesis cannot be imported: the README's install has neither."""
+    blocker = tmp_path / "no_test_packages"
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules.update(pytest=None, hypothesis=None)\n")
+    env = dict(os.environ, PYTHONPATH=f"{blocker}{os.pathsep}{ROOT}", LAZYLOAD_PROGRESS="0")
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--work-dir",
+                           str(tmp_path / "work"), *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_gpu_check_without_cuda_says_so_and_exits_cleanly(tmp_path):
+    proc = gpu_check(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "no CUDA device here" in proc.stdout
+
+
 def test_gpu_check_cpu_smoke_runs_its_cpu_halves(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LAZYLOAD_PROGRESS="0")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke",
-                           "--work-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    proc = gpu_check(tmp_path, "--cpu-smoke")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     cases = {line.split("|")[1].strip() for line in table[2:]}
     assert {"reference", "race", "mixed dtypes", "mmap", "conversions", "in place", "dtensor", "device index",
             "one visible GPU", "pinned", "h2d", "fp8 checkpoint", "quantize", "whole conversion", "remote",
-            "second load", "unpinned", "quantize speed"} <= cases, cases
+            "second load", "unpinned", "quantize speed", "quantize at size", "host memory", "local rank",
+            "fp8 modules"} <= cases, cases
     assert all("| FAIL |" not in line for line in table)
+    ran = [line for line in table[2:] if "| PASS |" in line]
+    assert any(line.startswith("| host memory |") for line in ran) and any(line.startswith("| local rank |")
+                                                                          for line in ran)
+
+
+# --------------------------------------------------------------------------- quantize into 128x128 blocks
+
+
+def test_blocks_are_quantized_whole_chunks_at_a_time_as_transformers_quantizes(monkeypatch):
+    """`quantize_blocks_into` over chunks of several block-rows (and a last, shorter chunk)
+    gives transformers' own Fp8Quantize bytes and scales; its operations per chunk do not
+    grow with the block-rows in it (one launch each on a GPU, not one per 128 rows)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lazyload.quant import onload
+    from test_fp8_quantize import transformers_quantized
+
+    weight = (torch.randn(640, 384, generator=torch.Generator().manual_seed(2)) * 0.05).to(torch.bfloat16)
+    weight[128:256, :128] = 0  # an all-zero block: scale 1
+    monkeypatch.setattr(onload, "CPU_CHUNK", 2 * 128 * 384)  # two block-rows a chunk: chunks of 2, 2, 1
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def quantize(rows):
+        dest = onload.QuantizedDest(torch.empty(rows, 384, dtype=torch.float8_e4m3fn),
+                                    torch.empty(rows // 128, 3), 128, rows=128)
+        Count.ops = 0
+        with Count():
+            onload.quantize_blocks_into(dest, ((0, rows), (0, 384)), weight[:rows])
+        return dest, Count.ops
+
+    dest, _ = quantize(640)
+    want, scale_inv = transformers_quantized(weight)
+    assert torch.equal(dest.data.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(dest.scale, scale_inv)
+    assert quantize(128)[1] == quantize(256)[1]  # one chunk of one block-row, one chunk of two: the same ops

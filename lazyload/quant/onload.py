@@ -186,18 +186,21 @@ def quantize_blocks_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], 
     """Quantize `values` (the `box` of a 2-D local weight, whole blocks: the plan checks it)
     in blocks of `dest.rows` x `dest.group` as transformers' `Fp8Quantize` does, bit for bit:
     `scale = 448 / amax` (1 for an all-zero block), `q = fp8(clamp(w * scale))`, stored
-    `scale_inv = 1 / scale`. One block-row of the weight at a time (a small float32 scratch)."""
+    `scale_inv = 1 / scale`. Whole block-rows at a time, as many as `chunk_rows` allows:
+    about ten kernels a chunk, not a dozen per 128 rows (a GPU load would be launch-bound)."""
     (r0, r1), (c0, c1) = box
     rb, cb = dest.rows, dest.group
     qmax = QMAX[dest.data.dtype]
-    for r in range(0, r1 - r0, rb):
-        w = values[r:r + rb].to(torch.float32)
-        blocks = w.reshape(w.shape[0], -1, cb)  # (rows, column blocks, cb)
-        amax = blocks.abs().amax(dim=(0, -1))
+    step = max(1, chunk_rows(values.device, c1 - c0) // rb) * rb
+    for r in range(0, r1 - r0, step):
+        w = values[r:r + step].to(torch.float32)
+        blocks = w.reshape(-1, rb, (c1 - c0) // cb, cb)  # (block-rows, rows, column blocks, cb)
+        amax = blocks.abs().amax(dim=(1, 3))
         scale = torch.where(amax > 0, qmax / torch.where(amax > 0, amax, torch.ones_like(amax)), 1.0)
-        q = (blocks * scale[None, :, None]).clamp(-qmax, qmax).to(dest.data.dtype)
+        q = (blocks * scale[:, None, :, None]).clamp(-qmax, qmax).to(dest.data.dtype)
         dest.data[r0 + r:r0 + r + w.shape[0], c0:c1] = q.reshape(w.shape)
-        dest.scale[(r0 + r) // rb, c0 // cb:c1 // cb] = (1.0 / scale).to(torch.float32)
+        first = (r0 + r) // rb
+        dest.scale[first:first + scale.shape[0], c0 // cb:c1 // cb] = (1.0 / scale).to(torch.float32)
 
 
 def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values: torch.Tensor) -> None:
@@ -213,6 +216,9 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
     (c0, c1) = box[-1]
     g = dest.group
     qmax = QMAX[dest.data.dtype]
+    # A device tensor, not a Python number: CUDA divides by a CPU scalar as `a * (1 / b)`,
+    # which may differ from the CPU's `a / b` in the last bit (scales GPU != CPU).
+    divisor = torch.full((1,), qmax, dtype=torch.float32, device=values.device)
     data = dest.data[tuple(slice(a, b) for a, b in box)]
     scale = dest.scale[tuple(slice(a, b) for a, b in box[:-1]) + (slice(c0 // g, -(-c1 // g)),)]
     cols = c1 - c0
@@ -226,7 +232,7 @@ def quantize_into(dest: QuantizedDest, box: tuple[tuple[int, int], ...], values:
         scratch[:, :cols] = w
         blocks = scratch.view(w.shape[0], groups, g)
         amax = blocks.abs().amax(-1)
-        s = amax / qmax
+        s = amax / divisor
         s.masked_fill_(s == 0, 1.0)  # an all-zero group: any scale gives zeros back (no host sync)
         blocks.div_(s.unsqueeze(-1))
         if dest.data.dtype == torch.int8:
