@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .agreement import agreement
+from .digest import load_facts
 from .executor import execute
 from .mapping import KeyMap
 from .mesh import ranks_of
@@ -115,12 +116,13 @@ class LazyCheckpoint(StoredCheckpoint):
                               progress=progress, plan=plan, reader=reader, max_host_bytes=max_host_bytes,
                               release_pages=release_pages, shards_only=shards_only, quantize=quantize,
                               rank_timeout=rank_timeout, mesh=mesh, cooperative=cooperative)
-        if mesh is not None:
-            rank, world = ranks_of(mesh, rank, world)
-        agree = agreement(rank, world, rank_timeout, mesh)
+        agree = agreement(rank, world, rank_timeout, mesh)  # a mesh's: every rank of it
         try:
+            if mesh is not None:
+                rank, world = ranks_of(mesh, rank, world)
             load_plan = plan_load(self, model, rank, world, options)
-            agree.reached("planned")  # every rank's input is good: only now may any model change
+            # every rank's input is good, and replicas planned the same load: only now may any model change
+            agree.reached("planned", facts=load_facts(load_plan))
             return execute(load_plan, model, agree, started)
         except BaseException as exc:
             agree.failed(exc)  # the other ranks hear of it at the next point, instead of waiting forever
