@@ -109,7 +109,8 @@ class Agreement:
             yield
         except CollectiveError as exc:
             self.settled = True
-            verdict = self._agree("exchanged", _report(self.rank, waited=str(exc)))
+            # it waited `timeout` already: a rank that died is not waited for that long again
+            verdict = self._agree("exchanged", _report(self.rank, waited=str(exc)), min(self.timeout, GRACE))
             raise RankFailedError(_message(self.rank, "exchanged", verdict), _named(verdict)) from exc
         except LazyLoadError:
             raise
@@ -126,11 +127,11 @@ class Agreement:
     def _key(self, point: str, what: str, pos: int) -> str:
         return f"{self.prefix}/{point}/{what}{pos}"
 
-    def _agree(self, point: str, report: dict) -> dict:
+    def _agree(self, point: str, report: dict, timeout: float | None = None) -> dict:
         """Publish this rank's report at `point`, pass its subtree's merge up, and return the
         verdict the first rank published; a store that stops answering is a RankFailedError."""
         try:
-            return self._tree(point, report)
+            return self._tree(point, report, self.timeout if timeout is None else timeout)
         except RankFailedError:
             raise
         except Exception as exc:  # the store's host (rank 0 of the default group) is gone
@@ -139,16 +140,16 @@ class Agreement:
                 f"({type(exc).__name__}: {exc}): its host, rank 0, has exited or crashed. Re-run every rank.",
                 {0: "its key-value store stopped answering"}) from exc
 
-    def _tree(self, point: str, report: dict) -> dict:
+    def _tree(self, point: str, report: dict, timeout: float) -> dict:
         arrived = time.monotonic()
         self.store.set(self._key(point, "in", self.pos), json.dumps(report))
         children = [c for c in range(FANOUT * self.pos + 1, FANOUT * self.pos + FANOUT + 1) if c < self.world]
         if children:
-            merged = self._children(point, report, children, arrived + self.timeout)
+            merged = self._children(point, report, children, arrived + timeout)
             self.store.set(self._key(point, "sub", self.pos), json.dumps(merged))
             report = merged
         if self.pos == 0:
-            self.store.set(f"{self.prefix}/{point}/verdict", json.dumps(_verdict(report, self.timeout)))
+            self.store.set(f"{self.prefix}/{point}/verdict", json.dumps(_verdict(report, timeout)))
         verdict = self._verdict(point, arrived + 2 * self.timeout + GRACE)
         if verdict["failed"] or verdict["waited"]:
             self._all_read(point, self.world - len(verdict["late"]))

@@ -124,9 +124,13 @@ def plan_digest(plan: Any) -> str:
     return _hash(field_digests(plan))
 
 
+def plan_data(plan: Any) -> dict[str, Any]:
+    """The whole plan as JSON data (`lazyload plan --json`): its digest, then every field."""
+    return {"digest": plan_digest(plan), **plan_fields(plan)}
+
+
 def plan_json(plan: Any, indent: int | None = None) -> str:
-    """The whole plan as JSON (`lazyload plan --json`): its digest, then every field."""
-    return json.dumps({"digest": plan_digest(plan), **plan_fields(plan)}, indent=indent, ensure_ascii=False)
+    return json.dumps(plan_data(plan), indent=indent, ensure_ascii=False)
 
 
 def header_digest(index: Any) -> str:
@@ -168,19 +172,18 @@ def check_messages(sizes: dict[str, int], dests: dict[str, Any]) -> None:
 def load_facts(plan: Any) -> list[tuple[str, str, Any]]:
     """What the ranks of a torch.distributed load compare at "planned" (`agreement.py`):
     (field, group, value), group "" for every rank of the load, "tp rank N" for the replicas
-    of shard N (a mesh's ranks with the same `tp` coordinate), which must plan the same load
-    of the same checkpoint: its header digest, then each plan field's digest."""
+    of shard N (a mesh's ranks with the same `tp` coordinate), which, when they exchange what
+    they read, must plan the same load of the same checkpoint: its header digest, then each
+    plan field's digest."""
     mesh, share = plan.options.mesh, getattr(plan, "share", None)
     facts = [("mesh shape", "", [plan.world] if mesh is None else list(mesh.mesh.shape)),
              ("mesh dims", "", [] if mesh is None else list(mesh.mesh_dim_names or ())),
              ("cooperative", "", plan.options.cooperating), ("exchange", "", share is not None)]
-    if share is not None:  # targets every rank holds whole: split over the whole mesh
-        replicated = sorted(share.replicated_names)
-        sizes = message_bytes(plan)
-        facts.append(("share of replicated targets", "", _hash([list(map(list, share.replicated)),
-                                                                [(n, share.readers[n], sizes[n]) for n in replicated]])))
-    if mesh is None or mesh.ndim != 2 or mesh.mesh.numel() == plan.world:
-        return facts  # no replicas
+    if share is None:
+        return facts  # no exchange: replicas (FSDP shards over "dp", say) may load otherwise
+    replicated = sorted(share.replicated_names)  # targets every rank holds whole: split over the whole mesh
+    facts.append(("share of replicated targets", "", _hash([list(map(list, share.replicated)),
+                                                            [(n, share.readers[n], share.sizes[n]) for n in replicated]])))
     group = f"tp rank {plan.rank}"
     facts.append(("checkpoint", group, header_digest(plan.index)))
     return facts + [(f"plan.{field}", group, digest) for field, digest in field_digests(plan).items()]
