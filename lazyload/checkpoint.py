@@ -97,8 +97,11 @@ class LazyCheckpoint(StoredCheckpoint):
           PlanError.
         - `rank_timeout`: seconds a rank of a torch.distributed load (the process group's
           rank and world > 1) waits for the others at each point where they agree (after
-          planning, after reading); a rank that fails, or does not report in time, makes
-          every other one raise RankFailedError naming it and its error.
+          planning, after reading, after the replicas' exchange) and for each of the
+          exchange's collectives; a rank that fails, or does not report in time, makes
+          every other one raise RankFailedError naming it and its error. Replicas that
+          planned another load (mesh, `cooperative`, checkpoint headers, plan digest)
+          fail every rank at the first point, before any byte moves.
         - `mesh`: a torch `DeviceMesh` instead of `rank`/`world`: 1-D (tensor parallel), or
           2-D with dims named ("dp", "tp") (replicas of a tensor-parallel model). This rank's
           share is its `tp` coordinate of the `tp` dim's size; the model is made runnable
