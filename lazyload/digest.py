@@ -31,7 +31,8 @@ LOCAL = {
 
 class _Encoder:
     """One encoding pass: objects met again (the items of `groups`, shared entries) are
-    encoded once; each type's encoding is chosen once (plans hold 100k+ small objects)."""
+    encoded once; each type's encoding is chosen once (plans hold 100k+ small objects);
+    `portable`: without the `LOCAL` fields."""
 
     def __init__(self, portable: bool):
         self.portable = portable
@@ -61,8 +62,8 @@ class _Encoder:
         names = self._field_names(kind)
         if names is not None:
             return lambda v: self._object(v, names)
-        if issubclass(kind, (list, tuple)):
-            return lambda v: [self.data(x) for x in v]
+        if issubclass(kind, (list, tuple)):  # boxes: tuples of ints, as they are
+            return lambda v: v if all(type(x) is int for x in v) else [self.data(x) for x in v]
         return _name_of
 
     def _object(self, value: Any, names: tuple[str, ...]) -> dict[str, Any]:
@@ -114,8 +115,41 @@ def _hash(data: Any) -> str:
 
 
 def field_digests(plan: Any) -> dict[str, str]:
-    """field -> digest of its portable data, in the plan's field order (`share` last)."""
-    return {name: _hash(data) for name, data in plan_fields(plan, portable=True).items()}
+    """field -> digest of its portable data, in the plan's field order (`share` last).
+    json's C encoder walks the plan, calling back only for objects it does not know (100k+
+    read items: a digest at every cooperative load); a field it cannot encode so (a dict
+    keyed by tuples) goes through the generic encoder."""
+    names = [f.name for f in dataclasses.fields(plan) if f.name not in LOCAL["LoadPlan"]] + ["share"]
+    fields: dict[type, tuple[str, ...] | None] = {}
+    seen: dict[int, str] = {}  # objects met again (the items of `groups`) stand as the order they were met in
+    digests = {}
+    with no_cycle_collection():
+        for name in names:
+            value = getattr(plan, name, None)
+            try:
+                text = json.dumps(value, default=lambda v: _portable(v, fields, seen), sort_keys=True,
+                                  separators=(",", ":"), ensure_ascii=False)
+            except TypeError:
+                text = json.dumps(_Encoder(True).data(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            digests[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return digests
+
+
+def _portable(value: Any, fields: dict[type, tuple[str, ...] | None], seen: dict[int, str]) -> Any:
+    """`json.dumps`'s fallback for the digests: what `_Encoder(portable=True)` makes of an
+    object json does not know (named tuples are json's lists there); a dataclass met before
+    as a reference to when (json walks the plan in the same order on every rank)."""
+    kind = type(value)
+    if kind not in fields:
+        fields[kind] = _Encoder(True)._field_names(kind)
+    if fields[kind] is not None:
+        if id(value) in seen:
+            return seen[id(value)]
+        seen[id(value)] = f"@{len(seen)}"
+        return {name: getattr(value, name) for name in fields[kind]}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    return _Encoder(True).data(value)
 
 
 def plan_digest(plan: Any) -> str:
@@ -136,8 +170,10 @@ def plan_json(plan: Any, indent: int | None = None) -> str:
 def header_digest(index: Any) -> str:
     """The digest of the checkpoint as this rank's index describes it: every stored tensor's
     key, dtype and shape (not where the files are)."""
-    entries = sorted((e.key, str(e.dtype), list(e.shape)) for e in index.entries())
-    return _hash(entries)
+    digest = hashlib.sha256()
+    for key, dtype, shape in sorted((e.key, e.dtype, e.shape) for e in index.entries()):
+        digest.update(f"{key}\0{dtype}\0{shape}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def message_bytes(plan: Any) -> dict[str, int]:
