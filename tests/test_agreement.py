@@ -105,3 +105,52 @@ def test_replicas_compare_within_their_group_and_a_tie_names_the_higher_rank():
     for rank, exc in outcomes.items():
         assert isinstance(exc, RankFailedError) and list(exc.ranks) == [3], (rank, exc)
         assert "plan.items of tp rank 1 is 'other' where rank 1's is 'digest1'" in str(exc)
+
+
+class _Counting:
+    """One rank's view of the shared store, counting the keys it reads or waits for."""
+
+    def __init__(self, store):
+        self.store, self.keys = store, 0
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def get(self, key):
+        self.keys += 1
+        return self.store.get(key)
+
+    def multi_get(self, keys):
+        self.keys += len(keys)
+        return self.store.multi_get(keys)
+
+    def wait(self, keys, timeout):
+        self.keys += len(keys)
+        return self.store.wait(keys, timeout)
+
+    def check(self, keys):
+        self.keys += len(keys)
+        return self.store.check(keys)
+
+    def add(self, key, amount):
+        return self.store.add(key, amount)
+
+
+def test_each_rank_reads_a_bounded_number_of_reports_not_every_rank():
+    """At world 100 (> FANOUT^1), a point costs each rank its children's reports and the
+    verdict: O(FANOUT) keys, not O(world) (the store carries O(world) in all)."""
+    world = 100
+    store = dist.HashStore()
+    views = [_Counting(store) for _ in range(world)]
+    agreements = [Agreement(views[r], r, world, 30.0) for r in range(world)]
+    for a in agreements:
+        a.prefix = "count"
+    threads = [threading.Thread(target=a.reached, args=("planned",), kwargs={"facts": _facts(a.rank)})
+               for a in agreements]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    assert max(v.keys for v in views) <= 2 * FANOUT + 2, [v.keys for v in views]
+    assert sum(v.keys for v in views) <= 4 * world
