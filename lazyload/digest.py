@@ -171,8 +171,9 @@ def header_digest(index: Any) -> str:
     """The digest of the checkpoint as this rank's index describes it: every stored tensor's
     key, dtype and shape (not where the files are)."""
     digest = hashlib.sha256()
-    for key, dtype, shape in sorted((e.key, e.dtype, e.shape) for e in index.entries()):
-        digest.update(f"{key}\0{dtype}\0{shape}\n".encode())
+    with no_cycle_collection():
+        for key, dtype, shape in sorted((e.key, e.dtype, e.shape) for e in index.entries()):
+            digest.update(f"{key}\0{dtype}\0{shape}\n".encode())
     return digest.hexdigest()[:16]
 
 
