@@ -255,10 +255,18 @@ def _verdict(report: dict, timeout: float) -> dict:
             for value, (count, ranks) in values.items():
                 for rank in ranks if value != ref else ():
                     failed[str(rank)] = (f"planned another load: its {key[5:]} is {json.loads(value)!r} where rank "
-                                         f"{values[ref][1][0]}'s is {json.loads(ref)!r}")
+                                         f"{values[ref][1][0]}'s is {json.loads(ref)!r}" + _hint(key[5:]))
             break
     return {"failed": failed, "waited": report["waited"], "late": report["late"], "seconds": report["seconds"],
             "count": report["count"]}
+
+
+_HINTS = {"plan.": " (digest.plan_json(plan) or `lazyload plan --json` shows each plan field by field)",
+          "checkpoint": " (each rank's copy of the checkpoint must store the same tensors: keys, dtypes, shapes)"}
+
+
+def _hint(fact: str) -> str:
+    return next((hint for start, hint in _HINTS.items() if fact.startswith(start)), "")
 
 
 def _named(verdict: dict) -> dict[int, str]:
