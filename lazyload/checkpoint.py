@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .agreement import agreement
+from .digest import load_facts
 from .executor import execute
 from .mapping import KeyMap
 from .mesh import ranks_of
@@ -96,8 +97,11 @@ class LazyCheckpoint(StoredCheckpoint):
           PlanError.
         - `rank_timeout`: seconds a rank of a torch.distributed load (the process group's
           rank and world > 1) waits for the others at each point where they agree (after
-          planning, after reading); a rank that fails, or does not report in time, makes
-          every other one raise RankFailedError naming it and its error.
+          planning, after reading, after the replicas' exchange) and for each of the
+          exchange's collectives; a rank that fails, or does not report in time, makes
+          every other one raise RankFailedError naming it and its error. Replicas that
+          planned another load (mesh, `cooperative`, checkpoint headers, plan digest)
+          fail every rank at the first point, before any byte moves.
         - `mesh`: a torch `DeviceMesh` instead of `rank`/`world`: 1-D (tensor parallel), or
           2-D with dims named ("dp", "tp") (replicas of a tensor-parallel model). This rank's
           share is its `tp` coordinate of the `tp` dim's size; the model is made runnable
@@ -115,12 +119,13 @@ class LazyCheckpoint(StoredCheckpoint):
                               progress=progress, plan=plan, reader=reader, max_host_bytes=max_host_bytes,
                               release_pages=release_pages, shards_only=shards_only, quantize=quantize,
                               rank_timeout=rank_timeout, mesh=mesh, cooperative=cooperative)
-        if mesh is not None:
-            rank, world = ranks_of(mesh, rank, world)
-        agree = agreement(rank, world, rank_timeout, mesh)
+        agree = agreement(rank, world, rank_timeout, mesh)  # a mesh's: every rank of it
         try:
+            if mesh is not None:
+                rank, world = ranks_of(mesh, rank, world)
             load_plan = plan_load(self, model, rank, world, options)
-            agree.reached("planned")  # every rank's input is good: only now may any model change
+            # every rank's input is good, and replicas planned the same load: only now may any model change
+            agree.reached("planned", facts=load_facts(load_plan))
             return execute(load_plan, model, agree, started)
         except BaseException as exc:
             agree.failed(exc)  # the other ranks hear of it at the next point, instead of waiting forever

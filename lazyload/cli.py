@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8 or fp8: quantize Linear layers and MoE experts on load, as load_into(quantize=...)")
     p.add_argument("--dtype", default=None,
                    help="the dtype tensors are loaded in ('auto', 'bfloat16', 'float16', ...; default the model's)")
+    p.add_argument("--json", action="store_true",
+                   help="print every rank's whole plan (targets, placements, read items, ...) and its digest as JSON")
     p = sub.add_parser("reshard", help="write SRC pre-sharded for a TP world: one safetensors file per rank")
     p.add_argument("src", help="the checkpoint to read: " + PATH_HELP.removeprefix("the checkpoint: "))
     p.add_argument("out", help="a new or empty directory to write to (never SRC; see --overwrite)")
@@ -85,7 +87,7 @@ def _run(args: argparse.Namespace) -> str:
                             max_file_bytes=args.max_file_bytes, overwrite=args.overwrite, quantize=args.quantize)
     if args.command == "plan":
         return format_plan(args.path, args.world, args.config, single_file=args.single_file, plan=plan,
-                           quantize=args.quantize, dtype=args.dtype)
+                           quantize=args.quantize, dtype=args.dtype, as_json=args.json)
     return inspect_checkpoint(args.path)
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .agreement import wait_all
+from .digest import check_messages, message_bytes
 from .expr import Whole
 from .mapping import natural_key
 from .placer import Destination, TensorDest
@@ -47,6 +49,7 @@ class Share:
     everyone: Circle | None = None
     replicated: tuple[tuple[str, ...], ...] = ()
     rows: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # split targets' row ranges
+    sizes: dict[str, int] = field(default_factory=dict)  # each target's message bytes, as the plan says
 
     @cached_property
     def replicated_names(self) -> frozenset[str]:
@@ -191,10 +194,10 @@ def share_of(plan: Any, mesh: Any) -> Share | None:
     rows = large_targets(plan, dp.size(), frozenset(whole))
     readers = split_reads(plan.groups, dp.size(), skip=frozenset(whole), rows=rows)
     if not whole:
-        return Share(readers, Circle(dp.get_group(), dp.get_local_rank()), rows=rows)
+        return Share(readers, Circle(dp.get_group(), dp.get_local_rank()), rows=rows, sizes=message_bytes(plan))
     replicated_readers, replicated = split_replicated(whole, len(everyone))
     return Share({**readers, **replicated_readers}, Circle(dp.get_group(), dp.get_local_rank()),
-                 Circle(None, dist.get_rank()), replicated, rows)
+                 Circle(None, dist.get_rank()), replicated, rows, message_bytes(plan))
 
 
 def _held_whole(plan: Any, target: Any) -> bool:
@@ -228,6 +231,7 @@ def exchange(groups: list[Group], share: Share, dests: dict[str, Destination], b
     """Broadcast every target from its reader to the ranks that did not read it, one layer
     at a time (its broadcasts in flight together, their staging copies within `budget`
     bytes); returns the bytes this rank received and the most staging bytes it held at once."""
+    check_messages(share.sizes, dests)
     replicated = share.replicated_names
     received = 0
     staging = Staging(budget)
@@ -266,9 +270,10 @@ def _broadcast_all(names: list[str], dests: dict[str, Destination], readers: dic
 
 
 def _finish(pending: list, staging: Staging) -> None:
-    """Wait for the broadcasts in flight; staged copies go to their destinations and are freed."""
+    """Wait for the broadcasts in flight (bounded: `wait_all`); staged copies go to their
+    destinations and are freed."""
+    wait_all([work for work, _, _ in pending], "the replicas' exchange")
     for work, staged, tensor in pending:
-        work.wait()
         if staged is not tensor:
             tensor.copy_(staged)
     pending.clear()

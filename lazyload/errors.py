@@ -123,3 +123,8 @@ class RequestRefusedError(RemoteError):
     """The store answered a status that retrying cannot change (a 4xx other than those
     above, or a redirect the client does not follow: a malformed request, a wrong region or
     endpoint, a conflict); the request fails at once, unretried."""
+
+
+class ExchangeError(LazyLoadError):
+    """Replicas exchanging what they read (a cooperative load over a device mesh): the
+    exchange failed on this rank (the other ranks get a RankFailedError naming it)."""

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .agreement import Agreement, NoAgreement
 from .buffers import fill_meta_buffers
-from .cooperate import Share, exchange, share_of
+from .cooperate import Share, exchange
 from .mesh import tp_mesh
 from .engine import EngineStats, run_schedule, settle_failure
 from .errors import PlanError, ReadError
@@ -52,13 +52,14 @@ def execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement = N
             dests = allocate_destinations(plan, slots, reader)
             if not reader.prefetching:
                 bar.update(plan.bytes_mapped / 2**20)
-            share = share_of(plan, plan.options.mesh) if plan.options.cooperating else None
+            share = plan.share
             stats = read_and_place(plan, reader, dests, slots, bar, share)
         finally:
             reader.close()
         # every rank read everything: only now is any model made runnable
         agree.reached("read", time.perf_counter() - started)
-        received = receive_shared(plan, share, dests, bar)
+        with agree.collectives(share is not None):  # bounded, and agreed on at "exchanged"
+            received = receive_shared(plan, share, dests, bar)
         assign_loaded(plan, slots, dests)
         recomputed = fill_meta_buffers(plan.recompute)
     held = torchao_holders(plan, model)

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from .plan import REPLICATE, ReadItem, TargetPlan, check_rank, local_regions, pl
 from .quant.formats import Quantization as PreQuantized
 from .quant.onload import Grid, Quantization
 from .quant.targets import quantized_targets
+from .cooperate import share_of
 from .mesh import cooperating
 from .readers import must_release_pages, reader_name
 from .remote import RemoteCheckpoint
@@ -132,6 +134,7 @@ class LoadPlan:
     groups: list[Group]  # every item, by layer
     copy_groups: list[Group]  # those copied (not views)
     budget: int
+    share = cached_property(lambda self: share_of(self, self.options.mesh) if self.options.cooperating else None)
 
     @property
     def index(self) -> CheckpointIndex:

@@ -3,11 +3,13 @@
 (`lazyload plan`)."""
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
 from typing import Any
 
 
+from .digest import plan_data
 from .errors import ArgumentError, LazyLoadError, MappingError, PlanError
 from .formats import resolve
 from .mapping import prefix_hint
@@ -113,9 +115,14 @@ def _plans(rank_plan, world: int) -> bool:
 
 
 def format_plan(path: str, world: int, config: Any = None, *, single_file: bool = False, plan: Any = None,
-                quantize: Any = None, dtype: Any = None) -> str:
+                quantize: Any = None, dtype: Any = None, as_json: bool = False) -> str:
+    """Each rank's bytes, tensors and sharded tensors, and the warnings; `as_json`: every
+    rank's whole plan and its digest (`digest.plan_data`) as one JSON object instead."""
     _check_whole(path, single_file)
     ranks, warnings = plan_ranks(path, world, config, plan, quantize=quantize, dtype=dtype)
+    if as_json:
+        return json.dumps({"path": path, "world": world, "warnings": warnings, "ranks": [plan_data(r) for r in ranks]},
+                          indent=1, ensure_ascii=False)
     lines = [f"{path}: world {world}", f"{'rank':>4}  {'bytes to read':>15}  {'tensors':>7}  {'sharded':>7}"]
     lines += [f"{r.rank:>4}  {r.bytes_to_read:>15,}  {r.tensors:>7}  {r.sharded:>7}" for r in ranks]
     lines += [f"warning: {w}" for w in warnings]
