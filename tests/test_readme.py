@@ -79,3 +79,24 @@ def test_the_readme_tp_script_runs_under_torchrun(checkpoint, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert re.search(r"^next token: \d+$", proc.stdout, re.M), proc.stdout
     assert "lazyload: rank 0/2" in proc.stdout
+
+
+def test_the_readme_own_model_script_runs(checkpoint, tmp_path):
+    """README's 'Your own model' script, as written there, on a real checkpoint; it prints
+    len(ckpt), len(ckpt.files) and ckpt.total_bytes, which the reference documents."""
+    directory, _ = checkpoint("llama")
+    code = _readme_block("import torch\nfrom transformers import AutoConfig")
+    assert 'path = "path/to/checkpoint"' in code
+    script = tmp_path / "own_model.py"
+    script.write_text(code.replace('path = "path/to/checkpoint"', f"path = {str(directory)!r}"))
+    proc = run_job([sys.executable, str(script)], env=dict(os.environ, LAZYLOAD_PROGRESS="0"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from lazyload import LazyCheckpoint
+
+    ckpt = LazyCheckpoint(directory)
+    assert f"{len(ckpt)} tensors in {len(ckpt.files)} files, {ckpt.total_bytes} bytes" in proc.stdout
+    assert "of load_into (no imports, no model construction" in proc.stdout  # what `seconds` covers
+    assert "peak RSS of the whole process during it" in proc.stdout
+    readme = (ROOT / "README.md").read_text()
+    reference = readme[readme.index("## Reference"):]
+    assert all(f"`{name}`" in reference for name in ("len(ckpt)", "ckpt.files", "ckpt.total_bytes"))
