@@ -87,7 +87,7 @@ def explain(exc: LazyLoadError, checkpoint: Any, model: nn.Module, world: int, o
                  "the model from the checkpoint's config (AutoConfig.from_pretrained(the checkpoint's directory)), "
                  "or use lazyload.load_model.")
     elif isinstance(exc, PlanError) and world > 1 and options.mesh is None:
-        alone = replace(options, shards_only=True)  # the split alone: no process-group check
+        alone = replace(options, shards_only=True, max_host_bytes=None)  # the split alone: no group, no budget
         plan = lambda r, w: plan_load(checkpoint, model, r, w, alone, preview=True)  # noqa: E731
         if not plans(plan, world):  # the split itself fails, not how this process runs
             worlds = worlds_that_plan(plan, world)

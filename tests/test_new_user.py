@@ -110,3 +110,12 @@ def test_reshard_quantize_takes_group_size_and_skip(checkpoint, tmp_path):
         keys = set(f.keys())
     assert "model.layers.0.mlp.up_proj.weight_scale" in keys and "model.layers.0.mlp.down_proj.weight_scale" not in keys
     assert main(["reshard", str(directory), str(tmp_path / "x"), "--world", "1", "--skip", "lm_head"]) == 2
+
+
+def test_an_error_that_is_no_split_lists_no_worlds(checkpoint):
+    """A byte budget below the largest read fails at every world: no list of worlds then."""
+    directory, config = checkpoint("llama")
+    model = build_model("llama", config, torch.float32)
+    with pytest.raises(PlanError, match=r"max_host_bytes=1 is smaller") as refused:
+        LazyCheckpoint(directory).load_into(model, 0, 2, max_host_bytes=1)
+    assert "Worlds that work" not in str(refused.value)
