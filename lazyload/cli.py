@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=["int8", "fp8"], default=None,
                    help="write a compressed-tensors checkpoint (with --world 1) whose Linear weights are quantized "
                         "as load_into(quantize=...) quantizes them, which transformers and vLLM load")
-    p.add_argument("--group-size", type=_group_size, default=128, metavar="G",
+    p.add_argument("--group-size", type=_group_size, default=None, metavar="G",
                    help="with --quantize: input columns per scale (default 128; a weight's columns must be whole "
                         "groups), or 'none' for one scale per row")
     p.add_argument("--skip", action="append", default=[], metavar="REGEX",
@@ -81,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _group_size(text: str) -> int | None:
+def _group_size(text: str) -> int:
+    """A number of columns; 'none' (one scale per row) is 0."""
     if text.strip().lower() == "none":
-        return None
+        return 0
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is no group size; write a positive number of columns, or none")
     return int(text)
@@ -93,7 +94,7 @@ def _group_size(text: str) -> int | None:
 def _quiet_imports() -> Iterator[None]:
     """Third-party modules print as they import (torchao's kernels it cannot load, torch's
     deprecations, DeepSpeed's accelerator guess), none of it about the checkpoint: imported
-    with stdout and stderr pointed at a file, shown only with LAZYLOAD_DEBUG=1."""
+    with stdout and stderr pointed at a file, left as they are with LAZYLOAD_DEBUG=1."""
     if os.environ.get("LAZYLOAD_DEBUG"):
         yield
         return
@@ -133,9 +134,10 @@ def _run(args: argparse.Namespace) -> str:
         from .quant.onload import Quantization
         from .writers import save_sharded
 
-        if args.quantize is None and (args.skip or args.group_size != 128):
+        if args.quantize is None and (args.skip or args.group_size is not None):
             raise ArgumentError("--group-size and --skip describe the quantization: pass --quantize int8|fp8 too.")
-        quantize = args.quantize and Quantization(args.quantize, group_size=args.group_size, skip=tuple(args.skip))
+        group = 128 if args.group_size is None else args.group_size or None
+        quantize = args.quantize and Quantization(args.quantize, group_size=group, skip=tuple(args.skip))
         return save_sharded(args.src, args.out, args.world, plan, config=args.config,
                             max_file_bytes=args.max_file_bytes, overwrite=args.overwrite, quantize=quantize)
     if args.command == "plan":

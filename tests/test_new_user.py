@@ -109,7 +109,13 @@ def test_reshard_quantize_takes_group_size_and_skip(checkpoint, tmp_path):
     with safe_open(str(next((tmp_path / "g16").glob("*.safetensors"))), "pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.mlp.up_proj.weight_scale" in keys and "model.layers.0.mlp.down_proj.weight_scale" not in keys
-    assert main(["reshard", str(directory), str(tmp_path / "x"), "--world", "1", "--skip", "lm_head"]) == 2
+    assert main(["reshard", str(directory), str(tmp_path / "rows"), "--world", "1", "--quantize", "int8",
+                 "--group-size", "none"]) == 0  # one scale per row
+    rows = json.load(open(tmp_path / "rows" / "config.json"))["quantization_config"]["config_groups"]["group_0"]
+    assert rows["weights"]["strategy"] == "channel"
+    for alone in (["--skip", "lm_head"], ["--group-size", "128"]):  # no --quantize: refused, nothing written
+        assert main(["reshard", str(directory), str(tmp_path / "x"), "--world", "1", *alone]) == 2
+    assert not (tmp_path / "x").exists()
 
 
 def test_an_error_that_is_no_split_lists_no_worlds(checkpoint):
