@@ -100,3 +100,18 @@ def test_the_readme_own_model_script_runs(checkpoint, tmp_path):
     readme = (ROOT / "README.md").read_text()
     reference = readme[readme.index("## Reference"):]
     assert all(f"`{name}`" in reference for name in ("len(ckpt)", "ckpt.files", "ckpt.total_bytes"))
+
+
+@pytest.mark.parametrize("call", ['lazyload.load_model("path/to/checkpoint")',
+                                  'lazyload.load_model("path/to/checkpoint", quantize="int8")'])
+def test_the_readme_load_model_scripts_run(checkpoint, tmp_path, call):
+    """README's load_model use cases, as written there, on a real checkpoint."""
+    directory, _ = checkpoint("llama")
+    code = next(b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+                if b.startswith("import lazyload\n") and call in b)
+    script = tmp_path / "use.py"
+    script.write_text(code.replace("path/to/checkpoint", str(directory)))
+    proc = run_job([sys.executable, str(script)], env=dict(os.environ, LAZYLOAD_PROGRESS="0"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "lazyload: rank 0/1" in proc.stdout
+    assert ("quantized" in proc.stdout) == ("quantize=" in call), proc.stdout
