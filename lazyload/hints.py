@@ -12,6 +12,7 @@ from torch import nn
 
 from .errors import LazyLoadError, MappingError, PlanError
 from .formats import resolve
+from .planner import plan_load
 from .remote import is_remote
 
 # Config entries that describe no tensor's shape: never a reason for keys or shapes to differ.
@@ -75,8 +76,6 @@ def worlds_that_plan(plan: Callable[[int, int], Any], world: int) -> list[int]:
 def explain(exc: LazyLoadError, checkpoint: Any, model: nn.Module, world: int, options: Any) -> None:
     """Put what the failed plan most likely means at the front of `exc`'s message (in place:
     the same error, its type and fields kept)."""
-    from .planner import plan_load
-
     first = ""
     if isinstance(exc, MappingError) and (several := one_of_several(checkpoint.paths)) is not None:
         first = (f"{checkpoint.paths} is one of the {several[1]} files of the checkpoint in {several[0]}: the others "
