@@ -37,16 +37,25 @@ def main() -> int:
     parser.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: write a small Llama)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    written = []  # temporary directories rank 0 made: removed at the end, whatever happens
+    try:
+        return reshard_and_load(args.checkpoint, written)
+    finally:
+        for directory in written:
+            shutil.rmtree(directory, ignore_errors=True)
+        dist.destroy_process_group()
 
-    paths = [args.checkpoint, None]
-    written = []  # temporary directories rank 0 made, removed at the end
+
+def reshard_and_load(checkpoint: str | None, written: list[str]) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    paths = [checkpoint, None]
     if rank == 0:
         if paths[0] is None:
-            paths[0] = write_example_checkpoint(tempfile.mkdtemp(prefix="lazyload-original-"))
-            written.append(paths[0])
-        paths[1] = tempfile.mkdtemp(prefix=f"lazyload-tp{WRITTEN_FOR}-")
-        written.append(paths[1])
+            written.append(tempfile.mkdtemp(prefix="lazyload-original-"))
+            paths[0] = write_example_checkpoint(written[-1])
+        written.append(tempfile.mkdtemp(prefix=f"lazyload-tp{WRITTEN_FOR}-"))
+        paths[1] = written[-1]
+        # Inside the process group too: save_sharded writes every rank's file from this one process.
         layout = lazyload.save_sharded(paths[0], paths[1], WRITTEN_FOR)
         say(f"[rank 0] wrote {layout} and {WRITTEN_FOR} rank files")
     dist.broadcast_object_list(paths, src=0)  # also the barrier: the others wait for the write
@@ -69,9 +78,6 @@ def main() -> int:
     ok = tokens == reference[0]
     say(f"[rank {rank}] {'OK' if ok else 'MISMATCH'}: world 1 (from_pretrained on the original) {reference[0]}")
     dist.barrier()  # every rank is done with the files
-    for directory in written:
-        shutil.rmtree(directory, ignore_errors=True)
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 

@@ -2,15 +2,13 @@
 checkpoint's `config.json` on the meta device and load this rank's share into it."""
 from __future__ import annotations
 
-import difflib
-import inspect
 import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from .checkpoint import LazyCheckpoint
+from .checkpoint import LazyCheckpoint, check_keywords, keywords_of
 from .dtypes import dtype_named
 from .errors import ArgumentError, CheckpointError
 from .report import LoadReport
@@ -61,14 +59,9 @@ def _checkpoint_config(path: str | os.PathLike, ckpt: LazyCheckpoint) -> Any:
 
 def _check_keywords(load_kwargs: dict) -> None:
     """A keyword neither load_model nor load_into takes, refused before the model is built."""
-    own = [p for p in inspect.signature(load_model).parameters if p not in ("path", "load_kwargs")]
-    passed_on = [p for p in inspect.signature(LazyCheckpoint.load_into).parameters if p not in ("self", "model")]
-    for name in load_kwargs:
-        if name not in passed_on:
-            near = difflib.get_close_matches(name, own + passed_on, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else "."
-            raise ArgumentError(f"load_model got an unknown keyword {name!r}{hint} It takes {', '.join(own)} and "
-                                f"every keyword of LazyCheckpoint.load_into ({', '.join(passed_on[3:])}).")
+    passed_on = keywords_of(LazyCheckpoint.load_into)
+    check_keywords("load_model", {k: v for k, v in load_kwargs.items() if k not in passed_on}, load_model,
+                   LazyCheckpoint.load_into)
 
 
 def _model_class(config: Any, model_class: type | str | None) -> type:

@@ -52,6 +52,21 @@ def meta_buffers_to_recompute(model: nn.Module, loaded: MappingT[str, torch.dtyp
     return {n: (targets[n], values[n]) for n in targets}
 
 
+def cast_buffers(model: nn.Module, loaded: MappingT[str, torch.dtype]) -> set[str]:
+    """Real non-persistent buffers of a model whose parameters are on meta (accelerate's
+    `init_empty_weights` computes buffers for real) that a cast (`.to(torch.bfloat16)`) left in
+    another dtype than `from_pretrained` gives them (float32 rotary `inv_freq`): to be
+    recomputed as if on meta. Buffers in from_pretrained's dtype keep their values."""
+    if not any(p.is_meta for p in model.parameters()):
+        return set()  # a real model: its buffers are the user's
+    real = {f"{prefix}.{attr}" if prefix else attr: module._buffers[attr]
+            for prefix, module in model.named_modules() for attr in module._non_persistent_buffers_set
+            if module._buffers.get(attr) is not None and not module._buffers[attr].is_meta}
+    real = {n: t for n, t in real.items() if n not in loaded and t.is_floating_point()}
+    wanted = _from_pretrained_dtypes(model, real, loaded) if real else {}
+    return {n for n, t in real.items() if wanted[n] != t.dtype}
+
+
 def _names(names) -> str:
     return ", ".join(pattern for pattern, _ in group_layers(list(names)))  # one entry per layer pattern
 

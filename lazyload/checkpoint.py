@@ -4,6 +4,9 @@
 """
 from __future__ import annotations
 
+import difflib
+import inspect
+import os
 import time
 from typing import Any
 
@@ -12,12 +15,15 @@ from torch import nn
 
 from .agreement import agreement
 from .digest import load_facts
+from .errors import ArgumentError, LazyLoadError
 from .executor import execute
+from .hints import explain
 from .mapping import KeyMap
 from .mesh import ranks_of
 from .planner import LoadOptions, plan_load
 from .quant.onload import Quantization
 from .report import LoadReport
+from .remote import RemoteOptions
 from .stored import StoredCheckpoint
 
 
@@ -40,13 +46,19 @@ class LazyCheckpoint(StoredCheckpoint):
     `hf://org/repo[@revision]`; `remote`: a `RemoteOptions` (requests in flight, merge
     gap, retries, timeout)."""
 
+    def __init__(self, paths: str | os.PathLike | list, *, trust_pickle: bool = False,
+                 remote: RemoteOptions | None = None, **unknown: Any):
+        check_keywords("LazyCheckpoint", unknown, LazyCheckpoint.__init__)
+        super().__init__(paths, trust_pickle=trust_pickle, remote=remote)
+
     def load_into(self, model: nn.Module, rank: int = 0, world: int = 1, *,
                   device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                   strict: bool = True, missing: str = "init", key_map: KeyMap | None = None,
                   progress: bool | None = None, plan: dict[str, Any] | str | None = None, reader: str = "auto",
                   max_host_bytes: int | None = None, release_pages: bool = False,
                   shards_only: bool = False, quantize: str | Quantization | None = None,
-                  rank_timeout: float = 60.0, mesh: Any = None, cooperative: bool | None = None) -> LoadReport:
+                  rank_timeout: float = 60.0, mesh: Any = None, cooperative: bool | None = None,
+                  **unknown: Any) -> LoadReport:
         """Fill `model` with this rank's share of the checkpoint; returns a LoadReport.
 
         Every input error (arguments, keys, shapes, casts, rank/world, plan) is a
@@ -115,6 +127,7 @@ class LazyCheckpoint(StoredCheckpoint):
         ReadError listing the targets `loaded` (assigned) and `not_loaded` (kept as they
         were; `partly_written`: real tensors filled in place, their values now mixed)."""
         started = time.perf_counter()
+        check_keywords("load_into", unknown, LazyCheckpoint.load_into)
         options = LoadOptions(device=device, dtype=dtype, strict=strict, missing=missing, key_map=key_map,
                               progress=progress, plan=plan, reader=reader, max_host_bytes=max_host_bytes,
                               release_pages=release_pages, shards_only=shards_only, quantize=quantize,
@@ -123,10 +136,32 @@ class LazyCheckpoint(StoredCheckpoint):
         try:
             if mesh is not None:
                 rank, world = ranks_of(mesh, rank, world)
-            load_plan = plan_load(self, model, rank, world, options)
+            try:
+                load_plan = plan_load(self, model, rank, world, options)
+            except LazyLoadError as exc:
+                explain(exc, self, model, world, options)  # one shard of several, configs that differ, worlds
+                raise
             # every rank's input is good, and replicas planned the same load: only now may any model change
             agree.reached("planned", facts=load_facts(load_plan))
             return execute(load_plan, model, agree, started)
         except BaseException as exc:
             agree.failed(exc)  # the other ranks hear of it at the next point, instead of waiting forever
             raise
+
+
+def keywords_of(function: Any) -> list[str]:
+    """The keywords `function` takes by name (not self, not its **catch-all)."""
+    return [name for name, p in inspect.signature(function).parameters.items()
+            if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def check_keywords(caller: str, unknown: dict, *takers: Any) -> None:
+    """A keyword nobody takes is an ArgumentError naming the nearest one, not Python's
+    TypeError naming an internal function."""
+    if not unknown:
+        return
+    known = [name for taker in takers for name in keywords_of(taker)]
+    name = next(iter(unknown))
+    near = difflib.get_close_matches(name, known, n=1)
+    raise ArgumentError(f"{caller} got an unknown keyword {name!r}" + (f"; did you mean {near[0]!r}?" if near else ".")
+                        + f" It takes {', '.join(known)}.")

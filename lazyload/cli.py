@@ -4,10 +4,14 @@ on stderr and exit status 2."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import sys
+import tempfile
+import warnings
+from typing import Iterator
 
 PATH_HELP = ("the checkpoint: a directory, a .safetensors file, an index or description json, a glob, a Hugging "
              "Face repo id already in the local cache, or a URL (s3://bucket/prefix/, https://host/path/, "
@@ -72,19 +76,74 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=["int8", "fp8"], default=None,
                    help="write a compressed-tensors checkpoint (with --world 1) whose Linear weights are quantized "
                         "as load_into(quantize=...) quantizes them, which transformers and vLLM load")
+    p.add_argument("--group-size", type=_group_size, default=None, metavar="G",
+                   help="with --quantize: input columns per scale (default 128; a weight's columns must be whole "
+                        "groups), or 'none' for one scale per row")
+    p.add_argument("--skip", action="append", default=[], metavar="REGEX",
+                   help="with --quantize: keep the Linear layers whose names match REGEX in full precision "
+                        "(repeatable), beside lm_head and MoE routers")
     return parser
 
 
+def _group_size(text: str) -> int:
+    """A number of columns; 'none' (one scale per row) is 0."""
+    if text.strip().lower() == "none":
+        return 0
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no group size; write a positive number of columns, or none")
+    return int(text)
+
+
+@contextlib.contextmanager
+def _quiet_imports() -> Iterator[None]:
+    """Third-party modules print as they import (torchao's kernels it cannot load, torch's
+    deprecations, DeepSpeed's accelerator guess), none of it about the checkpoint: imported
+    with stdout and stderr pointed at a file, left as they are with LAZYLOAD_DEBUG=1."""
+    if os.environ.get("LAZYLOAD_DEBUG"):
+        yield
+        return
+    with tempfile.TemporaryFile() as sink, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = [os.dup(1), os.dup(2)]
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(sink.fileno(), 1), os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+
+
+def _import_quietly(command: str) -> None:
+    """What `command` imports, before it runs: the previews, and for `plan` and `reshard`
+    transformers with the quantizers it imports when it builds a model."""
+    with _quiet_imports():
+        from . import summary  # noqa: F401
+        if command != "inspect":
+            try:
+                import transformers.quantizers.auto  # noqa: F401  (imports torchao, DeepSpeed where installed)
+            except ImportError:
+                pass  # not installed: the command says so when it needs it
+
+
 def _run(args: argparse.Namespace) -> str:
+    _import_quietly(args.command)
     from .summary import format_plan, inspect_checkpoint
 
     plan = json.loads(args.plan) if getattr(args, "plan", None) and args.plan.lstrip().startswith("{") else (
         getattr(args, "plan", None))
     if args.command == "reshard":
+        from .errors import ArgumentError
+        from .quant.onload import Quantization
         from .writers import save_sharded
 
+        if args.quantize is None and (args.skip or args.group_size is not None):
+            raise ArgumentError("--group-size and --skip describe the quantization: pass --quantize int8|fp8 too.")
+        group = 128 if args.group_size is None else args.group_size or None
+        quantize = args.quantize and Quantization(args.quantize, group_size=group, skip=tuple(args.skip))
         return save_sharded(args.src, args.out, args.world, plan, config=args.config,
-                            max_file_bytes=args.max_file_bytes, overwrite=args.overwrite, quantize=args.quantize)
+                            max_file_bytes=args.max_file_bytes, overwrite=args.overwrite, quantize=quantize)
     if args.command == "plan":
         return format_plan(args.path, args.world, args.config, single_file=args.single_file, plan=plan,
                            quantize=args.quantize, dtype=args.dtype, as_json=args.json)
@@ -103,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except LazyLoadError as exc:
         return _fail(str(exc))
     except ImportError as exc:  # `plan` builds the model with transformers
-        return _fail(f"{exc.name or exc} is not installed; pip install 'lazyload[hf]'.")
+        return _fail(f"{exc.name or exc} is not installed; pip install transformers accelerate.")
     except json.JSONDecodeError as exc:
         return _fail(f"--plan {args.plan!r} is no JSON object ({exc}); pass 'tp', 'ep' or {{\"glob\": \"style\"}}.")
     except OSError as exc:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .buffers import meta_buffers_to_recompute
+from .buffers import cast_buffers, meta_buffers_to_recompute
 from .devices import target_device, use_device
 from .dtypes import dtype_named
 from .errors import ArgumentError, DtypeError, PlanError
@@ -249,8 +249,8 @@ def values(model: nn.Module, slots: dict[str, Slot], specs: dict[str, TargetSpec
          for n in unfilled},
         {n: target_dtype(specs[n].dtype, specs[n].dtype, options.dtype) for n in unfilled}, device)
     loaded_dtypes = {**dtypes, **{name: specs[name].dtype for name in initialized}}
-    recompute = meta_buffers_to_recompute(model, loaded_dtypes, device,
-                                          also=emptied_buffers(model, set(mapping.exprs)))
+    recompute = meta_buffers_to_recompute(model, loaded_dtypes, device, also=emptied_buffers(
+        model, set(mapping.exprs)) | cast_buffers(model, loaded_dtypes))
     return initialized, recompute
 
 

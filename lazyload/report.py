@@ -122,10 +122,12 @@ class LoadReport:
       load, with warm ones the pages are cached and mapped on first use.
     - `bytes_received`: tensor bytes this rank got from its replicas instead of storage
       (`load_into(..., mesh=...)` with a `dp` dim: cooperative reads).
-    - `seconds`: wall time of the whole `load_into` call.
+    - `seconds`: wall time of the whole `load_into` call (not the imports before it, nor
+      building the model).
     - `peak_rss`, `peak_anon`, `peak_file`: peaks of this process's resident memory, its
       anonymous part and its file-backed part (mapped checkpoint pages) during the load,
-      sampled from /proc/self/status (0 where unavailable).
+      sampled from /proc/self/status every 5 ms (0 where unavailable): the whole process
+      (Python, torch, anything else it holds), not the load's own growth.
     - `rank`, `world`: the share this report is for.
     - `reader`: the reader that ran, "mmap" or "pread".
     - `prefetched`: True when this rank's pages were cold and each layer's page ranges were
@@ -192,8 +194,9 @@ class LoadReport:
         lines = [f"lazyload: rank {self.rank}/{self.world}, {len(self.loaded)} tensors loaded, "
                  f"{size(self.bytes_read)} read" + (f", {size(self.bytes_mapped)} mapped" if self.bytes_mapped else "")
                  + (f", {size(self.bytes_received)} from replicas" if self.bytes_received else "")
-                 + f" in {self.seconds:.2f} s ({self.reader} reader{', prefetched' if self.prefetched else ''}); "
-                 f"peak RSS {size(self.peak_rss)}, peak anonymous {size(self.peak_anon)}"
+                 + f" in {self.seconds:.2f} s of load_into (no imports, no model construction; "
+                 f"{self.reader} reader{', prefetched' if self.prefetched else ''}); "
+                 f"peak RSS of the whole process during it {size(self.peak_rss)}, peak anonymous {size(self.peak_anon)}"
                  + (f", pinned {size(self.pinned_bytes)}" if self.pinned_bytes else "")
                  + (f"; {self.requests} GETs ({self.retries} retries), {size(self.bytes_requested)} requested, "
                     f"{size(self.bytes_served)} served" if self.requests else "")

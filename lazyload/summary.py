@@ -10,13 +10,12 @@ from typing import Any
 
 
 from .digest import plan_data
-from .errors import ArgumentError, LazyLoadError, MappingError, PlanError
-from .formats import resolve
+from .errors import ArgumentError, MappingError, PlanError
+from .hints import one_of_several, worlds_that_plan
 from .mapping import prefix_hint
 from .tp.heads import model_heads
 from .plan import check_rank
 from .planner import LoadOptions, LoadPlan, plan_load
-from .remote import is_remote
 from .report import group_layers, size
 from .schedule import layer_of
 from .stored import StoredCheckpoint, meta_model, transformers_config
@@ -24,13 +23,10 @@ from .stored import StoredCheckpoint, meta_model, transformers_config
 
 def _check_whole(path: str, single_file: bool) -> None:
     """One shard of a checkpoint of several files plans only its own tensors: refused unless asked."""
-    if single_file or is_remote(path) or not os.path.isfile(path) or not path.endswith(".safetensors"):
-        return
-    siblings = resolve(os.path.dirname(os.path.abspath(path))).files
-    if len(siblings) > 1:
-        raise ArgumentError(f"{path}: one of the {len(siblings)} files of the checkpoint in "
-                            f"{os.path.dirname(os.path.abspath(path))}; pass the directory to plan the whole "
-                            "checkpoint, or --single-file to plan this file alone.")
+    several = None if single_file else one_of_several(path)
+    if several is not None:
+        raise ArgumentError(f"{path}: one of the {several[1]} files of the checkpoint in {several[0]}; pass the "
+                            "directory to plan the whole checkpoint, or --single-file to plan this file alone.")
 
 
 def inspect_checkpoint(path: str) -> str:
@@ -90,7 +86,7 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None, *, q
     try:
         ranks = [rank_plan(rank, world) for rank in range(world)]
     except PlanError as exc:
-        worlds = [w for w in range(1, max(world, 8) + 1) if w != world and _plans(rank_plan, w)]
+        worlds = worlds_that_plan(rank_plan, world)
         raise PlanError(f"{exc} Worlds that work (of 1 to {max(world, 8)}): "
                         f"{', '.join(map(str, worlds)) or 'none'}.") from exc
     heads = model_heads(model)
@@ -102,16 +98,6 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None, *, q
         warnings.append(f"nothing is sharded: every rank reads all {size(ranks[0].bytes_to_read)} the model "
                         "loads (no TP plan matched)")
     return ranks, warnings
-
-
-def _plans(rank_plan, world: int) -> bool:
-    """Whether `world` can be planned (its first and last ranks: where uneven splits show)."""
-    try:
-        rank_plan(0, world)
-        rank_plan(world - 1, world)
-    except LazyLoadError:
-        return False
-    return True
 
 
 def format_plan(path: str, world: int, config: Any = None, *, single_file: bool = False, plan: Any = None,

@@ -11,24 +11,47 @@ from checkpoints import ATTN, fixed_input
 from lazyload import LazyCheckpoint
 
 
+def without_op_builds() -> None:
+    """Let DeepSpeed compile none of its C++ ops in this process. On CPU, `init_distributed`
+    would JIT-compile its shared-memory all-reduce (`deepspeed_shm_comm`: a compiler, minutes,
+    and a wait without end on a stale lock in the user's torch extensions cache); marked not
+    compatible, DeepSpeed all-reduces through torch.distributed (gloo) instead. Any other op
+    that would be compiled fails at once, naming itself, instead of building."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    deepspeed.ops.__compatible_ops__ = {}  # set before first use: DeepSpeed's probe (compilers) never runs
+
+    def refuse(builder, verbose=True):
+        raise RuntimeError(f"the tests let DeepSpeed build no op, but it asked to JIT-compile {builder.name}")
+
+    OpBuilder.jit_load = refuse
+
+
+def init_deepspeed_rank(rank: int, world: int, init_file: str) -> None:
+    """This spawned process as rank `rank` of a DeepSpeed job on CPU (gloo), building no op."""
+    os.environ.update(DS_ACCELERATOR="cpu", LAZYLOAD_PROGRESS="0", LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(os.getppid()))
+    torch.set_num_threads(1)
+    import deepspeed
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    without_op_builds()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method=f"file://{init_file}",
+                               rank=rank, world_size=world, verbose=False)
+
+
 def autotp_load_matches_world1(rank: int, world: int, directory: str, init_file: str) -> torch.nn.Module:
     """Fill this rank's AutoTP model; every local shard is the part of world 1's tensor that
     DeepSpeed's own shard-size rule cuts for this rank, and the logits are world 1's. Returns
     the model."""
-    os.environ.update(DS_ACCELERATOR="cpu", LAZYLOAD_PROGRESS="0", LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), RANK=str(rank), WORLD_SIZE=str(world))
-    # DeepSpeed's CPU all-reduce names its shared-memory buffers by MASTER_ADDR and MASTER_PORT
-    # alone: unset (a file:// rendezvous), two jobs on one host (two test runs at once) share
-    # them and sum each other's partial products. The spawning process's pid names this job.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(os.getppid()))
-    torch.set_num_threads(1)
+    init_deepspeed_rank(rank, world, init_file)
     import deepspeed
     import transformers
     from deepspeed.module_inject.tp_shard import get_shard_size_list
 
-    transformers.logging.set_verbosity_error()
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method=f"file://{init_file}",
-                               rank=rank, world_size=world, verbose=False)
     config = transformers.AutoConfig.from_pretrained(directory)
     with torch.device("meta"):
         reference, model = (transformers.AutoModelForCausalLM.from_config(

@@ -11,8 +11,13 @@ teardown occasionally abort the process ("terminate called without an active exc
 after it reported success."""
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from typing import Callable, NoReturn
 
@@ -49,21 +54,80 @@ def end_rank() -> NoReturn:
     os._exit(0)
 
 
-def spawn_cases(world: int, cases: list, tmp_path, run_case: Callable) -> None:
+def spawn_cases(world: int, cases: list, tmp_path, run_case: Callable, timeout: float | None = None) -> None:
     """Run `run_case(case, rank, world)` (a module-level function) for every case on every
     rank of a fresh gloo job of `world` processes."""
-    spawn_collecting(_worker, (world, str(tmp_path / "pg"), run_case, cases), world)
+    spawn_collecting(_worker, (world, str(tmp_path / "pg"), run_case, cases), world, timeout)
 
 
-def spawn_collecting(worker: Callable, args: tuple, nprocs: int) -> None:
+# Seconds a spawned job or a launched command may run before the test fails with the ranks'
+# stacks and output instead of hanging the suite (generous: 2 shared cores are slow).
+JOB_TIMEOUT = float(os.environ.get("LAZYLOAD_TEST_JOB_TIMEOUT", 900))
+
+
+def _traced(rank: int, stacks: str, worker: Callable, *args) -> None:
+    """A rank that prints every thread's stack to its file in `stacks` on SIGUSR1 (a hung job's
+    ranks are asked for theirs before they are killed), then runs `worker(rank, *args)`."""
+    out = open(os.path.join(stacks, f"rank{rank}.txt"), "w")  # noqa: SIM115 (held for the process's life)
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+    worker(rank, *args)
+
+
+def spawn_collecting(worker: Callable, args: tuple, nprocs: int, timeout: float | None = None) -> None:
     """`mp.spawn(worker, args + (errors,))`, where a failing rank puts (rank, ..., traceback)
-    on `errors`; the test then fails with every failing rank's traceback."""
+    on `errors`; the test then fails with every failing rank's traceback. A job still running
+    after `timeout` seconds (default JOB_TIMEOUT) fails with each rank's stacks, then is killed."""
+    timeout = JOB_TIMEOUT if timeout is None else timeout
     errors = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(worker, args=(*args, errors), nprocs=nprocs, join=True)
-    except Exception:
-        failures = []
-        while not errors.empty():
-            rank, *what, tb = errors.get()
-            failures.append(f"rank {rank}" + "".join(f", case {w}" for w in what) + f":\n{tb}")
-        pytest.fail("\n".join(failures) or "a rank failed")
+    with tempfile.TemporaryDirectory(prefix="lazyload-stacks-") as stacks:
+        job = mp.start_processes(_traced, args=(stacks, worker, *args, errors), nprocs=nprocs, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not job.join(timeout=1):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{nprocs} ranks still running after {timeout:.0f} s (a hang); their stacks:\n"
+                                + _stacks_of(job.processes, stacks))
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            failures = []
+            while not errors.empty():
+                rank, *what, tb = errors.get()
+                failures.append(f"rank {rank}" + "".join(f", case {w}" for w in what) + f":\n{tb}")
+            pytest.fail("\n".join(failures) or f"a rank failed: {exc}")
+        finally:
+            for process in job.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
+
+
+def _stacks_of(processes: list, stacks: str) -> str:
+    """Every live rank's thread stacks (faulthandler, on SIGUSR1), read from its file."""
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(2)  # faulthandler writes from the signal handler at once; give slow ranks a moment
+    texts = []
+    for rank, process in enumerate(processes):
+        path = os.path.join(stacks, f"rank{rank}.txt")
+        text = open(path).read() if os.path.exists(path) else ""
+        texts.append(f"rank {rank} ({'running' if process.is_alive() else f'exit {process.exitcode}'}):\n"
+                     + (text or "(no stack: the rank had not started)"))
+    return "\n".join(texts)
+
+
+def run_job(cmd: list[str], timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` for a multi-process command
+    (torchrun, an example): past `timeout` seconds (default JOB_TIMEOUT) the whole process group
+    is killed and the test fails with what the command printed, instead of hanging the suite."""
+    timeout = JOB_TIMEOUT if timeout is None else timeout
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kwargs) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # torchrun's ranks with it: its own session
+            out, err = child.communicate()
+            pytest.fail(f"{' '.join(map(str, cmd))} still running after {timeout:.0f} s (a hang); its output:\n"
+                        f"{out[-6000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, child.returncode, out, err)

@@ -146,17 +146,10 @@ def test_fused_local_shape_that_is_not_deepspeeds_cut_is_a_plan_error(tmp_path):
 
 
 def _deepspeed_worker(rank, world, directories, init_file, errors):
-    os.environ.update(DS_ACCELERATOR="cpu", LAZYLOAD_PROGRESS="0", LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(os.getppid()))  # see deepspeed_models.py
     try:
-        torch.set_num_threads(1)
-        import deepspeed
-        import transformers
+        from deepspeed_models import init_deepspeed_rank
 
-        transformers.logging.set_verbosity_error()
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method=f"file://{init_file}",
-                                   rank=rank, world_size=world, verbose=False)
+        init_deepspeed_rank(rank, world, init_file)  # builds no DeepSpeed op
         for arch, directory in directories.items():
             _check_against_deepspeed(arch, directory, rank, world)
     except Exception:

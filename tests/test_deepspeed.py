@@ -3,7 +3,8 @@ tensor parallel with AutoTP (its Linear layers hold local shards) is filled by
 `load_into(model, rank, world)`, and its forward at world 2 gives world 1's logits.
 
 DeepSpeed is in the test extra (`DS_BUILD_OPS=0 pip install -e '.[test]'`); it runs on CPU
-with DS_ACCELERATOR=cpu and gloo. Without it installed these tests are skipped, except in CI."""
+with DS_ACCELERATOR=cpu and gloo, compiling none of DeepSpeed's C++ ops (deepspeed_models.without_op_builds).
+Without it installed these tests are skipped, except in CI."""
 from __future__ import annotations
 
 import os
@@ -27,6 +28,9 @@ CONFIG = dict(hidden_size=128, intermediate_size=256)
 def _worker(rank, world, directory, init_file, errors):
     try:
         model = autotp_load_matches_world1(rank, world, directory, init_file)
+        from deepspeed.comm import comm
+
+        assert comm.cdb.shm_comm_op is None, "DeepSpeed built its shared-memory op (a C++ compile) in a test"
         q = model.model.layers[0].self_attn.q_proj
         assert type(q).__module__.startswith("deepspeed.") and q.weight.shape[0] * world == model.config.hidden_size
     except Exception:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+from gloo import run_job
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tp_torchrun.py"
 
@@ -16,7 +17,7 @@ def test_tp_torchrun_example_two_ranks(tmp_path):
                TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--standalone", str(EXAMPLE)]  # --standalone: a free port
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    proc = run_job(cmd, env=env, cwd=tmp_path)  # a hang fails with the ranks' output
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{output[-6000:]}"
     tokens = dict(re.findall(r"^\[rank (\d)\] world 2 tokens: (\[[\d, ]+\])$", proc.stdout, re.M))

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from checkpoints import build_model, shard_files
-from gloo import end_rank
+from gloo import end_rank, spawn_collecting
 
 READERS = ["pread", "mmap"]
 K = 3  # the read that fails
@@ -467,27 +467,9 @@ DEADLINE = 240  # seconds for a whole job: a hang fails the test instead of hang
 
 
 def _spawn(world, directory, corrupt, faulty, tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = mp.spawn(_dist_worker, args=(world, str(tmp_path / "pg"), str(directory), str(corrupt), faulty, errors),
-                     nprocs=world, join=False)
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while not procs.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world}-rank job did not finish within {DEADLINE} s (a rank hangs)")
-    except mp.ProcessRaisedException:
-        msgs = []
-        while not errors.empty():
-            rank, tb = errors.get()
-            msgs.append(f"rank {rank}:\n{tb}")
-        pytest.fail("\n".join(msgs) or "a rank failed")
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
+    """The job; a rank that hangs fails the test within DEADLINE, with every rank's stacks."""
+    spawn_collecting(_dist_worker, (world, str(tmp_path / "pg"), str(directory), str(corrupt), faulty), world,
+                     timeout=DEADLINE)
 
 
 def corrupt_copy(directory, dst) -> Path:

@@ -28,6 +28,7 @@ from checkpoints import (build_model, copy_checkpoint, fixed_input, meta_tensors
 from gloo import end_rank, spawn_collecting
 from lazyload import (ArgumentError, DtypeError, LazyCheckpoint, LazyLoadError, LoadReport, MissingKeysError,
                       Placement, PlanError)
+from lazyload.checkpoint import keywords_of
 from lazyload.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -375,8 +376,7 @@ def _documented(obj) -> str:
 
 
 def _public_names():
-    load = [p for p in inspect.signature(LazyCheckpoint.load_into).parameters if p != "self"]
-    init = [p for p in inspect.signature(LazyCheckpoint.__init__).parameters if p != "self"]
+    load, init = keywords_of(LazyCheckpoint.load_into), keywords_of(LazyCheckpoint.__init__)  # not their **unknown
     report = [f.name for f in dataclasses.fields(LoadReport)] + ["ok"]
     placement = [f.name for f in dataclasses.fields(Placement)]
     return [(LazyCheckpoint.load_into, load), (LazyCheckpoint, init), (LoadReport, report), (Placement, placement)]

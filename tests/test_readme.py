@@ -1,7 +1,12 @@
 """README's commands are what CI and users run: keep them complete and in step with .ci/run."""
+import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
+
+from gloo import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,3 +35,83 @@ def test_the_test_extra_installs_deepspeed_without_building_ops():
     assert any(req.startswith("deepspeed") for req in extras["test"])
     command = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
     assert "DS_BUILD_OPS=0 pip install -e '.[test]'" in command
+
+
+CPU_TORCH = "pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu && "
+
+
+def test_both_commands_install_torchs_cpu_build():
+    """PyPI's torch 2.13.0 is a CUDA build on Linux (several GB); PyTorch's CPU index has
+    2.13.0+cpu, which pip prefers with the pin."""
+    readme = (ROOT / "README.md").read_text()
+    first = [line.strip() for line in readme.splitlines() if line.startswith("    python3 -m venv")][:2]
+    assert all(CPU_TORCH in command for command in first), first
+    assert "download.pytorch.org/whl/cu" in readme  # and how to get a CUDA build instead
+
+
+def test_every_install_line_names_this_distribution():
+    """`lazyload` on PyPI is an unrelated 2015 project: this one is `torch-lazyload` (imported
+    as lazyload), installed from the clone (`-e .`) or, for extras, by its own name."""
+    tomllib = pytest.importorskip("tomllib")
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"] == "torch-lazyload"
+    readme = (ROOT / "README.md").read_text()
+    installs = re.findall(r"pip install ([^`\n&;]*)", readme)
+    assert installs
+    for args in installs:
+        for word in re.findall(r"'?([\w.-]+)(?:\[[\w,-]+\])?'?", args):
+            assert word != "lazyload", f"`pip install {args}` installs PyPI's unrelated lazyload"
+
+
+def _readme_block(first_line: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    return next(b for b in blocks if b.startswith(first_line))
+
+
+def test_the_readme_tp_script_runs_under_torchrun(checkpoint, tmp_path):
+    """README's tensor-parallel script, as written there, at world 2 on CPU (gloo)."""
+    directory, _ = checkpoint("llama")
+    script = tmp_path / "tp_load.py"
+    script.write_text(_readme_block("# tp_load.py\n"))
+    env = dict(os.environ, LAZYLOAD_PROGRESS="0", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(script), str(directory)], env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert re.search(r"^next token: \d+$", proc.stdout, re.M), proc.stdout
+    assert "lazyload: rank 0/2" in proc.stdout
+
+
+def test_the_readme_own_model_script_runs(checkpoint, tmp_path):
+    """README's 'Your own model' script, as written there, on a real checkpoint; it prints
+    len(ckpt), len(ckpt.files) and ckpt.total_bytes, which the reference documents."""
+    directory, _ = checkpoint("llama")
+    code = _readme_block("import torch\nfrom transformers import AutoConfig")
+    assert 'path = "path/to/checkpoint"' in code
+    script = tmp_path / "own_model.py"
+    script.write_text(code.replace('path = "path/to/checkpoint"', f"path = {str(directory)!r}"))
+    proc = run_job([sys.executable, str(script)], env=dict(os.environ, LAZYLOAD_PROGRESS="0"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from lazyload import LazyCheckpoint
+
+    ckpt = LazyCheckpoint(directory)
+    assert f"{len(ckpt)} tensors in {len(ckpt.files)} files, {ckpt.total_bytes} bytes" in proc.stdout
+    assert "of load_into (no imports, no model construction" in proc.stdout  # what `seconds` covers
+    assert "peak RSS of the whole process during it" in proc.stdout
+    readme = (ROOT / "README.md").read_text()
+    reference = readme[readme.index("## Reference"):]
+    assert all(f"`{name}`" in reference for name in ("len(ckpt)", "ckpt.files", "ckpt.total_bytes"))
+
+
+@pytest.mark.parametrize("call", ['lazyload.load_model("path/to/checkpoint")',
+                                  'lazyload.load_model("path/to/checkpoint", quantize="int8")'])
+def test_the_readme_load_model_scripts_run(checkpoint, tmp_path, call):
+    """README's load_model use cases, as written there, on a real checkpoint."""
+    directory, _ = checkpoint("llama")
+    code = next(b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+                if b.startswith("import lazyload\n") and call in b)
+    script = tmp_path / "use.py"
+    script.write_text(code.replace("path/to/checkpoint", str(directory)))
+    proc = run_job([sys.executable, str(script)], env=dict(os.environ, LAZYLOAD_PROGRESS="0"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "lazyload: rank 0/1" in proc.stdout
+    assert ("quantized" in proc.stdout) == ("quantize=" in call), proc.stdout

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from gloo import JOB_TIMEOUT
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tp_torchrun.py"
 
 
@@ -37,8 +41,14 @@ def test_two_nodes_of_two_ranks_generate_the_world1_tokens(tmp_path):
     outputs = []
     try:
         for agent in agents:
-            out, _ = agent.communicate(timeout=400)
+            out, _ = agent.communicate(timeout=JOB_TIMEOUT)
             outputs.append(out)
+    except subprocess.TimeoutExpired:
+        for agent in agents:
+            agent.kill()
+        rest = [agent.communicate()[0] for agent in agents[len(outputs):]]  # the documented way after a kill
+        pytest.fail(f"the two-node job still runs after {JOB_TIMEOUT:.0f} s (a hang); its output:\n"
+                    + "\n".join(out[-4000:] for out in outputs + rest))
     finally:
         for agent in agents:
             agent.kill()

@@ -49,7 +49,7 @@ class Quantization:
     - `torchao`: True holds each quantized weight, where torchao 0.18 takes it (no short
       last group; under TP the rank's local shard, see `quant.linear`), as torchao's
       `Int8Tensor` / `Float8Tensor` in a plain `nn.Linear` (torchao must be installed:
-      `pip install lazyload[torchao]`); the others stay `QuantizedLinear`. None (default):
+      `pip install torchao`); the others stay `QuantizedLinear`. None (default):
       True when torchao is installed, else False. False: `QuantizedLinear` everywhere, no
       import of torchao.
     - `format`: "lazyload" (default) as above; "transformers" (fp8 only) makes each Linear
@@ -81,8 +81,7 @@ class Quantization:
             try:
                 import torchao  # noqa: F401
             except ImportError as exc:
-                raise ArgumentError("Quantization(torchao=True) needs torchao: pip install torchao (or "
-                                    "lazyload[torchao]); or pass torchao=False for lazyload's QuantizedLinear."
+                raise ArgumentError("Quantization(torchao=True) needs torchao: pip install torchao; or pass torchao=False for lazyload's QuantizedLinear."
                                     ) from exc
 
     @property

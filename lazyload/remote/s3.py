@@ -1,5 +1,5 @@
 """S3 and S3-compatible objects (`s3://bucket/key`), through obstore (`pip install
-'lazyload[remote]'`).
+'torch-lazyload[remote]'`, or `pip install obstore`).
 
 Client choice, measured against moto's S3 server (`benchmarks/bench_clients.py`: 300 ranged
 4 KiB GETs of an 8 MiB object, one thread): obstore 1.7-1.8 s, boto3 2.9-3.3 s, s3fs 4.5-4.9 s;
@@ -42,7 +42,7 @@ class S3Store(Store):
             import obstore
             from obstore.store import S3Store as ObjectStoreS3
         except ImportError:
-            raise RemoteError(f"s3://{bucket}/: reading S3 needs obstore (pip install 'lazyload[remote]').") from None
+            raise RemoteError(f"s3://{bucket}/: reading S3 needs obstore (pip install obstore).") from None
         if not _BUCKET.fullmatch(bucket):
             raise RemoteError(f"s3://{ascii(bucket)[1:-1]}/: not a valid bucket name (letters, digits, '.', '-', "
                               "'_'); check the URL.")

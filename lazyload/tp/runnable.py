@@ -5,6 +5,8 @@ styles where the model has a TP plan, the structural rule otherwise), and
 share comes from is `placements`; this module only changes the model."""
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import torch
@@ -426,7 +428,12 @@ def check_process_group(rank: int, world: int, plan: Any, resolved: Resolved, sh
     (rank, world) must be the process group's: anything else would leave shards of another
     split in plain tensors, and a forward that runs and returns garbage."""
     group = _process_group()
-    if group is None or shards_only or world == 1 or plan == {} or _made_parallel(resolved):
+    if shards_only or world == 1 or plan == {}:
+        return
+    if group is None:
+        _check_launched_alone(rank, world)
+        return
+    if _made_parallel(resolved):
         return
     if (rank, world) != group:
         raise PlanError(
@@ -434,6 +441,20 @@ def check_process_group(rank: int, world: int, plan: Any, resolved: Resolved, sh
             f"rank {group[0]}): the model would hold shards of another split, in plain tensors that no forward can "
             "run. Pass rank=dist.get_rank(), world=dist.get_world_size() for a runnable tensor-parallel model, or "
             "shards_only=True to load only this rank's shards (e.g. a TP group inside a larger world).")
+
+
+def _check_launched_alone(rank: int, world: int) -> None:
+    """A launcher (torchrun) that started several processes, none of which initialised
+    torch.distributed: each would hold plain shards and run a forward over them alone,
+    computing garbage (logits of its share of the vocabulary) with no error."""
+    launched = os.environ.get("WORLD_SIZE", "")
+    if launched.isdigit() and int(launched) > 1:
+        raise PlanError(
+            f"load_into(model, rank={rank}, world={world}) in one of {launched} processes a launcher started "
+            "(WORLD_SIZE), but torch.distributed is not initialised: the model would hold this rank's shards in "
+            "plain tensors and its forward would compute garbage. Call torch.distributed.init_process_group() "
+            "before load_into for a runnable tensor-parallel model, or pass shards_only=True to load only this "
+            "rank's shards.")
 
 
 def auto_parallelize(model: nn.Module, plan: Any, rank: int, world: int, device: torch.device,

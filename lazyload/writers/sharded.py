@@ -93,7 +93,7 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
 def _rank_boxes(view: StoredCheckpoint, model: nn.Module, world: int, plan: dict | str | None) -> dict:
     """Source tensor name -> rank -> the boxes of it that rank reads, as `load_into` plans
     them (the same planner; each source name a leaf of the view)."""
-    options = LoadOptions(plan=plan, strict=False, missing="keep")
+    options = LoadOptions(plan=plan, strict=False, missing="keep", shards_only=True)  # boxes, no load: no process-group check
     boxes: dict[str, dict[int, list[Box]]] = defaultdict(lambda: defaultdict(list))
     mapped = map_checkpoint(view, view.index, model, None)
     if mapped.mapping.mismatched:
