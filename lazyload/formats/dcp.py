@@ -144,7 +144,10 @@ def locate_chunks(directory: str, metadata: DcpMetadata,
             if info.offset + info.length > identities[path].size:
                 raise CheckpointError(f"{path}: tensor {fqn!r}'s chunk at byte {info.offset} runs past the end of "
                                       "the file; it is truncated.")
-            found = torch_zip.locate(fds[path], path, info.offset, info.length)
+            try:
+                found = torch_zip.locate(fds[path], path, info.offset, info.length)
+            except CheckpointError as exc:  # named by the tensor too
+                raise CheckpointError(f"tensor {fqn!r}, chunk at {list(chunk.offsets)}: {exc}") from None
             _check_stored(path, fqn, chunk, metadata.tensors[fqn], found)
             header += found.header_bytes
             stored.append(found)
