@@ -38,7 +38,10 @@ def save_plain(directory) -> None:
 
 
 def _save_fsdp_tp(directory, rank, world):
+    """DCP's own format into `directory`, and its safetensors flavour (per-rank files under
+    `sharded/` and their consolidated copy) into `directory`-hf."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -51,6 +54,8 @@ def _save_fsdp_tp(directory, rank, world):
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     dcp.save(model.state_dict(), checkpoint_id=str(directory))
+    writer = HuggingFaceStorageWriter(f"{directory}-hf", save_distributed=True, enable_consolidation=True)
+    dcp.save(model.state_dict(), storage_writer=writer)
 
 
 def save_fsdp_tp(directory, tmp_path) -> None:

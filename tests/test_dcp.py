@@ -22,12 +22,17 @@ Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """{"plain": (dir, dtype, key prefix), "fsdp_tp": ...} written by dcp.save."""
+    """name -> (dir, dtype, the DCP checkpoint dcp.load reads as the reference, its key
+    prefix), written by dcp.save; "hf_sharded" / "hf_consolidated": the FSDP x TP model saved
+    by HuggingFaceStorageWriter (per-rank files, and their consolidated copy)."""
     root = tmp_path_factory.mktemp("dcp")
     save_plain(root / "plain")
     save_fsdp_tp(root / "fsdp_tp", root)
-    return {"plain": (str(root / "plain"), torch.float32, "model."),
-            "fsdp_tp": (str(root / "fsdp_tp"), torch.bfloat16, "")}
+    fsdp = str(root / "fsdp_tp")
+    return {"plain": (str(root / "plain"), torch.float32, str(root / "plain"), "model."),
+            "fsdp_tp": (fsdp, torch.bfloat16, fsdp, ""),
+            "hf_sharded": (f"{fsdp}-hf/sharded", torch.bfloat16, fsdp, ""),
+            "hf_consolidated": (f"{fsdp}-hf", torch.bfloat16, fsdp, "")}
 
 
 def _assert_same_state(model, ref, label):
@@ -38,14 +43,14 @@ def _assert_same_state(model, ref, label):
         assert tensor.dtype == value.dtype and torch.equal(tensor, value), f"{label}: {key} differs from dcp.load"
 
 
-@pytest.mark.parametrize("name", ["plain", "fsdp_tp"])
+@pytest.mark.parametrize("name", ["plain", "fsdp_tp", "hf_sharded", "hf_consolidated"])
 def test_dcp_loads_exactly_as_dcp_load(saved, name):
-    path, dtype, prefix = saved[name]
+    path, dtype, reference, prefix = saved[name]
     model = build_model("llama", llama()[1], dtype)
     checkpoint = LazyCheckpoint(path)
     report = checkpoint.load_into(model, progress=False)
     assert report.ok
-    _assert_same_state(model, dcp_reference(path, prefix), name)
+    _assert_same_state(model, dcp_reference(reference, prefix), name)
     assert not [n for n in checkpoint.index.names() if n.startswith("optimizer.")]  # training state left out
 
 
@@ -73,17 +78,28 @@ def test_fsdp_tp_chunks_are_boxes_of_global_tensors(saved, monkeypatch):
 
 
 def _case_world2(case, rank, world):
-    path, dtype, prefix = case
+    path, dtype, reference, prefix = case
     model = build_model("llama", llama()[1], dtype)
     report = LazyCheckpoint(path).load_into(model, rank, world, progress=False)
     assert report.ok
-    _assert_same_state(model, dcp_reference(path, prefix), f"{path} rank {rank} of {world}")
+    _assert_same_state(model, dcp_reference(reference, prefix), f"{path} rank {rank} of {world}")
     total = LazyCheckpoint(path).index.total_bytes
     assert report.bytes_read + report.bytes_mapped < 0.75 * total, (report.bytes_read, report.bytes_mapped, total)
 
 
 def test_dcp_loads_at_world_2_under_gloo(saved, tmp_path):
-    spawn_cases(2, [saved["plain"], saved["fsdp_tp"]], tmp_path, _case_world2)
+    spawn_cases(2, [saved["plain"], saved["fsdp_tp"], saved["hf_sharded"]], tmp_path, _case_world2)
+
+
+def test_hf_sharded_files_must_tile_each_tensor(saved, tmp_path):
+    """Rank 0's file gone: the chunks at row 0 are missing, a CheckpointError naming the
+    tensor before any byte is read (a missing last chunk only shrinks the inferred size,
+    which the mapping refuses as a shape mismatch)."""
+    directory = tmp_path / "sharded"
+    shutil.copytree(saved["hf_sharded"][0], directory)
+    (directory / "shard-00001-model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="do not cover the tensor"):
+        LazyCheckpoint(str(directory)).load_into(build_model("llama", llama()[1], torch.bfloat16), progress=False)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -15,7 +15,7 @@ from typing import Sequence
 from ..errors import CheckpointError
 from ..headers import files_from_index_json, read_json
 from ..index import INDEX_JSON, CheckpointIndex, resolve_files
-from . import dcp, deepspeed, megatron, sharded, torch_files
+from . import dcp, dcp_safetensors, deepspeed, megatron, sharded, torch_files
 
 BIN_INDEX_JSON = "pytorch_model.bin.index.json"
 DEEPSPEED_JSON = "ds_inference_config.json"  # what DeepSpeed's save_mp_checkpoint_path writes
@@ -26,7 +26,7 @@ class CheckpointSource:
     """What a path names: the format, its files, and the description file (index json,
     layout json, DeepSpeed json, Megatron directory) when there is one."""
 
-    kind: str  # "safetensors" | "sharded" | "torch" | "megatron" | "deepspeed" | "dcp"
+    kind: str  # "safetensors" | "sharded" | "torch" | "megatron" | "deepspeed" | "dcp" | "dcp_safetensors"
     files: list[str]
     description: str | None = None
 
@@ -40,6 +40,8 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
                 path = os.path.join(path, name)
         if os.path.isfile(path) and path.endswith(".json") and not path.endswith(".index.json"):
             return _from_json(path)
+        if dcp_safetensors.shard_files(path):
+            return CheckpointSource("dcp_safetensors", dcp_safetensors.shard_files(path), path)
         if dcp.is_dcp_dir(path):
             return CheckpointSource("dcp", dcp.data_files(path, dcp.read_metadata(dcp.metadata_path(path))), path)
         if os.path.isdir(path) and megatron.is_megatron_dir(path):
@@ -87,6 +89,8 @@ def open_index(source: CheckpointSource, trust_pickle: bool = False) -> Checkpoi
         return megatron.open_index(source.files, trust_pickle)
     if source.kind == "dcp":
         return dcp.open_index(source.description)
+    if source.kind == "dcp_safetensors":
+        return dcp_safetensors.open_index(source.files)
     if source.kind == "deepspeed":
         return deepspeed.open_index(source.description, trust_pickle)
     return CheckpointIndex(source.files, source.description)

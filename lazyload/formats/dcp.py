@@ -76,7 +76,7 @@ def check_chunks(where: str, fqn: str, meta: TensorMeta) -> list[Chunk]:
         seen.add(chunk.offsets)
         if all(chunk.sizes):
             chunks.append(chunk)
-    total = sum(box_numel(_box(c)) for c in chunks)
+    total = sum(box_numel(box_of(c)) for c in chunks)
     numel = box_numel(tuple((0, n) for n in meta.size))
     if total < numel:
         raise CheckpointError(f"{where}: tensor {fqn!r} of size {list(meta.size)}: its {len(chunks)} chunk(s) hold "
@@ -90,7 +90,7 @@ def check_chunks(where: str, fqn: str, meta: TensorMeta) -> list[Chunk]:
     return chunks
 
 
-def _box(chunk: Chunk) -> tuple[tuple[int, int], ...]:
+def box_of(chunk: Chunk) -> tuple[tuple[int, int], ...]:
     return tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
 
 
@@ -177,26 +177,38 @@ def _check_stored(path: str, fqn: str, chunk: Chunk, meta: TensorMeta, found: to
                               "Save contiguous tensors.")
 
 
+def chunk_keys(planned: list[tuple[str, Chunk]]) -> list[str]:
+    """Each chunk's stored key: its fqn when it holds the whole tensor, else the fqn and
+    its offsets (`model.layers.0.self_attn.q_proj.weight@16,0`)."""
+    count: dict[str, int] = {}
+    for fqn, _ in planned:
+        count[fqn] = count.get(fqn, 0) + 1
+    return [fqn if count[fqn] == 1 else f"{fqn}@{','.join(map(str, chunk.offsets))}" for fqn, chunk in planned]
+
+
+def layouts_of(tensors: dict[str, TensorMeta], tiles: dict[str, list[Part]]) -> dict[str, Layout]:
+    """fqn -> the Layout its chunks' parts tile (checked here: `expr` refuses gaps)."""
+    layouts = {fqn: Layout(fqn, tensors[fqn].size, tensors[fqn].dtype, tuple(parts)) for fqn, parts in tiles.items()}
+    for layout in layouts.values():
+        layout.expr()
+    return layouts
+
+
 def entries_and_layouts(metadata: DcpMetadata, planned: Planned, stored: list[torch_zip.StoredTensor],
                         directory: str) -> tuple[dict[str, TensorEntry], dict[str, Layout]]:
     """A stored entry per chunk (its own row-major layout), and a Layout for every tensor
     of several chunks or saved transposed."""
-    count: dict[str, int] = {}
-    for fqn, _, _ in planned:
-        count[fqn] = count.get(fqn, 0) + 1
-    entries, parts = {}, {}
-    for (fqn, chunk, info), found in zip(planned, stored):
+    entries, tiles = {}, {}
+    keys = chunk_keys([(fqn, chunk) for fqn, chunk, _ in planned])
+    for (fqn, chunk, info), found, key in zip(planned, stored, keys):
         transposed = _transposed(found)
-        key = fqn if count[fqn] == 1 else f"{fqn}@{','.join(map(str, chunk.offsets))}"
         key += "@T" if transposed else ""
         shape = found.shape[::-1] if transposed else found.shape
         entries[key] = TensorEntry(os.path.join(directory, info.relative_path), key, found.dtype, shape,
                                    found.start, found.end)
         if key != fqn:
-            parts.setdefault(fqn, []).append(Part(Transpose(Source(key)) if transposed else Source(key), _box(chunk)))
-    layouts = {fqn: Layout(fqn, metadata.tensors[fqn].size, metadata.tensors[fqn].dtype, tuple(tiles))
-               for fqn, tiles in parts.items()}
-    return entries, layouts
+            tiles.setdefault(fqn, []).append(Part(Transpose(Source(key)) if transposed else Source(key), box_of(chunk)))
+    return entries, layouts_of(metadata.tensors, tiles)
 
 
 def open_index(directory: str) -> CheckpointIndex:
