@@ -15,7 +15,7 @@ from typing import Sequence
 from ..errors import CheckpointError
 from ..headers import files_from_index_json, read_json
 from ..index import INDEX_JSON, CheckpointIndex, resolve_files
-from . import dcp, dcp_safetensors, deepspeed, megatron, sharded, torch_files
+from . import dcp, dcp_safetensors, deepspeed, megatron, megatron_dist, sharded, torch_files
 
 BIN_INDEX_JSON = "pytorch_model.bin.index.json"
 DEEPSPEED_JSON = "ds_inference_config.json"  # what DeepSpeed's save_mp_checkpoint_path writes
@@ -26,7 +26,7 @@ class CheckpointSource:
     """What a path names: the format, its files, and the description file (index json,
     layout json, DeepSpeed json, Megatron directory) when there is one."""
 
-    kind: str  # "safetensors" | "sharded" | "torch" | "megatron" | "deepspeed" | "dcp" | "dcp_safetensors"
+    kind: str  # "safetensors" | "sharded" | "torch" | "megatron" | "deepspeed" | "dcp" | "dcp_safetensors" | "megatron_dist"
     files: list[str]
     description: str | None = None
 
@@ -40,6 +40,8 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
                 path = os.path.join(path, name)
         if os.path.isfile(path) and path.endswith(".json") and not path.endswith(".index.json"):
             return _from_json(path)
+        if megatron_dist.is_megatron_dist(path):
+            return _megatron_dist(megatron_dist.checkpoint_dir(path))
         if dcp_safetensors.shard_files(path):
             return CheckpointSource("dcp_safetensors", dcp_safetensors.shard_files(path), path)
         if dcp.is_dcp_dir(path):
@@ -54,6 +56,11 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
     if all(torch_files.is_torch_file(f) for f in files):  # e.g. pytorch_model.bin.index.json's shards
         return CheckpointSource("torch", files)
     return CheckpointSource("safetensors", files, index_json)
+
+
+def _megatron_dist(directory: str) -> CheckpointSource:
+    return CheckpointSource("megatron_dist", dcp.data_files(directory, dcp.read_metadata(dcp.metadata_path(directory))),
+                            directory)
 
 
 def _torch_directory(path: str) -> CheckpointSource | None:
@@ -89,6 +96,8 @@ def open_index(source: CheckpointSource, trust_pickle: bool = False) -> Checkpoi
         return megatron.open_index(source.files, trust_pickle)
     if source.kind == "dcp":
         return dcp.open_index(source.description)
+    if source.kind == "megatron_dist":
+        return megatron_dist.open_index(source.description)
     if source.kind == "dcp_safetensors":
         return dcp_safetensors.open_index(source.files)
     if source.kind == "deepspeed":

@@ -19,6 +19,7 @@ from ..errors import CheckpointError
 
 METADATA = ".metadata"
 _MODULE = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
 # The classes DCP pickles into .metadata; each becomes a record of its pickled fields.
 _RECORDS = {
     (_MODULE, "Metadata"), (_MODULE, "TensorStorageMetadata"), (_MODULE, "ChunkStorageMetadata"),
@@ -26,6 +27,8 @@ _RECORDS = {
     (_MODULE, "StorageMeta"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo"),
+    # Megatron-Core keeps every rank's save plan beside the metadata (`all_local_plans`)
+    (_PLANNER, "SavePlan"), (_PLANNER, "WriteItem"), (_PLANNER, "TensorWriteData"),
 }
 _MAX_METADATA = 1 << 30
 
@@ -89,7 +92,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in self.classes:
             return self.classes[module, name]
-        if (module, name) == (_MODULE, "_MEM_FORMAT_ENCODING"):
+        if (module, name) in ((_MODULE, "_MEM_FORMAT_ENCODING"), (_PLANNER, "WriteItemType")):
             return lambda value: value
         if (module, name) == ("torch", "Size"):
             return _size
