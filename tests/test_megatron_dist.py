@@ -87,3 +87,21 @@ def test_heads_that_do_not_fit_are_refused(saved, tmp_path):
     with pytest.raises(CheckpointError, match="linear_qkv.weight"):
         LazyCheckpoint(str(directory)).load_into(model, progress=False)
     assert all(t.is_meta for t in model.state_dict().values())
+
+
+def test_cli_plans_and_reshards_a_megatron_checkpoint(saved, tmp_path, capsys):
+    """`lazyload plan` and `reshard` (with the model's config.json): the pre-sharded copy
+    loads at world 2 to the same shards as the training checkpoint itself."""
+    from lazyload.cli import main
+
+    hf_config().save_pretrained(tmp_path / "config")
+    assert main(["plan", str(saved), "--world", "2", "--config", str(tmp_path / "config")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    total = LazyCheckpoint(str(saved)).index.total_bytes
+    assert len(rows) == 2 and all(int(row[1].replace(",", "")) < 0.75 * total for row in rows)
+    out = tmp_path / "resharded"
+    assert main(["reshard", str(saved), str(out), "--world", "2", "--config", str(tmp_path / "config")]) == 0
+    for rank in range(2):
+        want = _loaded(saved, rank, 2)[0].state_dict()
+        got = _loaded(out, rank, 2)[0].state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
