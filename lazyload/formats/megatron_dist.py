@@ -30,7 +30,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..expr import Cat, Chunk, Expr, Source
-from ..headers import TensorEntry
+from ..headers import TensorEntry, read_json
 from ..index import CheckpointIndex
 from . import dcp, torch_files
 from .dcp_metadata import read_metadata
@@ -106,10 +106,14 @@ def _is_torch_dist(path: str) -> bool:
 def heads_of(path: str) -> Heads:
     """Attention heads, query groups and head size from Megatron's args (common.pt) or the
     config.json beside the checkpoint (or its parents, up to the save directory)."""
+    refused = ""
     common = os.path.join(path, "common.pt")
     if os.path.isfile(common):
-        args = torch_files.load_tree(common, False, [argparse.Namespace])
-        args = args.get("args") if isinstance(args, dict) else None
+        try:
+            tree = torch_files.load_tree(common, False, [argparse.Namespace])
+        except CheckpointError as exc:  # args holding classes (enums): the config.json is asked instead
+            tree, refused = None, f" (common.pt: {exc})"
+        args = tree.get("args") if isinstance(tree, dict) else None
         if isinstance(args, argparse.Namespace) and isinstance(getattr(args, "num_attention_heads", None), int):
             heads = args.num_attention_heads
             groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
@@ -117,14 +121,26 @@ def heads_of(path: str) -> Heads:
     for folder in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
         config = os.path.join(folder, "config.json")
         if os.path.isfile(config):
-            with open(config) as f:
-                doc = json.load(f)
-            heads = doc["num_attention_heads"]
-            return Heads(heads, doc.get("num_key_value_heads") or heads,
-                         doc.get("head_dim") or doc["hidden_size"] // heads)
-    raise CheckpointError(f"{path}: no Megatron args in common.pt and no config.json beside the checkpoint; lazyload "
-                          "needs the attention heads and query groups to split the fused QKV rows. Put the model's "
-                          "config.json in the checkpoint directory.")
+            return _config_heads(config)
+    raise CheckpointError(f"{path}: no Megatron args in common.pt{refused} and no config.json beside the checkpoint; "
+                          "lazyload needs the attention heads and query groups to split the fused QKV rows. Put the "
+                          "model's config.json in the checkpoint directory.")
+
+
+def _config_heads(config: str) -> Heads:
+    doc = read_json(config, "the model's config.json")
+    try:
+        heads = int(doc["num_attention_heads"])
+        return Heads(heads, int(doc.get("num_key_value_heads") or heads),
+                     int(doc.get("head_dim") or doc["hidden_size"] // heads))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):
+        raise CheckpointError(f"{config}: no num_attention_heads / hidden_size in it; lazyload needs them to split "
+                              "Megatron's fused QKV rows.") from None
+
+
+def is_model_tensor(fqn: str) -> bool:
+    """Megatron's model tensors; anything else (optimizer, RNG and rerun state) is not read."""
+    return _unwrapped(fqn).split(".", 1)[0] in ("embedding", "decoder", "output_layer")
 
 
 def _unwrapped(fqn: str) -> str:
@@ -201,7 +217,7 @@ def open_index(directory: str) -> CheckpointIndex:
     """The index of a torch_dist checkpoint directory under transformers' names."""
     metadata = read_metadata(dcp.metadata_path(directory))
     files = dcp.data_files(directory, metadata)
-    planned = dcp.planned_chunks(directory, metadata)
+    planned = [p for p in dcp.planned_chunks(directory, metadata) if is_model_tensor(p[0])]
     stored, header, identities = dcp.locate_chunks(directory, metadata, planned)
     entries, _ = dcp.entries_and_layouts(metadata, planned, stored, directory)
     keys = dcp.chunk_keys([(fqn, chunk) for fqn, chunk, _ in planned])
