@@ -3,8 +3,10 @@
 Each format is a source for the Index, in its own module: safetensors files (`index.py`),
 lazyload's pre-sharded layout (`sharded`), PyTorch `.bin`/`.pt` state dicts
 (`torch_files`), Megatron-LM per-rank checkpoints (`megatron`), DeepSpeed's checkpoint
-description json (`deepspeed`). All give the same `TensorEntry`s, and a tensor stored in
-pieces across files is one logical name (`logical`). None reads tensor data to build it.
+description json (`deepspeed`), and training checkpoints: torch DCP directories (`dcp`),
+DCP's per-rank safetensors (`dcp_safetensors`), Megatron-Core `torch_dist` (`megatron_dist`).
+All give the same `TensorEntry`s, and a tensor stored in pieces across files is one logical
+name (`logical`). None reads tensor data to build it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from . import dcp, dcp_safetensors, deepspeed, megatron, megatron_dist, sharded,
 
 BIN_INDEX_JSON = "pytorch_model.bin.index.json"
 DEEPSPEED_JSON = "ds_inference_config.json"  # what DeepSpeed's save_mp_checkpoint_path writes
+# Training checkpoints (torch DCP, its safetensors flavour, Megatron-Core torch_dist), in the order asked.
+_TRAINING = {"megatron_dist": megatron_dist, "dcp_safetensors": dcp_safetensors, "dcp": dcp}
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class CheckpointSource:
     """What a path names: the format, its files, and the description file (index json,
     layout json, DeepSpeed json, Megatron directory) when there is one."""
 
-    kind: str  # "safetensors" | "sharded" | "torch" | "megatron" | "deepspeed" | "dcp" | "dcp_safetensors" | "megatron_dist"
+    kind: str  # "safetensors" | "sharded" | "torch" | "megatron" | "deepspeed", or one of _TRAINING
     files: list[str]
     description: str | None = None
 
@@ -40,12 +44,10 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
                 path = os.path.join(path, name)
         if os.path.isfile(path) and path.endswith(".json") and not path.endswith(".index.json"):
             return _from_json(path)
-        if megatron_dist.is_megatron_dist(path):
-            return _megatron_dist(megatron_dist.checkpoint_dir(path))
-        if dcp_safetensors.shard_files(path):
-            return CheckpointSource("dcp_safetensors", dcp_safetensors.shard_files(path), path)
-        if dcp.is_dcp_dir(path):
-            return CheckpointSource("dcp", dcp.data_files(path, dcp.read_metadata(dcp.metadata_path(path))), path)
+        for kind, module in _TRAINING.items():  # asked before Megatron-LM's, whose tracker they share
+            hit = module.found(path)
+            if hit is not None:
+                return CheckpointSource(kind, *hit)
         if os.path.isdir(path) and megatron.is_megatron_dir(path):
             return CheckpointSource("megatron", megatron.rank_files(path), path)
         if os.path.isdir(path):
@@ -56,11 +58,6 @@ def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Checkpoin
     if all(torch_files.is_torch_file(f) for f in files):  # e.g. pytorch_model.bin.index.json's shards
         return CheckpointSource("torch", files)
     return CheckpointSource("safetensors", files, index_json)
-
-
-def _megatron_dist(directory: str) -> CheckpointSource:
-    return CheckpointSource("megatron_dist", dcp.data_files(directory, dcp.read_metadata(dcp.metadata_path(directory))),
-                            directory)
 
 
 def _torch_directory(path: str) -> CheckpointSource | None:
@@ -94,12 +91,8 @@ def open_index(source: CheckpointSource, trust_pickle: bool = False) -> Checkpoi
         return torch_files.open_index(source.files, trust_pickle)
     if source.kind == "megatron":
         return megatron.open_index(source.files, trust_pickle)
-    if source.kind == "dcp":
-        return dcp.open_index(source.description)
-    if source.kind == "megatron_dist":
-        return megatron_dist.open_index(source.description)
-    if source.kind == "dcp_safetensors":
-        return dcp_safetensors.open_index(source.files)
+    if source.kind in _TRAINING:
+        return _TRAINING[source.kind].open_found(source.files, source.description)
     if source.kind == "deepspeed":
         return deepspeed.open_index(source.description, trust_pickle)
     return CheckpointIndex(source.files, source.description)

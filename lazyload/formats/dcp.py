@@ -38,6 +38,16 @@ def metadata_path(directory: str) -> str:
     return os.path.join(directory, METADATA)
 
 
+def found(path: str) -> tuple[list[str], str] | None:
+    """(data files, the directory) when `path` is a DCP directory, else None (the format's
+    detect; `open_found` its open_index)."""
+    return (data_files(path, read_metadata(metadata_path(path))), path) if is_dcp_dir(path) else None
+
+
+def open_found(files: list[str], description: str) -> CheckpointIndex:
+    return open_index(description)
+
+
 def data_files(directory: str, metadata: DcpMetadata) -> list[str]:
     """The files the metadata's chunks lie in, each inside `directory`."""
     names = sorted({info.relative_path for info in metadata.storage.values()})

@@ -40,6 +40,16 @@ def shard_files(path: str) -> list[str]:
     return sorted(os.path.join(path, n) for n in names)
 
 
+def found(path: str) -> tuple[list[str], str] | None:
+    """(per-rank files, the directory) of a directory of them, else None."""
+    files = shard_files(path)
+    return (files, path) if files else None
+
+
+def open_found(files: list[str], description: str) -> CheckpointIndex:
+    return open_index(files)
+
+
 def _offsets(path: str, header: dict) -> dict[str, tuple[int, ...]]:
     raw = (header.get("__metadata__") or {}).get(SHARDING_INFO)
     try:

@@ -238,6 +238,14 @@ def open_index(directory: str) -> CheckpointIndex:
     return CheckpointIndex.of(files, entries.items(), names, header, dcp.metadata_path(directory), identities)
 
 
-def is_megatron_dist(path: str) -> bool:
-    return os.path.isdir(path) and checkpoint_dir(path) is not None
+def found(path: str) -> tuple[list[str], str] | None:
+    """(data files, the torch_dist directory) that `path` names, else None."""
+    directory = checkpoint_dir(path) if os.path.isdir(path) else None
+    if directory is None:
+        return None
+    return dcp.data_files(directory, read_metadata(dcp.metadata_path(directory))), directory
+
+
+def open_found(files: list[str], description: str) -> CheckpointIndex:
+    return open_index(description)
 
