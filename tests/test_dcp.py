@@ -162,7 +162,22 @@ def _rezip(metadata, directory, compression):
                 f.write(out.getvalue())
 
 
+def _parameter_chunk(metadata, directory):
+    """Q_PROJ's first chunk replaced by torch.save of an nn.Parameter: a stored, aligned zip
+    whose data.pkl names torch._utils._rebuild_parameter (not a plain tensor's pickle)."""
+    import io
+
+    for index, info in metadata.storage_data.items():
+        if index.fqn == Q_PROJ and index.offset == torch.Size([0, 0]):
+            buffer = io.BytesIO()
+            torch.save(torch.nn.Parameter(torch.zeros(16, 64, dtype=torch.bfloat16)), buffer)
+            with open(directory / info.relative_path, "ab") as f:
+                info.offset, info.length = f.seek(0, 2), len(buffer.getvalue())
+                f.write(buffer.getvalue())
+
+
 @pytest.mark.parametrize("edit, message", [
+    (_parameter_chunk, "names torch._utils._rebuild_parameter"),
     (_drop_chunk, "do not cover the tensor"),
     (_overlap_chunk, "overlapping chunks"),
     (_transformed, "stored transformed (zstd)"),

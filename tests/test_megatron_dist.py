@@ -105,3 +105,26 @@ def test_cli_plans_and_reshards_a_megatron_checkpoint(saved, tmp_path, capsys):
         want = _loaded(saved, rank, 2)[0].state_dict()
         got = _loaded(out, rank, 2)[0].state_dict()
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_megatron_key_lazyload_does_not_know_is_named(saved, tmp_path):
+    """An MoE expert tensor (here a renamed fc2) is refused naming the key and what is known,
+    before any tensor byte."""
+    import pickle
+
+    directory = tmp_path / "iter"
+    shutil.copytree(saved / "iter_0000100", directory)
+    with open(directory / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    old, new = "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.experts.linear_fc2.weight"
+    metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
+    for index in list(metadata.storage_data):
+        if index.fqn == old:
+            info = metadata.storage_data.pop(index)
+            metadata.storage_data[type(index)(new, index.offset, index.index)] = info
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    model = _meta_llama()
+    with pytest.raises(CheckpointError, match="decoder.layers.mlp.experts.linear_fc2.weight"):
+        LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    assert all(t.is_meta for t in model.state_dict().values())
