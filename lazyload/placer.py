@@ -54,6 +54,7 @@ def viewable(targets: list[TargetPlan], items: list[ReadItem], slots: dict[str, 
         item = own[0]
         if (item.entry.dtype != target.dtype or any(op[0] == "transpose" for op in item.ops)
                 or item.scales is not None  # a dequantized weight is computed, never a view
+                or item.entry.start % item.entry.itemsize  # bytes not aligned to the dtype cannot be viewed as it
                 or box_shape(item.dst_box) != target.local_shape or len(byte_runs(item)[0]) != 1):
             continue
         views[target.name] = item

@@ -3,7 +3,9 @@
 Each format is one module that registers a `Format` (`protocol.py` documents the protocol
 and its extension points): lazyload's pre-sharded layout (`sharded`), DeepSpeed's
 checkpoint json (`deepspeed`), Megatron-LM per-rank checkpoints (`megatron`), PyTorch
-`.bin`/`.pt` state dicts (`torch_files`), safetensors files (`safetensors`, the catch-all).
+`.bin`/`.pt` state dicts (`torch_files`), training checkpoints (torch DCP directories, `dcp`;
+DCP's per-rank safetensors, `dcp_safetensors`; Megatron-Core `torch_dist`, `megatron_dist`),
+safetensors files (`safetensors`, the catch-all).
 All give the same `TensorEntry`s, and a tensor stored in pieces across files is one
 logical name (`logical`). None reads tensor data to build it. This module registers the
 built-ins, in the order they are asked, and resolves local paths (`local.py`); URLs are
@@ -16,12 +18,15 @@ import os
 from typing import Sequence
 
 from ..index import CheckpointIndex
-from . import deepspeed, megatron, safetensors, sharded, torch_files
+from . import dcp, dcp_safetensors, deepspeed, megatron, megatron_dist, safetensors, sharded, torch_files
 from .local import LocalStorage
-from .protocol import (CheckpointSource, Format, OpenOptions, Storage, format_named, formats, open_in, register,
-                       resolve_in, unregister)
+from .protocol import (CheckpointSource, Format, OpenOptions, Storage, format_named, formats, open_in, path_format,
+                       register, resolve_in, unregister)
 
-for _builtin in (sharded.FORMAT_SHARDED, deepspeed.FORMAT_DEEPSPEED, megatron.FORMAT_MEGATRON,
+# Training checkpoints are asked before Megatron-LM's per-rank files, whose tracker file they share.
+_TRAINING = [path_format(m.__name__.rsplit(".", 1)[1], m.found, m.open_found)
+             for m in (megatron_dist, dcp_safetensors, dcp)]
+for _builtin in (sharded.FORMAT_SHARDED, deepspeed.FORMAT_DEEPSPEED, *_TRAINING, megatron.FORMAT_MEGATRON,
                  torch_files.FORMAT_TORCH, safetensors.FORMAT_SAFETENSORS):
     register(_builtin)
 

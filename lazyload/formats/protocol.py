@@ -121,6 +121,16 @@ class Format:
 _FORMATS: list[Format] = []
 
 
+def path_format(name: str, found: Callable[[str], Any], open_found: Callable[[list, Any], CheckpointIndex]) -> Format:
+    """A local format told by one path: `found(path)` answers (files, description) or None,
+    `open_found(files, description)` builds the Index (the training checkpoints' modules)."""
+    def detect(storage: Storage, target: Any) -> CheckpointSource | None:
+        hit = found(target) if isinstance(target, str) else None
+        return None if hit is None else CheckpointSource(name, *hit)
+
+    return Format(name, detect, lambda source, storage, options: open_found(source.files, source.description))
+
+
 def register(fmt: Format, before: str | None = None) -> Format:
     """Add `fmt` to the formats asked by `resolve`: ahead of the one named `before`, else
     last; a format of the same name is replaced in its place."""

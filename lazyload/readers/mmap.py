@@ -125,7 +125,11 @@ class MmapReader(Reader):
         box = tuple(slice(a, b) for a, b in item.src_box)
         if isinstance(handle, torch.Tensor):
             entry = item.entry
-            return handle[entry.start:entry.end].view(entry.dtype).view(entry.shape)[box]
+            raw = handle[entry.start:entry.end]
+            if entry.start % entry.itemsize:  # a DCP chunk's zip sits at any byte: its box is copied out
+                box_bytes = raw.view(*entry.shape, entry.itemsize)[box]
+                return box_bytes.clone(memory_format=torch.contiguous_format).view(entry.dtype)[..., 0]
+            return raw.view(entry.dtype).view(entry.shape)[box]
         return handle.get_slice(item.entry.key)[box]
 
     def prefetch(self, items: tuple[ReadItem, ...]) -> None:

@@ -1,0 +1,233 @@
+"""torch.distributed.checkpoint (DCP) directories written by `FileSystemWriter`: `.metadata`
+plus `__{rank}_{n}.distcp` files, each chunk of a tensor a stored entry, each tensor of
+several chunks a logical tensor whose parts are its chunks' boxes.
+
+`.metadata` (read by `dcp_metadata`, no pickled code run) gives every tensor's dtype, global
+size and chunks (offsets, sizes), and where each chunk is stored: (file, offset, length).
+There each chunk is a whole `torch.save` zip whose storage's raw bytes are found from the
+zip's directory and local header (`torch_zip`), never by loading the chunk. Everything is
+checked before any tensor byte is read: chunks that do not cover their tensor or overlap, a
+chunk with no storage entry, transformed (e.g. compressed) bytes, a zip whose record is
+compressed or not aligned, a chunk whose pickled dtype or shape is not the metadata's.
+Non-tensor (bytes) items and training state (optimizer, schedulers, dataloader, RNG) are
+not model weights and are left out; keys are the state dict's fqns (transformers' names
+when an HF model's state dict was saved; a leading `model.` wrapper the mapping removes).
+"""
+from __future__ import annotations
+
+import os
+
+from ..errors import CheckpointError
+from ..expr import Source, Transpose, box_numel
+from ..headers import FileIdentity, TensorEntry
+from ..index import CheckpointIndex
+from . import torch_zip
+from .dcp_metadata import METADATA, Chunk, DcpMetadata, StorageInfo, TensorMeta, read_metadata  # noqa: F401
+from .logical import Layout, Part
+
+# Top-level state-dict groups of training checkpoints that are not model weights.
+TRAINING_STATE = ("optimizer", "optim", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
+                  "dataloader", "train_state", "rng", "rng_state", "rng_tracker", "optimizer_state")
+
+
+def is_dcp_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(metadata_path(path))
+
+
+def metadata_path(directory: str) -> str:
+    return os.path.join(directory, METADATA)
+
+
+def found(path: str) -> tuple[list[str], str] | None:
+    """(data files, the directory) when `path` is a DCP directory, else None (the format's
+    detect; `open_found` its open_index)."""
+    return (data_files(path, read_metadata(metadata_path(path))), path) if is_dcp_dir(path) else None
+
+
+def open_found(files: list[str], description: str) -> CheckpointIndex:
+    return open_index(description)
+
+
+def data_files(directory: str, metadata: DcpMetadata) -> list[str]:
+    """The files the metadata's chunks lie in, each inside `directory`."""
+    names = sorted({info.relative_path for info in metadata.storage.values()})
+    root = os.path.realpath(directory)
+    out = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.isabs(name) or os.path.commonpath([root, os.path.realpath(path)]) != root:
+            raise CheckpointError(f"{directory}/{METADATA}: names the data file {name!r}, outside the checkpoint "
+                                  "directory; refused.")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing; the DCP metadata stores chunks in it. Copy the whole "
+                                  "checkpoint directory.")
+        out.append(path)
+    return out
+
+
+def is_training_state(fqn: str) -> bool:
+    return fqn.split(".", 1)[0] in TRAINING_STATE
+
+
+def model_tensors(metadata: DcpMetadata) -> dict[str, TensorMeta]:
+    return {fqn: meta for fqn, meta in metadata.tensors.items() if not is_training_state(fqn)}
+
+
+def check_chunks(where: str, fqn: str, meta: TensorMeta) -> list[Chunk]:
+    """The tensor's non-empty chunks, once they are checked to tile it exactly."""
+    chunks, seen = [], set()
+    for chunk in meta.chunks:
+        if any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, meta.size)):
+            raise CheckpointError(f"{where}: tensor {fqn!r}: chunk at {list(chunk.offsets)} of sizes "
+                                  f"{list(chunk.sizes)} lies outside its size {list(meta.size)}; corrupt metadata.")
+        if chunk.offsets in seen:
+            raise CheckpointError(f"{where}: tensor {fqn!r}: two chunks at {list(chunk.offsets)}: overlapping "
+                                  "chunks; the checkpoint is corrupt.")
+        seen.add(chunk.offsets)
+        if all(chunk.sizes):
+            chunks.append(chunk)
+    total = sum(box_numel(box_of(c)) for c in chunks)
+    numel = box_numel(tuple((0, n) for n in meta.size))
+    if total < numel:
+        raise CheckpointError(f"{where}: tensor {fqn!r} of size {list(meta.size)}: its {len(chunks)} chunk(s) hold "
+                              f"{total} of its {numel} elements: the chunks do not cover the tensor (a rank's "
+                              "save missing?); the checkpoint is incomplete.")
+    if total > numel or (len(chunks) > 1 and _overlap(chunks)):
+        pair = _overlap(chunks)
+        raise CheckpointError(f"{where}: tensor {fqn!r}: overlapping chunks"
+                              f"{f' at {list(pair[0].offsets)} and {list(pair[1].offsets)}' if pair else ''}; "
+                              "the checkpoint is corrupt.")
+    return chunks
+
+
+def box_of(chunk: Chunk) -> tuple[tuple[int, int], ...]:
+    return tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+
+
+def _overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
+    """Two chunks whose boxes intersect, if any (sweep along dim 0)."""
+    ordered = sorted(chunks, key=lambda c: c.offsets)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1:]:
+            if b.offsets[0] >= a.offsets[0] + a.sizes[0]:
+                break
+            if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in
+                   zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                return a, b
+    return None
+
+
+def _storage_of(where: str, metadata: DcpMetadata, fqn: str, chunk: Chunk) -> StorageInfo:
+    info = metadata.storage.get((fqn, chunk.offsets))
+    if info is None:
+        raise CheckpointError(f"{where}: tensor {fqn!r}: no storage entry for its chunk at {list(chunk.offsets)}; "
+                              "the checkpoint is incomplete.")
+    if info.transforms:
+        raise CheckpointError(f"{where}: tensor {fqn!r}: its chunk at {list(chunk.offsets)} is stored transformed "
+                              f"({', '.join(info.transforms)}); lazyload reads raw torch.save chunks only. Save "
+                              "without storage extensions (e.g. no compression).")
+    return info
+
+
+Planned = list[tuple[str, Chunk, StorageInfo]]  # (fqn, chunk, where its zip is) of every model chunk
+
+
+def planned_chunks(directory: str, metadata: DcpMetadata) -> Planned:
+    """Every model tensor's non-empty chunks and their storage, every metadata check done
+    (before any zip is opened)."""
+    where = metadata_path(directory)
+    return [(fqn, chunk, _storage_of(where, metadata, fqn, chunk))
+            for fqn, meta in model_tensors(metadata).items() for chunk in check_chunks(where, fqn, meta)]
+
+
+def locate_chunks(directory: str, metadata: DcpMetadata,
+                  planned: Planned) -> tuple[list[torch_zip.StoredTensor], int, dict[str, FileIdentity]]:
+    """Where each planned chunk's elements lie (from its zip's directory and pickle), the
+    header bytes read, and the identity of each file as indexed."""
+    stored, header, identities, fds = [], 0, {}, {}
+    try:
+        for fqn, chunk, info in planned:
+            path = os.path.join(directory, info.relative_path)
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY)
+                identities[path] = FileIdentity.of(os.fstat(fds[path]))
+            if info.offset + info.length > identities[path].size:
+                raise CheckpointError(f"{path}: tensor {fqn!r}'s chunk at byte {info.offset} runs past the end of "
+                                      "the file; it is truncated.")
+            try:
+                found = torch_zip.locate(fds[path], path, info.offset, info.length)
+            except CheckpointError as exc:  # named by the tensor too
+                raise CheckpointError(f"tensor {fqn!r}, chunk at {list(chunk.offsets)}: {exc}") from None
+            _check_stored(path, fqn, chunk, metadata.tensors[fqn], found)
+            header += found.header_bytes
+            stored.append(found)
+    except OSError as exc:
+        raise CheckpointError(f"{exc.filename or directory}: cannot read ({exc.strerror or exc}).") from exc
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return stored, header, identities
+
+
+def _transposed(found: torch_zip.StoredTensor) -> bool:
+    """A 2-D chunk saved as the transpose of a row-major tensor (DCP's clone keeps a
+    transposed parameter's layout)."""
+    shape = found.shape
+    return len(shape) == 2 and found.stride == (1, shape[0]) and shape[0] > 1 and shape[1] > 1
+
+
+def _check_stored(path: str, fqn: str, chunk: Chunk, meta: TensorMeta, found: torch_zip.StoredTensor) -> None:
+    if found.dtype != meta.dtype or found.shape != chunk.sizes:
+        raise CheckpointError(f"{path}: tensor {fqn!r}: the chunk at {list(chunk.offsets)} holds {found.dtype} "
+                              f"{list(found.shape)}, but the metadata says {meta.dtype} {list(chunk.sizes)}; the "
+                              "checkpoint's files and metadata disagree.")
+    if not found.contiguous and not _transposed(found):
+        raise CheckpointError(f"{path}: tensor {fqn!r}: the chunk at {list(chunk.offsets)} is saved strided "
+                              f"(stride {list(found.stride)}); lazyload reads row-major (or transposed 2-D) chunks. "
+                              "Save contiguous tensors.")
+
+
+def chunk_keys(planned: list[tuple[str, Chunk]]) -> list[str]:
+    """Each chunk's stored key: its fqn when it holds the whole tensor, else the fqn and
+    its offsets (`model.layers.0.self_attn.q_proj.weight@16,0`)."""
+    count: dict[str, int] = {}
+    for fqn, _ in planned:
+        count[fqn] = count.get(fqn, 0) + 1
+    return [fqn if count[fqn] == 1 else f"{fqn}@{','.join(map(str, chunk.offsets))}" for fqn, chunk in planned]
+
+
+def layouts_of(tensors: dict[str, TensorMeta], tiles: dict[str, list[Part]]) -> dict[str, Layout]:
+    """fqn -> the Layout its chunks' parts tile (checked here: `expr` refuses gaps)."""
+    layouts = {fqn: Layout(fqn, tensors[fqn].size, tensors[fqn].dtype, tuple(parts)) for fqn, parts in tiles.items()}
+    for layout in layouts.values():
+        layout.expr()
+    return layouts
+
+
+def entries_and_layouts(metadata: DcpMetadata, planned: Planned, stored: list[torch_zip.StoredTensor],
+                        directory: str) -> tuple[dict[str, TensorEntry], dict[str, Layout]]:
+    """A stored entry per chunk (its own row-major layout), and a Layout for every tensor
+    of several chunks or saved transposed."""
+    entries, tiles = {}, {}
+    keys = chunk_keys([(fqn, chunk) for fqn, chunk, _ in planned])
+    for (fqn, chunk, info), found, key in zip(planned, stored, keys):
+        transposed = _transposed(found)
+        key += "@T" if transposed else ""
+        shape = found.shape[::-1] if transposed else found.shape
+        entries[key] = TensorEntry(os.path.join(directory, info.relative_path), key, found.dtype, shape,
+                                   found.start, found.end)
+        if key != fqn:
+            tiles.setdefault(fqn, []).append(Part(Transpose(Source(key)) if transposed else Source(key), box_of(chunk)))
+    return entries, layouts_of(metadata.tensors, tiles)
+
+
+def open_index(directory: str) -> CheckpointIndex:
+    """The index of the DCP checkpoint in `directory`, from `.metadata` and the chunks' zip
+    headers alone."""
+    metadata = read_metadata(metadata_path(directory))
+    files = data_files(directory, metadata)
+    planned = planned_chunks(directory, metadata)
+    stored, header, identities = locate_chunks(directory, metadata, planned)
+    entries, layouts = entries_and_layouts(metadata, planned, stored, directory)
+    header += os.path.getsize(metadata_path(directory))
+    return CheckpointIndex.of(files, entries.items(), layouts, header, metadata_path(directory), identities)

@@ -1,0 +1,197 @@
+"""DCP's `.metadata` (a pickle of `torch.distributed.checkpoint.metadata.Metadata`) read
+without running pickled code: an unpickler that answers exactly the classes DCP writes
+there with plain stand-ins, and refuses any other global with a CheckpointError naming it.
+
+What is kept: each tensor's dtype, global size and chunks (offsets, sizes), the fqns of
+non-tensor (bytes) items, and each chunk's storage (file relative to the checkpoint
+directory, offset, length, transform descriptors). Planner data and the storage meta (paths,
+ids) are read into stand-ins and dropped.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CheckpointError
+
+METADATA = ".metadata"
+_MODULE = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
+# The classes DCP pickles into .metadata; each becomes a record of its pickled fields.
+_RECORDS = {
+    (_MODULE, "Metadata"), (_MODULE, "TensorStorageMetadata"), (_MODULE, "ChunkStorageMetadata"),
+    (_MODULE, "BytesStorageMetadata"), (_MODULE, "MetadataIndex"), (_MODULE, "TensorProperties"),
+    (_MODULE, "StorageMeta"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo"),
+    # Megatron-Core keeps every rank's save plan beside the metadata (`all_local_plans`)
+    (_PLANNER, "SavePlan"), (_PLANNER, "WriteItem"), (_PLANNER, "TensorWriteData"),
+}
+_MAX_METADATA = 1 << 30
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    relative_path: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DcpMetadata:
+    tensors: dict[str, TensorMeta]
+    byte_items: tuple[str, ...]
+    storage: dict[tuple[str, tuple[int, ...]], StorageInfo]  # (fqn, chunk offsets) -> where its bytes are
+
+
+class _Record:
+    """A stand-in for one of DCP's metadata dataclasses: its pickled fields, nothing run."""
+
+    kind = ""
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots) of a slotted dataclass
+        self.fields = state if isinstance(state, dict) else {"state": state}
+
+    def get(self, name, default=None):
+        return getattr(self, "fields", {}).get(name, default)
+
+
+def _record_class(name: str) -> type:
+    return type(name, (_Record,), {"kind": name})
+
+
+def _size(*args):
+    return tuple(args[0]) if args else ()
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, raw: bytes, path: str):
+        super().__init__(io.BytesIO(raw))
+        self.path = path
+        self.classes = {key: _record_class(key[1]) for key in _RECORDS}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.classes:
+            return self.classes[module, name]
+        if (module, name) in ((_MODULE, "_MEM_FORMAT_ENCODING"), (_PLANNER, "WriteItemType")):
+            return lambda value: value
+        if (module, name) == ("torch", "Size"):
+            return _size
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return lambda layout: layout
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
+            return lambda *parts: "/".join(map(str, parts))
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise CheckpointError(f"{self.path}: names the class {module}.{name}, which is not one of "
+                              "torch.distributed.checkpoint's metadata classes; lazyload does not run pickled code. "
+                              "The file is not a DCP .metadata, or a writer lazyload does not know put it there.")
+
+
+def read_metadata(path: str) -> DcpMetadata:
+    """The `.metadata` file at `path`, checked."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_METADATA + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc}).") from exc
+    if len(raw) > _MAX_METADATA:
+        raise CheckpointError(f"{path}: over {_MAX_METADATA} bytes, far more than a checkpoint's metadata; refused.")
+    try:
+        root = _MetadataUnpickler(raw, path).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a malformed pickle: any of pickle's own errors
+        raise CheckpointError(f"{path}: not a readable DCP .metadata ({type(exc).__name__}: {str(exc)[:200]}); "
+                              "the checkpoint is corrupt or incomplete (was the save finished?).") from None
+    if not (isinstance(root, _Record) and root.kind == "Metadata"):
+        raise CheckpointError(f"{path}: holds no torch.distributed.checkpoint Metadata; not a DCP checkpoint.")
+    return _convert(root, path)
+
+
+def _bad(path: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {what}; the DCP metadata is malformed or written by a version lazyload does "
+                           "not know.")
+
+
+def _ints(value, path: str, what: str) -> tuple[int, ...]:
+    if not (isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                             for v in value)):
+        raise _bad(path, f"{what} is {str(value)[:80]}, not a tuple of sizes")
+    return value
+
+
+def _convert(root: _Record, path: str) -> DcpMetadata:
+    entries = root.get("state_dict_metadata")
+    storage = root.get("storage_data")
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise _bad(path, "no state_dict_metadata / storage_data dicts")
+    tensors, byte_items = {}, []
+    for fqn, item in entries.items():
+        if not isinstance(fqn, str) or not isinstance(item, _Record):
+            raise _bad(path, f"entry {str(fqn)[:80]} is not a named storage record")
+        if item.kind == "BytesStorageMetadata":
+            byte_items.append(fqn)
+            continue
+        if item.kind != "TensorStorageMetadata":
+            raise _bad(path, f"entry {fqn!r} is a {item.kind}")
+        tensors[fqn] = _tensor_meta(fqn, item, path)
+    return DcpMetadata(tensors, tuple(byte_items), _storage(storage, path))
+
+
+def _tensor_meta(fqn: str, item: _Record, path: str) -> TensorMeta:
+    props = item.get("properties")
+    state = props.get("state") if isinstance(props, _Record) else None
+    dtype = state[0] if isinstance(state, tuple) and state else props.get("dtype") if isinstance(props, _Record) else None
+    if not isinstance(dtype, torch.dtype):
+        raise _bad(path, f"tensor {fqn!r} has no dtype")
+    size = _ints(item.get("size"), path, f"the size of {fqn!r}")
+    chunks = item.get("chunks")
+    if not isinstance(chunks, list) or not all(isinstance(c, _Record) for c in chunks):
+        raise _bad(path, f"tensor {fqn!r} has no chunk list")
+    out = []
+    for c in chunks:
+        offsets = _ints(c.get("offsets"), path, f"a chunk offset of {fqn!r}")
+        sizes = _ints(c.get("sizes"), path, f"a chunk size of {fqn!r}")
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise _bad(path, f"a chunk of {fqn!r} has offsets {list(offsets)} / sizes {list(sizes)} for a "
+                             f"{len(size)}-dim tensor")
+        out.append(Chunk(offsets, sizes))
+    return TensorMeta(dtype, size, tuple(out))
+
+
+def _storage(storage: dict, path: str) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
+    out = {}
+    for index, info in storage.items():
+        if not (isinstance(index, _Record) and isinstance(info, _Record) and isinstance(index.get("fqn"), str)):
+            raise _bad(path, "a storage_data entry is not (MetadataIndex, storage info)")
+        fqn, offset = index.get("fqn"), index.get("offset")
+        offset = () if offset is None else _ints(offset, path, f"the storage offset of {fqn!r}")
+        rel, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
+        transforms = info.get("transform_descriptors") or ()
+        if not (isinstance(rel, str) and isinstance(start, int) and isinstance(length, int) and start >= 0
+                and length >= 0 and isinstance(transforms, (list, tuple))):
+            raise _bad(path, f"the storage of {fqn!r} is not (relative_path, offset, length)")
+        out[fqn, offset] = StorageInfo(rel, start, length, tuple(map(str, transforms)))
+    return out

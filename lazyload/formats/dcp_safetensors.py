@@ -1,0 +1,109 @@
+"""DCP's safetensors flavour (`HuggingFaceStorageWriter(save_distributed=True)`): one
+safetensors file per rank (`shard-{rank}-model-{n}-of-{N}.safetensors`, under `sharded/`
+when a consolidated copy was written beside it) holding that rank's local chunks under the
+state dict's (transformers') names, with each chunk's offsets in the global tensor in the
+header's `DCP_SHARDING_INFO` (`{fqn: {"saved_offsets": [...]}}`).
+
+No global shape is recorded: a tensor's size is the far corner of its chunks, which must
+tile it exactly (`dcp.check_chunks`; the mapping then checks the size against the model).
+Chunks of one name are stored keys `fqn@offsets` over each file's own key, and the tensor
+is a logical tensor over them, as for DCP's own format. The consolidated copy
+(`model-*-of-*.safetensors` and its index json) is plain safetensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from ..errors import CheckpointError
+from ..expr import Source
+from ..headers import entries_of_header, read_header
+from ..index import INDEX_JSON, CheckpointIndex
+from .dcp import box_of, check_chunks, chunk_keys, layouts_of
+from .dcp_metadata import Chunk, TensorMeta
+from .logical import Part
+
+SHARD_FILE = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
+SHARDING_INFO = "DCP_SHARDING_INFO"
+SHARDED_DIR = "sharded"
+
+
+def shard_files(path: str) -> list[str]:
+    """The per-rank files of a directory that holds only them (no index json, no other
+    safetensors); [] for any other directory."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, INDEX_JSON)):
+        return []
+    names = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    if not names or not all(SHARD_FILE.match(n) for n in names):
+        return []
+    return sorted(os.path.join(path, n) for n in names)
+
+
+def found(path: str) -> tuple[list[str], str] | None:
+    """(per-rank files, the directory) of a directory of them, else None."""
+    files = shard_files(path)
+    return (files, path) if files else None
+
+
+def open_found(files: list[str], description: str) -> CheckpointIndex:
+    return open_index(files)
+
+
+def _offsets(path: str, header: dict) -> dict[str, tuple[int, ...]]:
+    raw = (header.get("__metadata__") or {}).get(SHARDING_INFO)
+    try:
+        info = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: no readable {SHARDING_INFO} in its header metadata; not a file of "
+                              "torch's HuggingFaceStorageWriter(save_distributed=True).")
+    out = {}
+    for fqn, value in info.items():
+        offsets = value.get("saved_offsets") if isinstance(value, dict) else None
+        if not (isinstance(offsets, list) and all(isinstance(o, int) and o >= 0 for o in offsets)):
+            raise CheckpointError(f"{path}: {SHARDING_INFO} gives {fqn!r} no saved_offsets list; corrupt header.")
+        out[fqn] = tuple(offsets)
+    return out
+
+
+def open_index(files: list[str]) -> CheckpointIndex:
+    """The logical tensors of the per-rank files `files`, from their headers alone."""
+    chunks: dict[str, list] = {}
+    header_bytes, identities = 0, {}
+    for path in files:
+        header, data_start, identities[path] = read_header(path)
+        header_bytes += data_start
+        offsets = _offsets(path, header)
+        for entry in entries_of_header(path, header, data_start, identities[path].size):
+            where = offsets.get(entry.key)
+            if where is None or len(where) != len(entry.shape):
+                raise CheckpointError(f"{path}: tensor {entry.key!r} has no saved_offsets of its rank "
+                                      f"({len(entry.shape)}) in {SHARDING_INFO}; corrupt header.")
+            chunks.setdefault(entry.key, []).append((Chunk(where, entry.shape), entry))
+    tensors = {fqn: _tensor(files[0], fqn, pieces) for fqn, pieces in chunks.items()}
+    planned = [(fqn, chunk, entry) for fqn, pieces in chunks.items() for chunk, entry in pieces]
+    stored, tiles = [], {}
+    for (fqn, chunk, entry), key in zip(planned, chunk_keys([(f, c) for f, c, _ in planned])):
+        stored.append((key, entry))
+        if key != fqn:
+            tiles.setdefault(fqn, []).append(Part(Source(key), box_of(chunk)))
+    return CheckpointIndex.of(files, stored, layouts_of(tensors, tiles), header_bytes, os.path.dirname(files[0]),
+                              identities)
+
+
+def _tensor(where: str, fqn: str, pieces: list) -> TensorMeta:
+    """The global tensor its chunks span, once they are checked to tile it."""
+    dtypes = {entry.dtype for _, entry in pieces}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{os.path.dirname(where)}: tensor {fqn!r} is stored as {sorted(map(str, dtypes))} "
+                              "in different rank files; the checkpoint is inconsistent.")
+    ndim = len(pieces[0][0].sizes)
+    if any(len(c.sizes) != ndim for c, _ in pieces):
+        raise CheckpointError(f"{os.path.dirname(where)}: tensor {fqn!r} has chunks of different ranks in different "
+                              "rank files; the checkpoint is inconsistent.")
+    size = tuple(max(c.offsets[d] + c.sizes[d] for c, _ in pieces) for d in range(ndim))
+    meta = TensorMeta(dtypes.pop(), size, tuple(c for c, _ in pieces))
+    check_chunks(os.path.dirname(where), fqn, meta)
+    return meta

@@ -1,0 +1,251 @@
+"""Megatron-Core `torch_dist` checkpoints (Megatron-LM, NeMo 2's `weights/`): a DCP
+directory (`iter_NNNNNNN/` with `metadata.json` saying `"sharded_backend": "torch_dist"`,
+`.metadata`, `__R_N.distcp`, `common.pt`) under Megatron's layer-stacked names, read as
+transformers' Llama-family names (Llama, Mistral, Qwen2/3).
+
+The chunks are found as for any DCP checkpoint (`dcp`): header-only, checked to tile each
+tensor. A stacked tensor (`decoder.layers.self_attention.linear_qkv.weight`, global shape
+[layers, rows, hidden]) is unstacked at the entry level: a chunk covering layers
+[l0, l1) is one stored entry per layer (row-major, so each layer's bytes are a contiguous
+run of the chunk's), and each layer's Megatron tensor is the tiling of those. The
+transformers tensors are expressions over them: `linear_qkv` rows interleaved per query
+group ([groups, q heads of the group + 2, head size]: its q heads, then its k, then its v)
+are de-interleaved with `Chunk`s per head; `linear_fc1` ([all gate rows; all up rows]) is
+split in two; norms (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`),
+`embedding.word_embeddings`, `output_layer` and `decoder.final_layernorm` are renamed. So a
+rank's box pushed down reads only the heads and rows it holds, at any TP.
+
+The head counts come from Megatron's `args` in `common.pt` (read by torch's restricted
+unpickler, `argparse.Namespace` allowed) or else the `config.json` beside the checkpoint.
+Optimizer state, RNG state and `_extra_state` byte items are not read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import CheckpointError
+from ..expr import Cat, Chunk, Expr, Source
+from ..headers import TensorEntry, read_json
+from ..index import CheckpointIndex
+from . import dcp, torch_files
+from .dcp_metadata import read_metadata
+from .logical import Layout, Part
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_STACKED = "decoder.layers."
+_PREFIXES = ("module.", "model.module.")  # NeMo 2 / DDP wrappers in front of Megatron's names
+_LAYER = "model.layers.{i}."
+_RENAMES = {  # per-layer Megatron module -> transformers name (the qkv and fc1 are split instead)
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+_GLOBAL = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight",
+           "decoder.final_layernorm.weight": "model.norm.weight"}
+_SPLIT = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight")
+
+
+@dataclass(frozen=True)
+class Heads:
+    heads: int
+    groups: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A tensor given as an expression over stored keys (a split of a fused Megatron
+    tensor), in the index's layouts beside the tilings."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tree: Expr
+
+    def keys(self) -> list[str]:
+        return list(dict.fromkeys(self.tree.keys()))
+
+    def expr(self, rank: int = 0, world: int = 1) -> Expr:
+        return self.tree
+
+
+def checkpoint_dir(path: str) -> str | None:
+    """The torch_dist directory `path` names: itself, its latest iteration (the tracker's),
+    or NeMo 2's `weights/`; None when it names none."""
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            tag = f.read().strip()
+        path = os.path.join(path, "release" if tag == "release" else f"iter_{int(tag):07d}" if tag.isdigit() else tag)
+    if os.path.isdir(os.path.join(path, "weights")) and not os.path.isfile(os.path.join(path, "metadata.json")):
+        path = os.path.join(path, "weights")
+    return path if _is_torch_dist(path) else None
+
+
+def _is_torch_dist(path: str) -> bool:
+    doc = os.path.join(path, "metadata.json")
+    if not (os.path.isfile(doc) and dcp.is_dcp_dir(path)):
+        return False
+    try:
+        with open(doc) as f:
+            return json.load(f).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def heads_of(path: str) -> Heads:
+    """Attention heads, query groups and head size from Megatron's args (common.pt) or the
+    config.json beside the checkpoint (or its parents, up to the save directory)."""
+    refused = ""
+    common = os.path.join(path, "common.pt")
+    if os.path.isfile(common):
+        try:
+            tree = torch_files.load_tree(common, False, [argparse.Namespace])
+        except CheckpointError as exc:  # args holding classes (enums): the config.json is asked instead
+            tree, refused = None, f" (common.pt: {exc})"
+        args = tree.get("args") if isinstance(tree, dict) else None
+        if isinstance(args, argparse.Namespace) and isinstance(getattr(args, "num_attention_heads", None), int):
+            heads = args.num_attention_heads
+            groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+            return Heads(heads, groups, getattr(args, "kv_channels", None) or args.hidden_size // heads)
+    for folder in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        config = os.path.join(folder, "config.json")
+        if os.path.isfile(config):
+            return _config_heads(config)
+    raise CheckpointError(f"{path}: no Megatron args in common.pt{refused} and no config.json beside the checkpoint; "
+                          "lazyload needs the attention heads and query groups to split the fused QKV rows. Put the "
+                          "model's config.json in the checkpoint directory.")
+
+
+def _config_heads(config: str) -> Heads:
+    doc = read_json(config, "the model's config.json")
+    try:
+        heads = int(doc["num_attention_heads"])
+        return Heads(heads, int(doc.get("num_key_value_heads") or heads),
+                     int(doc.get("head_dim") or doc["hidden_size"] // heads))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):
+        raise CheckpointError(f"{config}: no num_attention_heads / hidden_size in it; lazyload needs them to split "
+                              "Megatron's fused QKV rows.") from None
+
+
+def is_model_tensor(fqn: str) -> bool:
+    """Megatron's model tensors; anything else (optimizer, RNG and rerun state) is not read."""
+    return _unwrapped(fqn).split(".", 1)[0] in ("embedding", "decoder", "output_layer")
+
+
+def _unwrapped(fqn: str) -> str:
+    for prefix in _PREFIXES:
+        if fqn.startswith(prefix):
+            return fqn[len(prefix):]
+    return fqn
+
+
+def _per_layer(entries: dict[str, TensorEntry], tiles: dict[str, list[Part]], fqn: str, chunk, key: str) -> None:
+    """The chunk's stored entry cut into one entry per layer it covers, each placed in its
+    layer's tiling (`tiles`: Megatron per-layer name -> parts)."""
+    entry = entries.pop(key, None)
+    if entry is None or entry.shape != chunk.sizes:
+        raise CheckpointError(f"Megatron tensor {fqn!r}: a chunk is saved transposed; lazyload reads "
+                              "Megatron's own row-major layout.")
+    step = entry.nbytes // chunk.sizes[0] if chunk.sizes[0] else 0
+    name = _unwrapped(fqn).removeprefix(_STACKED)
+    for j in range(chunk.sizes[0]):
+        layer = chunk.offsets[0] + j
+        layer_key = f"{fqn}@{layer}:{','.join(map(str, chunk.offsets[1:]))}"
+        entries[layer_key] = replace(entry, key=layer_key, shape=chunk.sizes[1:], start=entry.start + j * step,
+                                     end=entry.start + (j + 1) * step)
+        box = tuple((o, o + s) for o, s in zip(chunk.offsets[1:], chunk.sizes[1:]))
+        tiles.setdefault(f"{layer}:{name}", []).append(Part(Source(layer_key), box))
+
+
+def _split(name: str, tree: Expr, shape: tuple[int, ...], dtype, heads: Heads, where: str) -> dict[str, Derived]:
+    """transformers tensors from a fused Megatron one (one layer's qkv or fc1)."""
+    if name.startswith("mlp.linear_fc1"):
+        half = (shape[0] // 2,) + shape[1:]
+        return {f"mlp.{p}_proj.weight": Derived(f"mlp.{p}_proj.weight", half, dtype, Chunk(tree, 0, i, 2))
+                for i, p in enumerate(("gate", "up"))}
+    per, blocks = heads.heads // heads.groups, heads.groups * (heads.heads // heads.groups + 2)
+    if shape[0] != blocks * heads.size:
+        raise CheckpointError(f"{where}: {name!r} has {shape[0]} rows, not ({heads.heads} heads + 2 x {heads.groups} "
+                              f"query groups) x {heads.size}; the heads lazyload found do not fit this checkpoint.")
+    param = name.rpartition(".")[2]
+    out = {}
+    for comp, picks in (("q", range(per)), ("k", [per]), ("v", [per + 1])):
+        rows = [Chunk(tree, 0, g * (per + 2) + t, blocks) for g in range(heads.groups) for t in picks]
+        target = f"self_attn.{comp}_proj.{param}"
+        out[target] = Derived(target, (len(rows) * heads.size,) + shape[1:], dtype, Cat(tuple(rows), 0))
+    return out
+
+
+def _transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) -> dict[str, object]:
+    """Megatron (per-layer or global) tilings -> transformers names."""
+    out: dict[str, object] = {}
+    for key, layout in layouts.items():
+        layer, _, name = key.rpartition(":")
+        tree = layout.expr()
+        if not layer:  # a global tensor
+            if name not in _GLOBAL:
+                raise CheckpointError(f"{where}: Megatron key {name!r} is not one lazyload knows (expected one of "
+                                      f"{sorted(_GLOBAL)} or a decoder.layers.* tensor).")
+            out[_GLOBAL[name]] = Derived(_GLOBAL[name], layout.shape, layout.dtype, tree)
+            continue
+        prefix = _LAYER.format(i=layer)
+        if name in _SPLIT:
+            derived = _split(name, tree, layout.shape, layout.dtype, heads, where)
+        elif name in _RENAMES:
+            derived = {_RENAMES[name]: Derived(_RENAMES[name], layout.shape, layout.dtype, tree)}
+        else:
+            raise CheckpointError(f"{where}: Megatron key 'decoder.layers.{name}' is not one lazyload knows how to "
+                                  f"name for transformers (known: {sorted(_RENAMES) + list(_SPLIT)}); MoE experts "
+                                  "and other layer kinds are not read yet.")
+        for target, d in derived.items():
+            out[prefix + target] = replace(d, name=prefix + target)
+    return out
+
+
+def open_index(directory: str) -> CheckpointIndex:
+    """The index of a torch_dist checkpoint directory under transformers' names."""
+    metadata = read_metadata(dcp.metadata_path(directory))
+    files = dcp.data_files(directory, metadata)
+    planned = [p for p in dcp.planned_chunks(directory, metadata) if is_model_tensor(p[0])]
+    stored, header, identities = dcp.locate_chunks(directory, metadata, planned)
+    entries, _ = dcp.entries_and_layouts(metadata, planned, stored, directory)
+    keys = dcp.chunk_keys([(fqn, chunk) for fqn, chunk, _ in planned])
+    tiles: dict[str, list[Part]] = {}
+    for (fqn, chunk, _), key in zip(planned, keys):
+        if _unwrapped(fqn).startswith(_STACKED):
+            _per_layer(entries, tiles, fqn, chunk, key)
+        else:
+            box = tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+            tiles.setdefault(f":{_unwrapped(fqn)}", []).append(Part(Source(key), box))
+    layouts = {}
+    for key, parts in tiles.items():
+        first = entries[parts[0].expr.keys()[0]]
+        shape = tuple(max(p.box[d][1] for p in parts) for d in range(len(parts[0].box)))
+        layouts[key] = Layout(key, shape, first.dtype, tuple(parts))
+    names = _transformers_names(layouts, heads_of(directory), dcp.metadata_path(directory))
+    header += os.path.getsize(dcp.metadata_path(directory))
+    return CheckpointIndex.of(files, entries.items(), names, header, dcp.metadata_path(directory), identities)
+
+
+def found(path: str) -> tuple[list[str], str] | None:
+    """(data files, the torch_dist directory) that `path` names, else None."""
+    directory = checkpoint_dir(path) if os.path.isdir(path) else None
+    if directory is None:
+        return None
+    return dcp.data_files(directory, read_metadata(dcp.metadata_path(directory))), directory
+
+
+def open_found(files: list[str], description: str) -> CheckpointIndex:
+    return open_index(description)
+

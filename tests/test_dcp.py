@@ -1,0 +1,194 @@
+"""torch.distributed.checkpoint (DCP) directories as sources: checkpoints written by torch's
+own `dcp.save` (a plain Llama state dict beside its AdamW state, and an FSDP2 x TP (2 x 2)
+Llama saved by 4 gloo ranks) load into meta-built transformers models bit-exact against
+`dcp.load`, at world 1 and at world 2 under gloo, each rank reading less than 0.75x the
+checkpoint; bad metadata or chunks are CheckpointErrors before any tensor byte is read."""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from checkpoints import build_model
+from dcp_checkpoints import dcp_reference, llama, save_fsdp_tp, save_plain
+from gloo import spawn_cases
+from lazyload import CheckpointError, LazyCheckpoint
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> (dir, dtype, the DCP checkpoint dcp.load reads as the reference, its key
+    prefix), written by dcp.save; "hf_sharded" / "hf_consolidated": the FSDP x TP model saved
+    by HuggingFaceStorageWriter (per-rank files, and their consolidated copy)."""
+    root = tmp_path_factory.mktemp("dcp")
+    save_plain(root / "plain")
+    save_fsdp_tp(root / "fsdp_tp", root)
+    fsdp = str(root / "fsdp_tp")
+    return {"plain": (str(root / "plain"), torch.float32, str(root / "plain"), "model."),
+            "fsdp_tp": (fsdp, torch.bfloat16, fsdp, ""),
+            "hf_sharded": (f"{fsdp}-hf/sharded", torch.bfloat16, fsdp, ""),
+            "hf_consolidated": (f"{fsdp}-hf", torch.bfloat16, fsdp, "")}
+
+
+def _assert_same_state(model, ref, label):
+    got, want = model.state_dict(), ref.state_dict()
+    assert sorted(got) == sorted(want), label
+    for key, value in want.items():
+        tensor = got[key].full_tensor() if hasattr(got[key], "full_tensor") else got[key]
+        assert tensor.dtype == value.dtype and torch.equal(tensor, value), f"{label}: {key} differs from dcp.load"
+
+
+@pytest.mark.parametrize("name", ["plain", "fsdp_tp", "hf_sharded", "hf_consolidated"])
+def test_dcp_loads_exactly_as_dcp_load(saved, name):
+    path, dtype, reference, prefix = saved[name]
+    model = build_model("llama", llama()[1], dtype)
+    checkpoint = LazyCheckpoint(path)
+    report = checkpoint.load_into(model, progress=False)
+    assert report.ok
+    _assert_same_state(model, dcp_reference(reference, prefix), name)
+    assert not [n for n in checkpoint.index.names() if n.startswith("optimizer.")]  # training state left out
+
+
+def test_fsdp_tp_chunks_are_boxes_of_global_tensors(saved, monkeypatch):
+    """FSDP2's _StridedShard under TP: q_proj's 4 row chunks are listed interleaved (rank
+    order), and each is a box of the global tensor; indexing reads no byte of any tensor."""
+    from lazyload.formats import torch_zip
+
+    reads, real = [], os.pread
+
+    def pread(fd, length, offset):
+        reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, offset + length))
+        return real(fd, length, offset)
+
+    monkeypatch.setattr(torch_zip.os, "pread", pread)
+    index = LazyCheckpoint(saved["fsdp_tp"][0]).index
+    monkeypatch.undo()
+    assert reads and not [(f, a, b) for f, a, b in reads for e in index.entries()
+                          if e.file == f and a < e.end and e.start < b]
+    rows = [int(k.split("@")[1].split(",")[0]) for k in index.expr(Q_PROJ).keys()]
+    assert rows == [0, 16, 32, 48] and index.shape(Q_PROJ) == (64, 64)
+    o_proj = index.expr("model.layers.0.self_attn.o_proj.weight").keys()
+    assert len(o_proj) == 4 and all(index[k].shape == (32, 32) for k in o_proj)
+    assert index.header_bytes_read >= sum(b - a for _, a, b in reads)
+
+
+def _case_world2(case, rank, world):
+    path, dtype, reference, prefix = case
+    model = build_model("llama", llama()[1], dtype)
+    report = LazyCheckpoint(path).load_into(model, rank, world, progress=False)
+    assert report.ok
+    _assert_same_state(model, dcp_reference(reference, prefix), f"{path} rank {rank} of {world}")
+    total = LazyCheckpoint(path).index.total_bytes
+    assert report.bytes_read + report.bytes_mapped < 0.75 * total, (report.bytes_read, report.bytes_mapped, total)
+
+
+def test_dcp_loads_at_world_2_under_gloo(saved, tmp_path):
+    spawn_cases(2, [saved["plain"], saved["fsdp_tp"], saved["hf_sharded"]], tmp_path, _case_world2)
+
+
+def test_hf_sharded_files_must_tile_each_tensor(saved, tmp_path):
+    """Rank 0's file gone: the chunks at row 0 are missing, a CheckpointError naming the
+    tensor before any byte is read (a missing last chunk only shrinks the inferred size,
+    which the mapping refuses as a shape mismatch)."""
+    directory = tmp_path / "sharded"
+    shutil.copytree(saved["hf_sharded"][0], directory)
+    (directory / "shard-00001-model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="do not cover the tensor"):
+        LazyCheckpoint(str(directory)).load_into(build_model("llama", llama()[1], torch.bfloat16), progress=False)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _copy(saved, tmp_path, edit) -> str:
+    """A copy of the FSDP x TP checkpoint whose metadata `edit(metadata)` changed."""
+    directory = tmp_path / "bad"
+    shutil.copytree(saved["fsdp_tp"][0], directory)
+    with open(directory / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    edit(metadata, directory)
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return str(directory)
+
+
+def _chunks(metadata):
+    return metadata.state_dict_metadata[Q_PROJ].chunks
+
+
+def _drop_chunk(metadata, _):
+    _chunks(metadata).pop()
+
+
+def _overlap_chunk(metadata, _):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    _chunks(metadata)[1] = ChunkStorageMetadata(torch.Size([8, 0]), torch.Size([16, 64]))  # rows 8:24 over 0:16
+
+
+def _transformed(metadata, _):
+    for index, info in metadata.storage_data.items():
+        if index.fqn == Q_PROJ:
+            info.transform_descriptors = ["zstd"]
+
+
+def _unknown_class(metadata, _):
+    metadata.planner_data = os.system  # pickled as a reference to posix.system
+
+
+def _rezip(metadata, directory, compression):
+    """Q_PROJ's first chunk rewritten by Python's zipfile (records compressed, or stored
+    without torch's 64-byte alignment), appended to its file and pointed at."""
+    import io
+    import zipfile
+
+    for index, info in metadata.storage_data.items():
+        if index.fqn == Q_PROJ and index.offset == torch.Size([0, 0]):
+            path = directory / info.relative_path
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                original = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
+            out = io.BytesIO()
+            with zipfile.ZipFile(out, "w", compression) as z:
+                for record in original.infolist():
+                    z.writestr(record.filename, original.read(record.filename))
+            with open(path, "ab") as f:
+                info.offset, info.length = f.seek(0, 2), len(out.getvalue())
+                f.write(out.getvalue())
+
+
+def _parameter_chunk(metadata, directory):
+    """Q_PROJ's first chunk replaced by torch.save of an nn.Parameter: a stored, aligned zip
+    whose data.pkl names torch._utils._rebuild_parameter (not a plain tensor's pickle)."""
+    import io
+
+    for index, info in metadata.storage_data.items():
+        if index.fqn == Q_PROJ and index.offset == torch.Size([0, 0]):
+            buffer = io.BytesIO()
+            torch.save(torch.nn.Parameter(torch.zeros(16, 64, dtype=torch.bfloat16)), buffer)
+            with open(directory / info.relative_path, "ab") as f:
+                info.offset, info.length = f.seek(0, 2), len(buffer.getvalue())
+                f.write(buffer.getvalue())
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_parameter_chunk, "names torch._utils._rebuild_parameter"),
+    (_drop_chunk, "do not cover the tensor"),
+    (_overlap_chunk, "overlapping chunks"),
+    (_transformed, "stored transformed (zstd)"),
+    (_unknown_class, "names the class posix.system"),
+    (lambda m, d: _rezip(m, d, 8), "is compressed (zip method 8)"),
+    (lambda m, d: _rezip(m, d, 0), "not 64-byte aligned"),
+])
+def test_bad_dcp_checkpoints_are_refused_before_any_tensor_byte(saved, tmp_path, edit, message):
+    path = _copy(saved, tmp_path, edit)
+    model = build_model("llama", llama()[1], torch.bfloat16)
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        LazyCheckpoint(path).load_into(model, progress=False)
+    assert Q_PROJ in str(info.value) or "posix.system" in str(info.value)
+    assert all(t.is_meta for t in model.state_dict().values())  # untouched: every tensor still on meta

@@ -1,0 +1,130 @@
+"""Megatron-Core `torch_dist` checkpoints (written by megatron-core's own
+dist_checkpointing.save at TP 2) load into a meta-built transformers Llama: its logits match
+Megatron's forward within 1e-5, at world 2 under gloo each rank's shards equal world 1's
+bit for bit while reading less than 0.75x the checkpoint; the save directory, the iteration
+directory and a NeMo 2 `weights/` directory are all entry points."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core (the test extra) writes the checkpoints")
+
+from gloo import spawn_cases  # noqa: E402
+from lazyload import CheckpointError, LazyCheckpoint  # noqa: E402
+from megatron_dist_checkpoints import hf_config, save_megatron, tokens  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron")
+    save_megatron(root / "save", root)
+    return root / "save"
+
+
+def _meta_llama():
+    import transformers as tf
+
+    with torch.device("meta"):
+        return tf.LlamaForCausalLM._from_config(hf_config(), attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _loaded(path, rank=0, world=1):
+    model = _meta_llama()
+    report = LazyCheckpoint(str(path)).load_into(model, rank, world, progress=False)
+    assert report.ok
+    return model, report
+
+
+def test_megatron_logits_match_megatrons_forward(saved):
+    model, _ = _loaded(saved)
+    with torch.no_grad():
+        logits = model(input_ids=tokens()).logits
+    torch.testing.assert_close(logits, torch.load(saved / "megatron_logits.pt"), rtol=0, atol=1e-5)
+
+
+def test_entry_points_give_the_same_tensors(saved, tmp_path):
+    """The save directory (its tracker's iteration), the iteration directory, NeMo 2's
+    `weights/`: the same index and the same tensors."""
+    nemo = tmp_path / "nemo_ckpt"
+    shutil.copytree(saved / "iter_0000100", nemo / "weights")
+    want = _loaded(saved)[0].state_dict()
+    for path in (saved / "iter_0000100", nemo):
+        got = _loaded(path)[0].state_dict()
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), path
+    assert LazyCheckpoint(str(saved)).source.kind == "megatron_dist"
+
+
+def _case_world2(path, rank, world):
+    want = _loaded(path)[0].state_dict()
+    model, report = _loaded(path, rank, world)
+    for key, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        assert torch.equal(full, want[key]), f"rank {rank}: {key}"
+    total = LazyCheckpoint(str(path)).index.total_bytes
+    assert report.bytes_read + report.bytes_mapped < 0.75 * total, (report.bytes_read, report.bytes_mapped, total)
+
+
+def test_megatron_loads_at_world_2_under_gloo(saved, tmp_path):
+    spawn_cases(2, [str(saved)], tmp_path, _case_world2)
+
+
+def test_heads_that_do_not_fit_are_refused(saved, tmp_path):
+    """Without Megatron's args, a config.json whose heads do not fit the fused QKV rows:
+    a CheckpointError naming the key, before any tensor byte."""
+    import json
+
+    directory = tmp_path / "iter"
+    shutil.copytree(saved / "iter_0000100", directory)
+    os.remove(directory / "common.pt")
+    doc = hf_config().to_dict() | {"num_key_value_heads": 4}
+    (directory / "config.json").write_text(json.dumps(doc))
+    model = _meta_llama()
+    with pytest.raises(CheckpointError, match="linear_qkv.weight"):
+        LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    assert all(t.is_meta for t in model.state_dict().values())
+
+
+def test_cli_plans_and_reshards_a_megatron_checkpoint(saved, tmp_path, capsys):
+    """`lazyload plan` and `reshard` (with the model's config.json): the pre-sharded copy
+    loads at world 2 to the same shards as the training checkpoint itself."""
+    from lazyload.cli import main
+
+    hf_config().save_pretrained(tmp_path / "config")
+    assert main(["plan", str(saved), "--world", "2", "--config", str(tmp_path / "config")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    total = LazyCheckpoint(str(saved)).index.total_bytes
+    assert len(rows) == 2 and all(int(row[1].replace(",", "")) < 0.75 * total for row in rows)
+    out = tmp_path / "resharded"
+    assert main(["reshard", str(saved), str(out), "--world", "2", "--config", str(tmp_path / "config")]) == 0
+    for rank in range(2):
+        want = _loaded(saved, rank, 2)[0].state_dict()
+        got = _loaded(out, rank, 2)[0].state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_megatron_key_lazyload_does_not_know_is_named(saved, tmp_path):
+    """An MoE expert tensor (here a renamed fc2) is refused naming the key and what is known,
+    before any tensor byte."""
+    import pickle
+
+    directory = tmp_path / "iter"
+    shutil.copytree(saved / "iter_0000100", directory)
+    with open(directory / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    old, new = "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.experts.linear_fc2.weight"
+    metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
+    for index in list(metadata.storage_data):
+        if index.fqn == old:
+            info = metadata.storage_data.pop(index)
+            metadata.storage_data[type(index)(new, index.offset, index.index)] = info
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    model = _meta_llama()
+    with pytest.raises(CheckpointError, match="decoder.layers.mlp.experts.linear_fc2.weight"):
+        LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    assert all(t.is_meta for t in model.state_dict().values())
