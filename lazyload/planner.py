@@ -29,13 +29,13 @@ from .errors import ArgumentError, DtypeError, PlanError
 from .index import CheckpointIndex
 from .mapping import KeyMap, Mapping, check_casts, check_mapping, held_by, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
-from .tp.runnable import check_process_group
+from .tp.parallel_plan import ParallelPlan, check_process_group, parallel_plan_of_load
 from .tp.placements import Resolved, resolve_placements
 from .placer import viewable, whole_scratch
 from .plan import REPLICATE, ReadItem, TargetPlan, check_rank, local_regions, plan_for_rank
-from .quant.formats import Quantization as PreQuantized
+from .quant.formats import Quantization as PreQuantized, detect
 from .quant.onload import Grid, Quantization
-from .quant.targets import quantized_targets
+from .quant.targets import quantized_targets, scale_names
 from .mesh import cooperating
 from .readers import must_release_pages, reader_name
 from .remote import RemoteCheckpoint
@@ -132,6 +132,7 @@ class LoadPlan:
     groups: list[Group]  # every item, by layer
     copy_groups: list[Group]  # those copied (not views)
     budget: int
+    parallel: ParallelPlan | None = None  # how the executor makes the model runnable split; None: it does not
 
     @property
     def index(self) -> CheckpointIndex:
@@ -183,6 +184,8 @@ def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, wor
         mapped = map_checkpoint(checkpoint, index, model, options.key_map)
     specs, mapping, placements = place(mapped, model, rank, world, options)
     quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
+    parallel = parallel_plan_of_load(model, options.plan, rank, world, placements, scale_names(model, quantized),
+                                     options.shards_only, options.mesh is not None, preview)
     dtypes = {name: target_dtype(specs[name].dtype, checkpoint.values_dtype(expr.first_key(), mapped.quant),
                                  options.dtype) for name, expr in mapping.exprs.items()}
     full_dtypes = {name: dtypes[name] for name in quantized}
@@ -194,7 +197,8 @@ def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, wor
                                    placements.placements, rank, world)
     reads = _reads(targets, items, whole, mapped.slots, device, world, options, checkpoint.remote, preview)
     return LoadPlan(rank, world, options, device, checkpoint.remote, mapped, specs, mapping, placements, qconfig,
-                    quantized, dtypes, full_dtypes, targets, items, whole, initialized, recompute, **reads)
+                    quantized, dtypes, full_dtypes, targets, items, whole, initialized, recompute, **reads,
+                    parallel=parallel)
 
 
 def map_checkpoint(checkpoint: StoredCheckpoint, index: CheckpointIndex, model: nn.Module,
@@ -203,7 +207,7 @@ def map_checkpoint(checkpoint: StoredCheckpoint, index: CheckpointIndex, model: 
     weights detected with the config.json beside the files)."""
     slots, aliases = model_slots(model)
     specs = model_specs(model, slots)
-    quant = checkpoint.detect(held=held_by(model, specs))
+    quant = detect(index, checkpoint.quantization_config(), held_by(model, specs))  # pieces: this rank's copies
     return Mapped(index, slots, aliases, specs, quant, map_model(index, model, specs, aliases, key_map, quant))
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..engine import run_schedule
 from ..errors import ArgumentError, CheckpointError, PlanError
-from ..expr import Box, Source, box_numel, box_shape, full_box
+from ..expr import Box, Dequant, Source, box_numel, box_shape, full_box
 from ..formats import CheckpointSource, open_index, resolve
 from ..formats.logical import Layout, Part
 from ..formats.sharded import FORMAT, LAYOUT_JSON, VERSION
@@ -32,6 +32,7 @@ from ..mapping import Mapping, check_mapping, natural_key
 from ..placer import TensorDest
 from ..plan import ReadItem, check_rank
 from ..planner import LoadOptions, map_checkpoint, plan_load
+from ..quant.formats import read_quantization_config
 from ..quant.onload import Quantization
 from ..readers import PreadReader
 from ..schedule import default_budget, layer_of, schedule
@@ -79,20 +80,22 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
     model = model if model is not None else _meta_model(config, src)
     if qconfig is not None:
         return _save_compressed(src, out_dir, index, view, model, qconfig, max_file_bytes, max_host_bytes)
-    boxes = _rank_boxes(StoredCheckpoint.of_index(view), model, world, plan)
+    boxes, quant = _rank_boxes(StoredCheckpoint.of_index(view, _quantization_config(src, index)), model, world, plan)
     for name in view:  # tensors no model tensor reads are kept, whole, in rank 0's file
         if name not in boxes:
             boxes[name][0].append(full_box(view[name].shape))
-    pieces = _pieces(view, boxes, world)
+    pieces = _pieces(view, boxes, world, _scale_names(quant))
     with staged_directory(out_dir) as staging:
         _write_layout(staging, pieces, index, view, world, max_file_bytes, max_host_bytes)
         _copy_configs(src, staging)
     return os.path.join(out_dir, LAYOUT_JSON)
 
 
-def _rank_boxes(view: StoredCheckpoint, model: nn.Module, world: int, plan: dict | str | None) -> dict:
+def _rank_boxes(view: StoredCheckpoint, model: nn.Module, world: int, plan: dict | str | None) -> tuple[dict, Any]:
     """Source tensor name -> rank -> the boxes of it that rank reads, as `load_into` plans
-    them (the same planner; each source name a leaf of the view)."""
+    them (the same planner; each source name a leaf of the view): every single-tensor read
+    of the plan's items, a pre-quantized weight's scale blocks and zero points included;
+    and the view's pre-quantized weights."""
     options = LoadOptions(plan=plan, strict=False, missing="keep")
     boxes: dict[str, dict[int, list[Box]]] = defaultdict(lambda: defaultdict(list))
     mapped = map_checkpoint(view, view.index, model, None)
@@ -100,9 +103,10 @@ def _rank_boxes(view: StoredCheckpoint, model: nn.Module, world: int, plan: dict
         check_mapping(Mapping(mapped.mapping.exprs, [], [], mapped.mapping.mismatched), view.index, mapped.specs)
     for rank in range(world):
         for item in plan_load(view, model, rank, world, options, preview=True, mapped=mapped).items:
-            if item.src_box not in boxes[item.entry.key][rank]:
-                boxes[item.entry.key][rank].append(item.src_box)
-    return boxes
+            for read in item.reads():  # a dequantized item's scale blocks and zero points too
+                if read.src_box not in boxes[read.entry.key][rank]:
+                    boxes[read.entry.key][rank].append(read.src_box)
+    return boxes, mapped.quant
 
 
 def _write_layout(out_dir: str, pieces: dict, index: CheckpointIndex, view: CheckpointIndex, world: int,
@@ -122,6 +126,21 @@ def _write_layout(out_dir: str, pieces: dict, index: CheckpointIndex, view: Chec
                               "pieces": records[name]} for name in view}}
     with open(os.path.join(out_dir, LAYOUT_JSON), "w") as f:
         json.dump(doc, f, indent=1)
+
+
+def _quantization_config(src: Any, index: CheckpointIndex) -> dict | None:
+    """The source's `quantization_config` (its config.json's), so that its pre-quantized
+    weights are paired with their scales as a load pairs them."""
+    if hasattr(src, "quantization_config"):  # a LazyCheckpoint, local or remote
+        return src.quantization_config()
+    return read_quantization_config([f for f in index.files if "://" not in f])
+
+
+def _scale_names(quant: Any) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Pre-quantized weight name -> its block and the names of its scale (and zero point)
+    tensors (each name of the view is a whole tensor: its leaf is one `Dequant`)."""
+    return {name: (leaf.block, tuple(k for k in leaf.keys() if k != name))
+            for name, leaf in quant.leaves.items() if isinstance(leaf, Dequant)}
 
 
 def _local_paths(src: Any) -> list:
@@ -170,23 +189,36 @@ def _names_as_tensors(index: CheckpointIndex) -> CheckpointIndex:
     return CheckpointIndex.of(index.files, entries)
 
 
-def _pieces(view: CheckpointIndex, boxes: dict, world: int) -> dict[int, list[tuple[str, str, Box]]]:
+def _pieces(view: CheckpointIndex, boxes: dict, world: int,
+            scales: dict[str, tuple[tuple[int, ...], tuple[str, ...]]]) -> dict[int, list[tuple[str, str, Box]]]:
     """Per rank, its (key in its file, tensor name, box), in layer order. A tensor whose
     boxes do not tile it (a part nobody reads, boxes that overlap) is stored whole instead,
-    in each rank's file that reads any of it."""
+    in each rank's file that reads any of it; so is a pre-quantized weight whose slices cut
+    its blocks, with its scales (a load pairs each weight piece with its blocks' scale piece)."""
+    by_name = {name: _tiling(name, boxes[name], view, world) for name in boxes}
+    for weight, (block, siblings) in scales.items():
+        if weight in by_name and any(a % b for bs in by_name[weight].values() for box in bs
+                                     for (a, _), b in zip(box, block)):
+            by_name[weight] = {rank: [full_box(view[weight].shape)] for rank in boxes[weight]}
+            for sibling in siblings:
+                by_name[sibling] = {rank: [full_box(view[sibling].shape)] for rank in boxes[weight]}
     per_rank: dict[int, list[tuple[str, str, Box]]] = defaultdict(list)
-    for name in sorted(boxes, key=lambda n: (natural_key(layer_of(n)), natural_key(n))):
-        by_rank = boxes[name]
-        shape = view[name].shape
-        parts = [Part(Source(name), box, rank) for rank, bs in by_rank.items() for box in bs]
-        try:
-            Layout(name, shape, view[name].dtype, tuple(parts), world).expr()
-        except CheckpointError:
-            by_rank = {rank: [full_box(shape)] for rank in by_rank}
-        for rank, bs in by_rank.items():
+    for name in sorted(by_name, key=lambda n: (natural_key(layer_of(n)), natural_key(n))):
+        for rank, bs in by_name[name].items():
             for i, box in enumerate(sorted(bs)):
                 per_rank[rank].append((name if i == 0 else f"{name}@{i}", name, box))
     return per_rank
+
+
+def _tiling(name: str, by_rank: dict[int, list[Box]], view: CheckpointIndex, world: int) -> dict[int, list[Box]]:
+    """`by_rank` itself when its boxes tile the tensor, else the whole tensor for each of its ranks."""
+    shape = view[name].shape
+    parts = [Part(Source(name), box, rank) for rank, bs in by_rank.items() for box in bs]
+    try:
+        Layout(name, shape, view[name].dtype, tuple(parts), world).expr()
+    except CheckpointError:
+        return {rank: [full_box(shape)] for rank in by_rank}
+    return by_rank
 
 
 def _cut(pieces: list, view: CheckpointIndex, max_bytes: int | None) -> list[list]:
