@@ -276,14 +276,21 @@ def _reads(targets: list[TargetPlan], items: list[ReadItem], whole: dict[str, in
         views = viewable([t for t in targets if t.name not in whole], items, slots)
     groups = schedule(items)  # views of warm pages need nothing more; cold ones are paged in by the schedule
     copy_groups = [Group(g.layer, kept) for g in groups if (kept := tuple(i for i in g.items if i.target not in views))]
-    budget = options.max_host_bytes
-    if budget is None:  # never less than the largest read (see default_budget)
-        budget = max([default_budget(copy_groups), *whole_host.values()])
-    elif budget < (largest := max((item.nbytes for g in copy_groups for item in g.items), default=0)):
-        raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
-                        f"({largest} bytes); raise it to at least that.")
+    budget = byte_budget(copy_groups, options.max_host_bytes, max(whole_host.values(), default=0))
     return dict(reader=reader, release_pages=release_pages, views=views, groups=groups, copy_groups=copy_groups,
                 budget=budget)
+
+
+def byte_budget(groups: list[Group], max_host_bytes: int | None, floor: int = 0) -> int:
+    """The bytes read but not yet placed at once: `max_host_bytes`, refused when smaller
+    than the largest single read; by default one layer, never less than the largest read
+    (see default_budget) nor than `floor` (a conversion's whole sources)."""
+    if max_host_bytes is None:
+        return max(default_budget(groups), floor)
+    if max_host_bytes < (largest := max((item.nbytes for g in groups for item in g.items), default=0)):
+        raise PlanError(f"max_host_bytes={max_host_bytes} is smaller than the largest single read "
+                        f"({largest} bytes); raise it to at least that.")
+    return max_host_bytes
 
 
 def emptied_buffers(model: nn.Module, loaded: set[str]) -> set[str]:

@@ -30,13 +30,14 @@ from ..headers import DTYPES, TensorEntry
 from ..index import CheckpointIndex
 from ..mapping import Mapping, check_mapping, natural_key
 from ..placer import TensorDest
-from ..plan import ReadItem, check_rank
-from ..planner import LoadOptions, map_checkpoint, plan_load
+from ..plan import Placement, check_rank, plan_for_rank
+from ..planner import LoadOptions, byte_budget, map_checkpoint, plan_load
 from ..quant.formats import read_quantization_config
 from ..quant.onload import Quantization
+from ..quant.targets import quantized_targets
 from ..readers import PreadReader
-from ..schedule import default_budget, layer_of, schedule
-from .compressed import encode, entries, quantization_config, quantized_names
+from ..schedule import layer_of, schedule
+from .compressed import encode, encoded_weights, entries, quantization_config
 from .output import check_output, source_dirs, staged_directory
 from ..stored import StoredCheckpoint, meta_model, transformers_config
 
@@ -242,9 +243,11 @@ def _save_compressed(src: Any, out_dir: str | os.PathLike, index: CheckpointInde
                      model: nn.Module, qconfig: Quantization, max_file_bytes: int | None,
                      max_host_bytes: int | None) -> str:
     """A compressed-tensors checkpoint of `src` in `out_dir`, layer by layer (world 1)."""
-    stored = StoredCheckpoint.of_index(view)
-    exprs = map_checkpoint(stored, stored.index, model, None).mapping.exprs
-    encoded = quantized_names(model, exprs, {name: view[name].shape for name in view}, qconfig)
+    stored = StoredCheckpoint.of_index(view, _quantization_config(src, index))
+    mapped = map_checkpoint(stored, stored.index, model, None)
+    exprs, specs = mapped.mapping.exprs, mapped.specs
+    grids = quantized_targets(model, qconfig, exprs, specs, {}, stored.index, 0, 1)  # the load's own choice
+    encoded = encoded_weights(grids, exprs, {name: view[name].shape for name in view}, qconfig)
     pieces = [(name, name, full_box(view[name].shape))
               for name in sorted(view, key=lambda n: (natural_key(layer_of(n)), natural_key(n)))]
     chunks = _cut(pieces, view, max_file_bytes)
@@ -295,42 +298,40 @@ def _header(chunk: list, view: CheckpointIndex, metadata: dict, encoded: dict) -
     return raw + b" " * (-len(raw) % 8), offset
 
 
+def _layer_reads(pieces: list, index: CheckpointIndex, view: CheckpointIndex) -> tuple[list, dict[str, TensorDest]]:
+    """The schedule of one layer's pieces (key in the file, tensor name, box of it), planned
+    by the planner's own `plan_for_rank` (each piece a target whose placement is its box),
+    and a destination for each."""
+    exprs = {key: index.expr(name) for key, name, _ in pieces}
+    shapes = {key: view[name].shape for key, name, _ in pieces}
+    dtypes = {key: view[name].dtype for key, name, _ in pieces}
+    boxes = {key: Placement("box", spans=tuple((span,) for span in box)) for key, _, box in pieces}
+    targets, items = plan_for_rank(exprs, index, shapes, dtypes, boxes)
+    dests = {t.name: TensorDest(torch.empty(t.local_shape, dtype=t.dtype)) for t in targets}
+    return schedule(items), dests
+
+
 def _write_file(path: str, chunk: list, index: CheckpointIndex, view: CheckpointIndex, metadata: dict,
                 max_host_bytes: int | None, encoded: dict | None = None) -> int:
     """One safetensors file: the header, then each layer's pieces as soon as they are read
     (those named in `encoded` quantized); returns the bytes of its tensors."""
     encoded = encoded or {}
     raw, total = _header(chunk, view, metadata, encoded)
-    shape_of = lambda key: index[key].shape  # noqa: E731
     by_layer: dict[str, list] = defaultdict(list)
     for piece in chunk:
         by_layer[layer_of(piece[1])].append(piece)
     reader = PreadReader()
-    with open(path + ".tmp", "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for layer_pieces in by_layer.values():
-            items, dests = [], {}
-            for key, name, box in layer_pieces:
-                dests[key] = TensorDest(torch.empty(box_shape(box), dtype=view[name].dtype))
-                origin = [a for a, _ in box]
-                for p in index.expr(name).pieces(box, shape_of):
-                    dst = tuple((a - o, b - o) for (a, b), o in zip(p.dst_box, origin))
-                    items.append(ReadItem(index[p.key], p.src_box, p.ops, key, dst))
-            groups = schedule(items)
-            budget = max_host_bytes or default_budget(groups)
-            largest = max((item.nbytes for item in items), default=0)
-            if budget < largest:
-                raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read ({largest} "
-                                "bytes); raise it to at least that.")
-            try:
-                run_schedule(groups, reader, dests, budget)
-            except BaseException:
-                reader.close()
-                raise
-            for key, name, _ in layer_pieces:
-                for tensor in encode(dests[key].tensor, encoded.get(name)):
-                    f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-    reader.close()
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for layer_pieces in by_layer.values():
+                groups, dests = _layer_reads(layer_pieces, index, view)
+                run_schedule(groups, reader, dests, byte_budget(groups, max_host_bytes))
+                for key, name, _ in layer_pieces:
+                    for tensor in encode(dests[key].tensor, encoded.get(name)):
+                        f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    finally:
+        reader.close()
     os.replace(path + ".tmp", path)
     return total
