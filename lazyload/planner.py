@@ -182,10 +182,10 @@ def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, wor
         use_device(device)
     if mapped is None or mapped.index is not index:
         mapped = map_checkpoint(checkpoint, index, model, options.key_map)
-    specs, mapping, placements = place(mapped, model, rank, world, options)
+    specs, mapping, placements = place(mapped, model, rank, world, options, preview)
     quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
     parallel = parallel_plan_of_load(model, options.plan, rank, world, placements, scale_names(model, quantized),
-                                     options.shards_only, options.mesh is not None, preview)
+                                     mapped.aliases, options.shards_only, options.mesh is not None, preview)
     dtypes = {name: target_dtype(specs[name].dtype, checkpoint.values_dtype(expr.first_key(), mapped.quant),
                                  options.dtype) for name, expr in mapping.exprs.items()}
     full_dtypes = {name: dtypes[name] for name in quantized}
@@ -211,16 +211,17 @@ def map_checkpoint(checkpoint: StoredCheckpoint, index: CheckpointIndex, model: 
     return Mapped(index, slots, aliases, specs, quant, map_model(index, model, specs, aliases, key_map, quant))
 
 
-def place(mapped: Mapped, model: nn.Module, rank: int, world: int,
-          options: LoadOptions) -> tuple[dict[str, TargetSpec], Mapping, Resolved]:
+def place(mapped: Mapped, model: nn.Module, rank: int, world: int, options: LoadOptions,
+          preview: bool = False) -> tuple[dict[str, TargetSpec], Mapping, Resolved]:
     """Placements (from DTensors, local shapes, plan= or the model's TP plan) and the
-    mapping's checks: keys, shapes, casts, the process group."""
+    mapping's checks: keys, shapes, casts, the process group (not for a `preview`, which
+    plans any rank of any world: the CLI, the writer inside a process group)."""
     specs, mapping = mapped.specs, mapped.mapping
     placements = resolve_placements(model, specs, mapping.mismatched, options.plan, rank, world)
     if placements.local_shaped:  # the model holds local shards: map with the full shapes
         specs = placements.specs
         mapping = map_model(mapped.index, model, specs, mapped.aliases, options.key_map, mapped.quant)
-    if options.mesh is None:  # a mesh's rank and world are its tp dim's by construction
+    if options.mesh is None and not preview:  # a mesh's rank and world are its tp dim's by construction
         check_process_group(rank, world, options.plan, placements, options.shards_only)
     if mapping.unused_key_map:
         logger.warning("lazyload: key_map patterns that match no checkpoint key (key_map maps checkpoint key "

@@ -5,6 +5,8 @@ user's modules.
 - A split the model cannot run is refused by `lazyload plan` and by `load_into` with the
   same message, and `load_into` refuses it before any module or parameter changes (a real
   gloo world-2 job: OPT quantized to int8 with a LayerNorm under "colwise").
+- Previews (`lazyload plan`, `save_sharded`) plan any rank of any world, also inside a
+  process group of another world.
 - A model made parallel with `parallelize` before `load_into` holds its split in its own
   tensors (no `_lazyload_*` attribute): the load reads its shares off them, packed GPT-2
   `c_attn` and Llama's KV head groups included, and its forward gives world 1's logits."""
@@ -39,7 +41,14 @@ def _case(case, rank, world):
     what, directory, expected = case
     config = AutoConfig.from_pretrained(directory)
     model = build_model("opt", config, torch.float32)
-    if what == "refused":
+    if what == "writer":  # previews plan every rank of another world, inside this process group
+        from lazyload import save_sharded
+        from lazyload.summary import plan_ranks
+
+        assert len(plan_ranks(directory, 4)[0]) == 4
+        if rank == 0:
+            save_sharded(directory, expected, 4)
+    elif what == "refused":
         before = _snapshot(model)
         try:
             LazyCheckpoint(directory).load_into(model, rank, world, quantize="int8", plan=LAYER_NORM_COLWISE,
@@ -68,7 +77,9 @@ def test_a_split_the_model_cannot_run_is_refused_by_plan_and_load_alike(checkpoi
     err = capsys.readouterr().err
     assert code == 2 and "self_attn_layer_norm.weight: parallelize can run only Linear/Conv1D" in err, err
     message = err.strip().removeprefix("lazyload: error: ")
-    spawn_cases(2, [("refused", str(directory), message), ("remedy", str(directory), "")], tmp_path, _case)
+    spawn_cases(2, [("refused", str(directory), message), ("remedy", str(directory), ""),
+                    ("writer", str(directory), str(tmp_path / "tp4"))], tmp_path, _case)
+    assert (tmp_path / "tp4" / "lazyload_sharded.json").exists()
 
 
 def _case_parallelize_first(case, rank, world):

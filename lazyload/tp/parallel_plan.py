@@ -60,29 +60,32 @@ def uses_model_plan(model: nn.Module, experts: str) -> bool:
 
 
 def plan_parallel(model: nn.Module, plan: Any, experts: str, rank: int, world: int,
-                  placements: dict[str, Placement], scales: dict[str, str] | None = None) -> ParallelPlan:
+                  placements: dict[str, Placement], scales: dict[str, str] | None = None,
+                  aliases: dict[str, str] | None = None) -> ParallelPlan:
     """The ParallelPlan of `model` (before any module changes). `plan`: `plan=`'s glob ->
     style overrides (None: the model's own); `placements`: the planned placements (the
     structural rule's split); `scales`: quantized tensor -> the scale parameter the load's
-    swap puts beside it (split as its tensor is)."""
+    swap puts beside it (split as its tensor is); `aliases`: the model's tied alias -> source
+    names (`targets.model_slots`), when the caller has them."""
     check_plan(model, plan)
     if isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values()):
         raise PlanError("parallelize takes transformers style names in plan=; a lazyload.Placement only says which "
                         "shard a rank reads (load_into(..., shards_only=True)), not how the model runs.")
     heads = model_heads(model)
     if uses_model_plan(model, experts):
-        return _by_model_plan(model, plan, experts, rank, world, heads, scales or {})
+        aliases = model_slots(model)[1] if aliases is None else aliases
+        return _by_model_plan(model, plan, experts, rank, world, heads, scales or {}, aliases)
     plain, rowwise = _structural(model, placements, rank, world)
     return ParallelPlan(rank, world, False, {}, {}, (), {}, plain, rowwise, heads)
 
 
 def _by_model_plan(model: nn.Module, plan: Any, experts: str, rank: int, world: int, heads: Heads,
-                   scales: dict[str, str]) -> ParallelPlan:
+                   scales: dict[str, str], aliases: dict[str, str]) -> ParallelPlan:
     """transformers' own styles for the model's plan (`plan=` overriding it), its
     expert-parallel styles, and the tensors kept plain (KV head groups, experts without routing)."""
     expanded = _expanded_plan(model, plan if isinstance(plan, dict) else None, experts, scales)
     plain = _kv_groups_kept_plain(model, expanded, heads, rank, world)
-    aliases = _tied_aliases(model, expanded)
+    aliases = _tied_aliases(model, expanded, aliases)
     dense: list[str] = []
     if experts == "ep" and not getattr(model, "ep_plan", None):  # experts without routing (Llama-4)
         dense = _dense_experts(model, expanded)
@@ -175,12 +178,11 @@ def _scales_follow_weights(model: nn.Module, expanded: dict[str, str], scales: d
     return expanded
 
 
-def _tied_aliases(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
+def _tied_aliases(model: nn.Module, expanded: dict[str, str], aliases: dict[str, str]) -> dict[str, str]:
     """Tied parameters (lm_head.weight -> embed_tokens.weight): one tensor, so one split.
     Their entries leave `expanded`: the tensor keeps the source's split, and a module
     computing with a replicated tied weight gets no TP hook (transformers' from_pretrained
     ties after sharding, with the same result). Returns alias -> source, to re-tie."""
-    _, aliases = model_slots(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     aliases = {a: s for a, s in aliases.items() if a in params and s in params}
     for alias, source in aliases.items():
@@ -259,7 +261,7 @@ def check_process_group(rank: int, world: int, plan: Any, resolved: Resolved, sh
 
 
 def parallel_plan_of_load(model: nn.Module, plan: Any, rank: int, world: int, resolved: Resolved,
-                          scales: dict[str, str], shards_only: bool, on_mesh: bool,
+                          scales: dict[str, str], aliases: dict[str, str], shards_only: bool, on_mesh: bool,
                           preview: bool) -> ParallelPlan | None:
     """The ParallelPlan a load carries out: with torch.distributed initialised and (rank,
     world) this process's (or `on_mesh`: the load's tensor-parallel mesh), a model nobody made
@@ -273,7 +275,7 @@ def parallel_plan_of_load(model: nn.Module, plan: Any, rank: int, world: int, re
     if plan == {} or (isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values())):
         return None
     return plan_parallel(model, plan if isinstance(plan, dict) else None, plan if isinstance(plan, str) else "tp",
-                         rank, world, resolved.placements, scales)
+                         rank, world, resolved.placements, scales, aliases)
 
 
 def local_width(placement: Placement | None, tensor: torch.Tensor, dim: int) -> int:
