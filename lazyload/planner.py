@@ -186,8 +186,8 @@ def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, wor
     quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
     parallel = parallel_plan_of_load(model, options.plan, rank, world, placements, scale_names(model, quantized),
                                      mapped.aliases, options.shards_only, options.mesh is not None, preview)
-    dtypes = {name: target_dtype(specs[name].dtype, checkpoint.values_dtype(expr.first_key(), mapped.quant),
-                                 options.dtype) for name, expr in mapping.exprs.items()}
+    dtypes = {name: target_dtype(specs[name].dtype, values_dtype(expr, index, mapped.quant), options.dtype)
+              for name, expr in mapping.exprs.items()}
     full_dtypes = {name: dtypes[name] for name in quantized}
     dtypes.update({name: qconfig.torch_dtype for name in quantized})
     whole = whole_scratch(mapping.exprs, {n: s.shape for n, s in specs.items()}, dtypes, quantized, index.shape_of)
@@ -311,6 +311,12 @@ def emptied_buffers(model: nn.Module, loaded: set[str]) -> set[str]:
             if name not in loaded and module._buffers.get(attr) is not None and not module._buffers[attr].is_meta:
                 names.add(name)
     return names
+
+
+def values_dtype(expr: Any, index: CheckpointIndex, quant: PreQuantized) -> torch.dtype | None:
+    """The dtype of the values a target's first source holds (None for a quantized weight)."""
+    key = expr.first_key()
+    return quant.values_dtype(key, index[key].dtype)
 
 
 def target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype | None, requested: Any) -> torch.dtype:

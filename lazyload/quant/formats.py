@@ -61,6 +61,12 @@ class Quantization:
     leaves: dict[str, Expr] = field(default_factory=dict)
     siblings: frozenset[str] = frozenset()
     ignored: tuple[str, ...] = ()
+    weight_keys: frozenset[str] = frozenset()  # the stored keys of the quantized weights (of every piece)
+
+    def values_dtype(self, key: str, stored: torch.dtype) -> torch.dtype | None:
+        """The dtype of the values stored key `key` holds: None for a quantized weight (its
+        8-bit storage is no dtype of values), else `stored`."""
+        return None if key in self.weight_keys else stored
 
 
 def read_quantization_config(files: Sequence[str]) -> dict | None:
@@ -128,7 +134,15 @@ def detect(index: CheckpointIndex, config: dict | None = None,
         siblings.update((scale, zero) if zero else (scale,))
     if declared or leaves:
         _check_unscaled(tensors, index, leaves.keys() | held_pairs, siblings, config)
-    return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else ())
+    weight_keys = frozenset(k for leaf in leaves.values() for k in _weight_pieces(leaf))
+    return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else (), weight_keys)
+
+
+def _weight_pieces(expr: Expr) -> list[str]:
+    """The stored weight keys of a tiling of `Dequant`s."""
+    if isinstance(expr, Dequant):
+        return [expr.weight]
+    return [k for part in expr.parts for k in _weight_pieces(part)]
 
 
 def _tensors(index: CheckpointIndex) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
