@@ -67,15 +67,17 @@ def meta_model(directory):
 
 def rank_plan(directory, model, world, rank, plan=None):
     """(targets, items) of one rank, as load_into plans them (`planner.plan_load`, without
-    this host's probes), the seconds it took, and the mapping."""
+    this host's probes), the seconds it took, and the mapping. Under "ep" each rank's shares
+    are planned as `shards_only=True` loads them: attention split over groups of ranks is no
+    layout lazyload makes runnable (the README's expert-parallel note)."""
     from lazyload.planner import LoadOptions, plan_load
     from lazyload.stored import StoredCheckpoint
 
     checkpoint = StoredCheckpoint(directory)
     checkpoint.index  # headers first: the index is not the plan
     t0 = time.perf_counter()
-    planned = plan_load(checkpoint, model, rank, world, LoadOptions(plan=plan, strict=False, missing="keep"),
-                        preview=True)
+    options = LoadOptions(plan=plan, strict=False, missing="keep", shards_only=plan == "ep")
+    planned = plan_load(checkpoint, model, rank, world, options, preview=True)
     return planned.targets, planned.items, time.perf_counter() - t0, planned.mapping
 
 

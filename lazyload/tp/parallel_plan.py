@@ -84,7 +84,7 @@ def _by_model_plan(model: nn.Module, plan: Any, experts: str, rank: int, world: 
     """transformers' own styles for the model's plan (`plan=` overriding it), its
     expert-parallel styles, and the tensors kept plain (KV head groups, experts without routing)."""
     expanded = _expanded_plan(model, plan if isinstance(plan, dict) else None, experts, scales)
-    plain = _kv_groups_kept_plain(model, expanded, heads, rank, world)
+    plain = _kv_groups_kept_plain(model, expanded, heads, rank, world, experts)
     aliases = _tied_aliases(model, expanded, aliases)
     dense: list[str] = []
     if experts == "ep" and not getattr(model, "ep_plan", None):  # experts without routing (Llama-4)
@@ -118,13 +118,17 @@ def _structural(model: nn.Module, placements: dict[str, Placement], rank: int,
 
 
 def _kv_groups_kept_plain(model: nn.Module, expanded: dict[str, str], heads: Heads, rank: int,
-                          world: int) -> dict[str, Placement]:
+                          world: int, experts: str = "tp") -> dict[str, Placement]:
     """Whole heads per rank under a model's plan. When world > KV heads, the KV projections'
     entries leave `expanded`: they stay plain tensors holding the rank's KV head group
     (DTensor has no placement for a group of ranks holding the same slice)."""
     if heads.heads and heads.heads % world:
+        hint = ("; under plan='ep' attention split over groups of ranks is planned, but lazyload makes no such "
+                "model runnable: load with shards_only=True and build the runnable layout yourself, or choose a "
+                "world that divides the number of heads." if experts == "ep" else
+                "; choose a world that divides the number of heads.")
         raise PlanError(f"{type(model).__name__}: {heads.heads} attention heads do not split evenly over "
-                        f"{world} ranks; choose a world that divides the number of heads.")
+                        f"{world} ranks{hint}")
     kept: dict[str, Placement] = {}
     if heads.kv_heads and world > heads.kv_heads:
         params = dict(model.named_parameters())

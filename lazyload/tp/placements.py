@@ -238,12 +238,6 @@ def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank,
     AutoTP's rule alone."""
     if world == 1 or len(ckpt_shape) != len(model_shape):
         return None
-    if rule is not None and rule.kind != "replicate" and not is_autotp_layer(owner_of(model, name)[0]):
-        try:
-            if local_regions(name, ckpt_shape, rule, rank, world)[0] == model_shape:
-                return rule
-        except PlanError:
-            pass
     dims = [d for d, (c, m) in enumerate(zip(ckpt_shape, model_shape)) if c != m]
     if len(dims) != 1:
         return None
@@ -254,6 +248,12 @@ def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank,
         return fused_placement(name, module, fused, dims[0], ckpt_shape, model_shape, rank, world)
     if style is None and is_autotp_layer(module):
         return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
+    if style is None and rule is not None and rule.kind != "replicate":
+        try:
+            if local_regions(name, ckpt_shape, rule, rank, world)[0] == model_shape:
+                return rule
+        except PlanError:
+            pass
     if style is not None:
         candidate = style_placement(style, name, len(ckpt_shape), is_conv1d(module))
     else:
