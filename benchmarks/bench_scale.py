@@ -67,28 +67,36 @@ def meta_model(directory):
 
 def rank_plan(directory, model, world, rank, plan=None):
     """(targets, items) of one rank, as load_into plans them (`planner.plan_load`, without
-    this host's probes), the seconds it took, and the mapping."""
-    from lazyload.planner import LoadOptions, plan_load
+    this host's probes), the seconds it took, and the mapping. Under "ep" each rank's shares
+    are planned as `shards_only=True` loads them: attention split over groups of ranks is no
+    layout lazyload makes runnable (the README's expert-parallel note)."""
+    from lazyload.planner import plan_load
     from lazyload.stored import StoredCheckpoint
 
     checkpoint = StoredCheckpoint(directory)
     checkpoint.index  # headers first: the index is not the plan
     t0 = time.perf_counter()
-    planned = plan_load(checkpoint, model, rank, world, LoadOptions(plan=plan, strict=False, missing="keep"),
-                        preview=True)
+    planned = plan_load(checkpoint, model, rank, world, _options(plan), preview=True)
     return planned.targets, planned.items, time.perf_counter() - t0, planned.mapping
 
 
 def plan_cpu_seconds(directory, model, world, plan=None, rank=0):
     """CPU seconds of one rank's plan_load: map, placements, plan and schedule together."""
-    from lazyload.planner import LoadOptions, plan_load
+    from lazyload.planner import plan_load
     from lazyload.stored import StoredCheckpoint
 
     checkpoint = StoredCheckpoint(directory)
     checkpoint.index
     t0 = time.process_time()
-    plan_load(checkpoint, model, rank, world, LoadOptions(plan=plan, strict=False, missing="keep"), preview=True)
+    plan_load(checkpoint, model, rank, world, _options(plan), preview=True)
     return time.process_time() - t0
+
+
+def _options(plan):
+    """The load's options: under "ep" shards_only (see `rank_plan`)."""
+    from lazyload.planner import LoadOptions
+
+    return LoadOptions(plan=plan, strict=False, missing="keep", shards_only=plan == "ep")
 
 
 def measure_plan(directory, model, world, plan=None, all_ranks=True):

@@ -796,7 +796,8 @@ def _tp_rank(rank: int, world: int, init_file: str, directory: str, class_name: 
         config._attn_implementation = "eager"
         with torch.device("meta"):
             model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
-        LazyCheckpoint(directory).load_into(model.eval(), rank, world, progress=False)
+        checkpoint = LazyCheckpoint(directory)
+        checkpoint.load_into(model.eval(), rank, world, progress=False)
         with torch.no_grad():
             logits = model(input_ids=_prompt(config)).logits
         from torch.distributed.tensor import DTensor
@@ -804,7 +805,10 @@ def _tp_rank(rank: int, world: int, init_file: str, directory: str, class_name: 
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         result["dtensors"] = sum(isinstance(p, DTensor) for p in model.parameters())
-        result["local_plain"] = len(getattr(model, "_lazyload_placements", {}))
+        # tensors held as plain local shards (not DTensors): full shape differs from the model's
+        full, names = checkpoint.index, set(checkpoint.index.names())
+        result["local_plain"] = sum(1 for n, p in model.named_parameters() if not isinstance(p, DTensor)
+                                    and n in names and tuple(p.shape) != tuple(full.shape(n)))
         torch.save(logits, os.path.join(out_dir, f"rank{rank}.pt"))
     except Exception as exc:
         result["error"] = _short(exc)

@@ -21,7 +21,7 @@ from .cooperate import Share, exchange
 from .mesh import tp_mesh
 from .engine import EngineStats, run_schedule, settle_failure
 from .errors import PlanError, ReadError
-from .tp.runnable import auto_parallelize
+from .tp.runnable import default_mesh, make_runnable
 from .placer import Destination, TensorDest, allocate, allocate_quantized, assign, with_whole
 from .planner import LoadPlan
 from .quant.linear import to_torchao
@@ -82,12 +82,13 @@ def swap_quantized_layers(plan: LoadPlan, model: nn.Module) -> dict[str, Slot]:
 
 
 def make_parallel(plan: LoadPlan, model: nn.Module, slots: dict[str, Slot]) -> None:
-    """Under torch.distributed, a model nobody made parallel is made runnable (DTensors of
-    the planned split); each planned local shape must be the one its parameter now has."""
-    o = plan.options
-    tp = None if o.mesh is None else tp_mesh(o.mesh)
-    if not auto_parallelize(model, o.plan, plan.rank, plan.world, plan.device, plan.placements, o.shards_only, tp):
+    """The plan's ParallelPlan carried out (under torch.distributed, a model nobody made
+    parallel: DTensors of the planned split); each planned local shape must be the one its
+    parameter now has."""
+    if plan.parallel is None:
         return
+    mesh = default_mesh(plan.world, plan.device) if plan.options.mesh is None else tp_mesh(plan.options.mesh)
+    make_runnable(model, mesh, plan.parallel)
     for target in plan.targets:
         tensor = current_tensor(slots[target.name])
         if is_dtensor(tensor) and tuple(local_tensor(tensor).shape) != target.local_shape:
@@ -151,7 +152,8 @@ def torchao_holders(plan: LoadPlan, model: nn.Module) -> list[str]:
     quantized Linear layers torchao can hold become its holders; returns their names."""
     if not (plan.quantized and plan.quantization.torchao):
         return []
-    return to_torchao(model, [name.rpartition(".")[0] for name in plan.quantized if name.endswith(".weight")])
+    styles = plan.parallel.styles if plan.parallel is not None else {}
+    return to_torchao(model, [name.rpartition(".")[0] for name in plan.quantized if name.endswith(".weight")], styles)
 
 
 def _report(plan: LoadPlan, reader: Reader, dests: dict[str, Destination], stats: EngineStats,

@@ -30,13 +30,13 @@ from .errors import ArgumentError, DtypeError, PlanError
 from .index import CheckpointIndex
 from .mapping import KeyMap, Mapping, check_casts, check_mapping, held_by, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
-from .tp.runnable import check_process_group
+from .tp.parallel_plan import ParallelPlan, check_process_group, parallel_plan_of_load
 from .tp.placements import Resolved, resolve_placements
 from .placer import viewable, whole_scratch
 from .plan import REPLICATE, ReadItem, TargetPlan, check_rank, local_regions, plan_for_rank
-from .quant.formats import Quantization as PreQuantized
+from .quant.formats import Quantization as PreQuantized, detect
 from .quant.onload import Grid, Quantization
-from .quant.targets import quantized_targets
+from .quant.targets import quantized_targets, scale_names
 from .cooperate import share_of
 from .mesh import cooperating
 from .readers import must_release_pages, reader_name
@@ -135,6 +135,7 @@ class LoadPlan:
     copy_groups: list[Group]  # those copied (not views)
     budget: int
     share = cached_property(lambda self: share_of(self, self.options.mesh) if self.options.cooperating else None)
+    parallel: ParallelPlan | None = None  # how the executor makes the model runnable split; None: it does not
 
     @property
     def index(self) -> CheckpointIndex:
@@ -184,10 +185,12 @@ def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, wor
         use_device(device)
     if mapped is None or mapped.index is not index:
         mapped = map_checkpoint(checkpoint, index, model, options.key_map)
-    specs, mapping, placements = place(mapped, model, rank, world, options)
+    specs, mapping, placements = place(mapped, model, rank, world, options, preview)
     quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
-    dtypes = {name: target_dtype(specs[name].dtype, checkpoint.values_dtype(expr.first_key(), mapped.quant),
-                                 options.dtype) for name, expr in mapping.exprs.items()}
+    parallel = parallel_plan_of_load(model, options.plan, rank, world, placements, scale_names(model, quantized),
+                                     mapped.aliases, options.shards_only, options.mesh is not None, preview)
+    dtypes = {name: target_dtype(specs[name].dtype, values_dtype(expr, index, mapped.quant), options.dtype)
+              for name, expr in mapping.exprs.items()}
     full_dtypes = {name: dtypes[name] for name in quantized}
     dtypes.update({name: qconfig.torch_dtype for name in quantized})
     whole = whole_scratch(mapping.exprs, {n: s.shape for n, s in specs.items()}, dtypes, quantized, index.shape_of)
@@ -197,7 +200,8 @@ def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, wor
                                    placements.placements, rank, world)
     reads = _reads(targets, items, whole, mapped.slots, device, world, options, checkpoint.remote, preview)
     return LoadPlan(rank, world, options, device, checkpoint.remote, mapped, specs, mapping, placements, qconfig,
-                    quantized, dtypes, full_dtypes, targets, items, whole, initialized, recompute, **reads)
+                    quantized, dtypes, full_dtypes, targets, items, whole, initialized, recompute, **reads,
+                    parallel=parallel)
 
 
 def map_checkpoint(checkpoint: StoredCheckpoint, index: CheckpointIndex, model: nn.Module,
@@ -206,20 +210,21 @@ def map_checkpoint(checkpoint: StoredCheckpoint, index: CheckpointIndex, model: 
     weights detected with the config.json beside the files)."""
     slots, aliases = model_slots(model)
     specs = model_specs(model, slots)
-    quant = checkpoint.detect(held=held_by(model, specs))
+    quant = detect(index, checkpoint.quantization_config(), held_by(model, specs))  # pieces: this rank's copies
     return Mapped(index, slots, aliases, specs, quant, map_model(index, model, specs, aliases, key_map, quant))
 
 
-def place(mapped: Mapped, model: nn.Module, rank: int, world: int,
-          options: LoadOptions) -> tuple[dict[str, TargetSpec], Mapping, Resolved]:
+def place(mapped: Mapped, model: nn.Module, rank: int, world: int, options: LoadOptions,
+          preview: bool = False) -> tuple[dict[str, TargetSpec], Mapping, Resolved]:
     """Placements (from DTensors, local shapes, plan= or the model's TP plan) and the
-    mapping's checks: keys, shapes, casts, the process group."""
+    mapping's checks: keys, shapes, casts, the process group (not for a `preview`, which
+    plans any rank of any world: the CLI, the writer inside a process group)."""
     specs, mapping = mapped.specs, mapped.mapping
     placements = resolve_placements(model, specs, mapping.mismatched, options.plan, rank, world)
     if placements.local_shaped:  # the model holds local shards: map with the full shapes
         specs = placements.specs
         mapping = map_model(mapped.index, model, specs, mapped.aliases, options.key_map, mapped.quant)
-    if options.mesh is None:  # a mesh's rank and world are its tp dim's by construction
+    if options.mesh is None and not preview:  # a mesh's rank and world are its tp dim's by construction
         check_process_group(rank, world, options.plan, placements, options.shards_only)
     if mapping.unused_key_map:
         logger.warning("lazyload: key_map patterns that match no checkpoint key (key_map maps checkpoint key "
@@ -275,14 +280,21 @@ def _reads(targets: list[TargetPlan], items: list[ReadItem], whole: dict[str, in
         views = viewable([t for t in targets if t.name not in whole], items, slots)
     groups = schedule(items)  # views of warm pages need nothing more; cold ones are paged in by the schedule
     copy_groups = [Group(g.layer, kept) for g in groups if (kept := tuple(i for i in g.items if i.target not in views))]
-    budget = options.max_host_bytes
-    if budget is None:  # never less than the largest read (see default_budget)
-        budget = max([default_budget(copy_groups), *whole_host.values()])
-    elif budget < (largest := max((item.nbytes for g in copy_groups for item in g.items), default=0)):
-        raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read "
-                        f"({largest} bytes); raise it to at least that.")
+    budget = byte_budget(copy_groups, options.max_host_bytes, max(whole_host.values(), default=0))
     return dict(reader=reader, release_pages=release_pages, views=views, groups=groups, copy_groups=copy_groups,
                 budget=budget)
+
+
+def byte_budget(groups: list[Group], max_host_bytes: int | None, floor: int = 0) -> int:
+    """The bytes read but not yet placed at once: `max_host_bytes`, refused when smaller
+    than the largest single read; by default one layer, never less than the largest read
+    (see default_budget) nor than `floor` (a conversion's whole sources)."""
+    if max_host_bytes is None:
+        return max(default_budget(groups), floor)
+    if max_host_bytes < (largest := max((item.nbytes for g in groups for item in g.items), default=0)):
+        raise PlanError(f"max_host_bytes={max_host_bytes} is smaller than the largest single read "
+                        f"({largest} bytes); raise it to at least that.")
+    return max_host_bytes
 
 
 def emptied_buffers(model: nn.Module, loaded: set[str]) -> set[str]:
@@ -302,6 +314,12 @@ def emptied_buffers(model: nn.Module, loaded: set[str]) -> set[str]:
             if name not in loaded and module._buffers.get(attr) is not None and not module._buffers[attr].is_meta:
                 names.add(name)
     return names
+
+
+def values_dtype(expr: Any, index: CheckpointIndex, quant: PreQuantized) -> torch.dtype | None:
+    """The dtype of the values a target's first source holds (None for a quantized weight)."""
+    key = expr.first_key()
+    return quant.values_dtype(key, index[key].dtype)
 
 
 def target_dtype(model_dtype: torch.dtype, ckpt_dtype: torch.dtype | None, requested: Any) -> torch.dtype:

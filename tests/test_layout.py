@@ -136,3 +136,58 @@ def function_lengths() -> dict[str, int]:
 def test_no_function_is_longer_than_60_lines():
     long = {name: n for name, n in function_lengths().items() if n > MAX_FUNCTION_LINES}
     assert long == {}
+
+
+def lazyload_attributes(source: str) -> tuple[set[str], set[str], set[str]]:
+    """(read, set, read with a default) `_lazyload_*` attributes in `source`: `x._lazyload_a`
+    loaded or stored, `getattr`/`setattr`/`hasattr` with the name, and the name as a string
+    (`"_lazyload_a" in x.__dict__`), which reads it guarded, as state an earlier call may have left."""
+    reads, writes, guarded = set(), set(), set()
+    named = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_lazyload_"):
+            (writes if isinstance(node.ctx, (ast.Store, ast.Del)) else reads).add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+              and isinstance(node.args[1], ast.Constant) and str(node.args[1].value).startswith("_lazyload_")):
+            name = node.args[1].value
+            named.add(id(node.args[1]))
+            if node.func.id in ("setattr", "delattr"):
+                writes.add(name)
+            else:
+                reads.add(name)
+                if node.func.id == "hasattr" or len(node.args) == 3:
+                    guarded.add(name)
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_lazyload_")
+                and id(node) not in named):
+            guarded.add(node.value)
+    return reads, writes, guarded
+
+
+def stray_lazyload_attributes() -> list[str]:
+    """`module: attribute` for each `_lazyload_*` attribute a lazyload module reads without
+    setting it itself, or reads guarded (with a default, or by its name in a `__dict__`): state
+    left on the user's modules by another step or an earlier load."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        reads, writes, guarded = lazyload_attributes(path.read_text())
+        name = _module_name(path)
+        found += [f"{name}: reads {a} that another module sets" for a in sorted(reads - writes)]
+        found += [f"{name}: reads {a} as an earlier call may have left it" for a in sorted(guarded)]
+    return found
+
+
+def test_no_module_reads_a_lazyload_attribute_it_did_not_set_in_the_same_load():
+    """The plan is the one truth: nothing travels between loads (or between the executor's
+    steps) on the user's modules; a step gets what it needs from the LoadPlan."""
+    assert stray_lazyload_attributes() == []
+
+
+def test_the_attribute_check_finds_state_left_between_loads():
+    reads, writes, guarded = lazyload_attributes(
+        "recorded = getattr(model, '_lazyload_placements', {})\n"
+        "style = layer._lazyload_tp_style\n"
+        "if '_lazyload_q' not in m.__dict__:\n    m._lazyload_q = {}\n")
+    assert reads == {"_lazyload_placements", "_lazyload_tp_style"} and writes == {"_lazyload_q"}
+    assert guarded == {"_lazyload_placements", "_lazyload_q"}

@@ -120,7 +120,8 @@ def test_without_its_registration_the_toy_folder_is_not_a_checkpoint(checkpoint,
 def test_formats_are_asked_in_their_registered_order(toy_format):
     from lazyload.formats import formats
 
-    assert [f.name for f in formats()] == ["sharded", "deepspeed", "megatron", "torch", "toy", "safetensors"]
+    assert [f.name for f in formats()] == ["sharded", "deepspeed", "megatron_dist", "dcp_safetensors", "dcp", "megatron",
+                                           "torch", "toy", "safetensors"]
 
 
 @pytest.fixture(scope="module")

@@ -94,15 +94,15 @@ def swap_experts(model: nn.Module, grids: dict[str, tuple[int, int]], config: Qu
     """Make the named expert tensors (name -> (scale group, input axis)) 8-bit with a scale
     Parameter beside each, on the meta device (the load fills them), and their modules
     quantized experts modules."""
+    quantized: dict[str, dict[str, tuple[int, int, torch.dtype]]] = {}  # module -> its tensors, set once below
     for name, (group, axis) in grids.items():
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         old = module._parameters[attr]
         shape = tuple(old.shape)
         module.__class__ = _quantized_class(type(module))
-        if "_lazyload_quantized" not in module.__dict__:
-            module._lazyload_quantized = {}
-        module._lazyload_quantized[attr] = (group, axis, old.dtype)
+        quantized.setdefault(module_name, {})[attr] = (group, axis, old.dtype)
+        module._lazyload_quantized = quantized[module_name]
         module._parameters[attr] = nn.Parameter(torch.empty(shape, dtype=config.torch_dtype, device="meta"),
                                                 requires_grad=False)
         module.register_parameter(attr + SCALE, nn.Parameter(

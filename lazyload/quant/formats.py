@@ -15,6 +15,10 @@ Every quantized weight becomes a `Dequant` expression over its weight, scale and
 tensors, so that the siblings are never unexpected keys and a weight is never cast without
 its scales. Scales of activations and of the KV cache (`input_scale`, `k_scale`, ...) mean
 nothing to a full-precision model: they are ignored unless the model has such tensors.
+Pairs are found by the index's tensor names, not its stored keys, so that detection
+composes with every layout: a weight and its scale stored in pieces (lazyload's sharded
+layout, Megatron, DeepSpeed) pair piece by piece, each weight piece with the scale piece
+of its blocks (`_paired`); pieces that cut a block cannot be paired and are refused.
 Only names, shapes, dtypes and config.json are read here; no tensor byte.
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from ..errors import CheckpointError
-from ..expr import Dequant
+from ..expr import Cat, Dequant, Expr, Source
 from ..index import CheckpointIndex
 
 WEIGHT_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
@@ -50,12 +54,19 @@ logger = logging.getLogger("lazyload")
 
 @dataclass(frozen=True)
 class Quantization:
-    """The quantized weights of a checkpoint: weight key -> its `Dequant`; the scale and
-    zero-point keys those use; patterns of keys left unused unless the model has them."""
+    """The quantized weights of a checkpoint: weight name -> its dequantization (a `Dequant`,
+    or for a weight stored in pieces the tiling of one `Dequant` per piece); the scale and
+    zero-point names those use; patterns of keys left unused unless the model has them."""
 
-    leaves: dict[str, Dequant] = field(default_factory=dict)
+    leaves: dict[str, Expr] = field(default_factory=dict)
     siblings: frozenset[str] = frozenset()
     ignored: tuple[str, ...] = ()
+    weight_keys: frozenset[str] = frozenset()  # the stored keys of the quantized weights (of every piece)
+
+    def values_dtype(self, key: str, stored: torch.dtype) -> torch.dtype | None:
+        """The dtype of the values stored key `key` holds: None for a quantized weight (its
+        8-bit storage is no dtype of values), else `stored`."""
+        return None if key in self.weight_keys else stored
 
 
 def read_quantization_config(files: Sequence[str]) -> dict | None:
@@ -87,60 +98,123 @@ def quantization_config_of(where: str, raw: bytes) -> dict | None:
 
 def detect(index: CheckpointIndex, config: dict | None = None,
            held: Callable[[str], bool] = lambda key: False) -> Quantization:
-    """Pair every 8-bit weight with its scale (and zero point) siblings. `held`: keys the
-    model itself holds as they are (a model with its own int8 weights and scales): such a
-    pair is loaded as stored, not dequantized."""
+    """Pair every 8-bit weight with its scale (and zero point) siblings, by the index's
+    tensor names (stored keys, or logical tensors stored in pieces). `held`: names the model
+    itself holds as they are (a model with its own int8 weights and scales): such a pair is
+    loaded as stored, not dequantized."""
     declared = config is not None
     blocks = _config_blocks(config) if declared else []
-    leaves: dict[str, Dequant] = {}
+    leaves: dict[str, Expr] = {}
     siblings: set[str] = set()
-    unsupported = any(k.endswith(UNSUPPORTED_SUFFIXES) for k in index.keys())  # rare: then look per weight
+    tensors = _tensors(index)  # name -> (dtype, shape)
+    unsupported = any(k.endswith(UNSUPPORTED_SUFFIXES) for k in tensors)  # rare: then look per weight
     block_of: dict[tuple, tuple[int, ...]] = {}  # (weight shape, scale shape) -> block: one per layer kind
     held_pairs: set[str] = set()  # weights the model holds with their scales (transformers' FP8Linear)
-    entries = index.by_key()  # lookups without a method call each: 45k weights x 2-3 siblings
-    for key, entry in entries.items():
-        if entry.dtype not in WEIGHT_DTYPES:  # most keys: no sibling lookups
+    for name, (dtype, shape) in tensors.items():
+        if dtype not in WEIGHT_DTYPES:  # most names: no sibling lookups
             continue
-        for suffix in SCALE_SUFFIXES:
-            scale = key + suffix
-            if scale in entries:
-                break
-        else:
+        scale = next((name + suffix for suffix in SCALE_SUFFIXES if name + suffix in tensors), None)
+        if scale is None:
             continue
         if held(scale):
-            held_pairs.add(key)
+            held_pairs.add(name)
             continue
         for suffix in UNSUPPORTED_SUFFIXES if unsupported else ():
-            if key + suffix in entries:
-                raise CheckpointError(f"{index[key + suffix].file}: {key + suffix!r} says that {key!r} is stored in "
-                                      "a quantized layout lazyload cannot read yet (activation order, packed "
+            if name + suffix in tensors:
+                raise CheckpointError(f"{_file(index, name + suffix)}: {name + suffix!r} says that {name!r} is stored "
+                                      "in a quantized layout lazyload cannot read yet (activation order, packed "
                                       "4-bit, global scale or padded blocks); dequantize the checkpoint first.")
-        zero = key + ZERO_SUFFIX if key + ZERO_SUFFIX in entries else None
-        scale_entry = entries[scale]
-        if not scale_entry.dtype.is_floating_point:
-            raise CheckpointError(f"{scale_entry.file}: scale {scale!r} is {scale_entry.dtype}, not a floating "
+        zero = name + ZERO_SUFFIX if name + ZERO_SUFFIX in tensors else None
+        if not tensors[scale][0].is_floating_point:
+            raise CheckpointError(f"{_file(index, scale)}: scale {scale!r} is {tensors[scale][0]}, not a floating "
                                   "point tensor; the checkpoint is not in a layout lazyload knows.")
-        shapes = (entry.shape, scale_entry.shape)
-        block = block_of.get(shapes) or block_of.setdefault(shapes, _block(key, *shapes, blocks))
-        leaves[key] = Dequant(key, scale, block, zero)
-        siblings.add(scale)
-        if zero:
-            siblings.add(zero)
+        shapes = (shape, tensors[scale][1])
+        block = block_of.get(shapes) or block_of.setdefault(shapes, _block(name, *shapes, blocks))
+        leaves[name] = _paired(index, name, scale, zero, block)
+        siblings.update((scale, zero) if zero else (scale,))
     if declared or leaves:
-        _check_unscaled(index, leaves.keys() | held_pairs, siblings, config)
-    return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else ())
+        _check_unscaled(tensors, index, leaves.keys() | held_pairs, siblings, config)
+    weight_keys = frozenset(k for leaf in leaves.values() for k in _weight_pieces(leaf))
+    return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else (), weight_keys)
 
 
-def _check_unscaled(index: CheckpointIndex, leaves: Collection[str], siblings: set[str], config: dict | None) -> None:
+def _weight_pieces(expr: Expr) -> list[str]:
+    """The stored weight keys of a tiling of `Dequant`s."""
+    if isinstance(expr, Dequant):
+        return [expr.weight]
+    return [k for part in expr.parts for k in _weight_pieces(part)]
+
+
+def _tensors(index: CheckpointIndex) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Every tensor name of the index (stored keys that are whole tensors, logical names)
+    -> its dtype and shape."""
+    entries = index.by_key()  # lookups without a method call each: 45k weights x 2-3 siblings
+    out = {}
+    for name in index.names():
+        entry = entries.get(name)
+        if entry is not None and index.name_of(name) == name:
+            out[name] = (entry.dtype, entry.shape)
+        else:
+            out[name] = (entries[index.expr(name).keys()[0]].dtype, index.shape(name))
+    return out
+
+
+def _file(index: CheckpointIndex, name: str) -> str:
+    return index[index.expr(name).keys()[0]].file
+
+
+def _paired(index: CheckpointIndex, weight: str, scale: str, zero: str | None, block: tuple[int, ...]) -> Expr:
+    """The dequantization of `weight`: one `Dequant` over stored keys, or for a weight
+    stored in pieces the same tiling with each piece dequantized by the scale (and zero
+    point) pieces of its blocks; a whole scale (one for the tensor) serves every piece."""
+    exprs = (index.expr(weight), index.expr(scale), index.expr(zero) if zero else None)
+    if all(isinstance(e, Source) for e in exprs if e is not None):
+        return Dequant(exprs[0].key, exprs[1].key, block, exprs[2].key if zero else None)
+    per_tensor = math.prod(index.shape(scale)) == 1
+    try:
+        return _pair_parts(*exprs, block, per_tensor, index.shape_of)
+    except ValueError as exc:
+        raise CheckpointError(f"{_file(index, weight)}: the quantized weight {weight!r} is stored in pieces that "
+                              f"do not line up with the blocks of its scale {scale!r} ({exc}); each piece must "
+                              f"hold whole blocks of {list(block)} (re-shard for a world whose slices do).") from None
+
+
+def _pair_parts(weight: Expr, scale: Expr, zero: Expr | None, block: tuple[int, ...], per_tensor: bool,
+                shape_of) -> Expr:
+    """Walk the weight's tiling and the scale's side by side: a Cat of weight pieces pairs
+    with a Cat of scale pieces along the same dim, piece for piece, each weight piece
+    starting on a block boundary and its scale piece the grid of its blocks."""
+    if isinstance(weight, Cat):
+        if per_tensor:
+            return Cat(tuple(_pair_parts(p, scale, zero, block, True, shape_of) for p in weight.parts), weight.dim)
+        if not (isinstance(scale, Cat) and scale.dim == weight.dim and len(scale.parts) == len(weight.parts)
+                and (zero is None or (isinstance(zero, Cat) and len(zero.parts) == len(weight.parts)))):
+            raise ValueError("the scale is not cut where the weight is")
+        for part in weight.parts[:-1]:
+            if part.shape(shape_of)[weight.dim] % block[weight.dim]:
+                raise ValueError(f"a piece of {part.shape(shape_of)[weight.dim]} along dim {weight.dim}")
+        zeros = zero.parts if zero is not None else (None,) * len(weight.parts)
+        return Cat(tuple(_pair_parts(w, s, z, block, False, shape_of)
+                         for w, s, z in zip(weight.parts, scale.parts, zeros)), weight.dim)
+    if not (isinstance(weight, Source) and isinstance(scale, Source) and (zero is None or isinstance(zero, Source))):
+        raise ValueError(f"a piece {weight} that is no stored tensor of its own")
+    leaf = Dequant(weight.key, scale.key, block if not per_tensor else tuple(shape_of(weight.key)),
+                   zero.key if zero is not None else None)
+    leaf.shape(shape_of)  # the scale piece is the grid of this piece's blocks
+    return leaf
+
+
+def _check_unscaled(tensors: dict, index: CheckpointIndex, leaves: Collection[str], siblings: set[str],
+                    config: dict | None) -> None:
     """In a quantized checkpoint, an 8-bit weight without scales cannot be loaded: its
     bytes cast as they are would be a silently wrong model."""
-    for key, entry in index.items():
-        if entry.dtype not in WEIGHT_DTYPES or key in leaves or key in siblings:
+    for name, (dtype, _) in tensors.items():
+        if dtype not in WEIGHT_DTYPES or name in leaves or name in siblings:
             continue
-        if not any(re.search(p, key) for p in IGNORED):
+        if not any(re.search(p, name) for p in IGNORED):
             method = (config or {}).get("quant_method", "scaled 8-bit weights")
-            raise CheckpointError(f"{index[key].file}: {key!r} is {index[key].dtype} in a checkpoint quantized "
-                                  f"with {method}, but has no scale ({key}_scale_inv or {key}_scale); a quantized "
+            raise CheckpointError(f"{_file(index, name)}: {name!r} is {dtype} in a checkpoint quantized "
+                                  f"with {method}, but has no scale ({name}_scale_inv or {name}_scale); a quantized "
                                   "weight is never loaded without its scales. The checkpoint is incomplete.")
 
 

@@ -90,10 +90,11 @@ def swap_linears(model: nn.Module, groups: dict[str, int], config: Quantization)
     return swapped
 
 
-def to_torchao(model: nn.Module, names: list[str]) -> list[str]:
+def to_torchao(model: nn.Module, names: list[str], styles: dict[str, str] | None = None) -> list[str]:
     """Replace the named QuantizedLinear layers that torchao can hold by nn.Linear layers
     with an Int8Tensor / Float8Tensor weight (under TP: the rank's local shard, see the
-    module docstring). Returns the names replaced."""
+    module docstring). `styles`: module name -> the transformers TP style the load ran it
+    with (its `ParallelPlan`). Returns the names replaced."""
     from torchao.quantization import Float8Tensor, Int8Tensor
 
     replaced = []
@@ -104,7 +105,7 @@ def to_torchao(model: nn.Module, names: list[str]) -> list[str]:
         if not isinstance(old, QuantizedLinear):
             continue
         weight, scale = local_tensor(old.weight.data), local_tensor(old.weight_scale.data)
-        role = parallel_role(old)
+        role = parallel_role(old, (styles or {}).get(name))
         if role is None or weight.shape[-1] % old.group:
             continue
         cls = Int8Tensor if weight.dtype == torch.int8 else Float8Tensor
@@ -118,14 +119,14 @@ def to_torchao(model: nn.Module, names: list[str]) -> list[str]:
     return replaced
 
 
-def parallel_role(layer: QuantizedLinear) -> str | None:
+def parallel_role(layer: QuantizedLinear, style: str | None = None) -> str | None:
     """How a plain nn.Linear holding the layer's local tensors runs as it did: "local" (world
     1, or a plain shard that runs as it is), "rowwise" (transformers' "rowwise": partial
     outputs summed over the mesh), or None (any other split or forward hook, e.g.
-    "colwise_gather_output", a user's own parallelize_module: left as it is)."""
+    "colwise_gather_output", a user's own parallelize_module: left as it is). `style`: the
+    transformers style the load ran the layer with, None for none."""
     if layer._forward_hooks or layer._forward_pre_hooks:
         return None
-    style = getattr(layer, "_lazyload_tp_style", None)  # set by tp.runnable.parallelize
     if is_dtensor(layer.weight):
         return {"colwise": "local", "rowwise": "rowwise"}.get(style)
     return "local" if style is None and "forward" not in vars(layer) else None

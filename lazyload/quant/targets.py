@@ -26,6 +26,13 @@ def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict
             for name, axis in axes.items() if name in exprs}  # a tensor not filled is left as it is
 
 
+def scale_names(model: nn.Module, grids: dict[str, Grid]) -> dict[str, str]:
+    """Each quantized tensor -> the scale parameter `swap_quantized` puts beside it: a
+    block-quantized Linear's (transformers' FP8Linear) `weight_scale_inv`, else `X_scale`."""
+    linear = lambda name: isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)  # noqa: E731
+    return {name: name + ("_scale_inv" if grid.rows > 1 and linear(name) else "_scale") for name, grid in grids.items()}
+
+
 def saved_bytes(dests: dict, full_dtypes: dict) -> int:
     """Bytes the quantized targets (name -> QuantizedDest) hold less than they would in their
     full-precision dtype (name -> torch.dtype), their scales counted."""

@@ -5,15 +5,16 @@ Placements are found, per parameter, in this order:
 1. The parameter is a DTensor (torch's `parallelize_module`, FSDP2's `fully_shard`, or
    `lazyload.tp.parallelize`): this rank's share is read off its mesh and placements,
    on any mesh.
-2. The parameter was given a placement by `parallelize` (KV heads replicated over groups of
-   ranks, GPT-2's fused Conv1D): a plain local tensor with a recorded share.
-3. The parameter already has a local shape (the user's own parallel layers): the sharded dim
-   is the one where the checkpoint is `k` times larger (`k == world`: plain shard; `k` a
+2. The parameter already has a local shape (`parallelize` kept it a plain local shard: KV
+   heads replicated over groups of ranks, the structural rule's layers; or the user's own
+   parallel layers): the split case 3's rule gives it, when that gives this local shape (a
+   fused layer's "packed" split is told from the structure, not the shape); else the sharded
+   dim is the one where the checkpoint is `k` times larger (`k == world`: plain shard; `k` a
    divisor of world: KV-style groups); `plan=` may say "packed" for fused ones. Other local
    sizes, and every layer DeepSpeed's AutoTP made, are read by AutoTP's shard-size rule
    (`tp/autotp.py`: KV heads or 64-column grains, so a rank may hold more, or nothing);
    its fused layers (qkv, gate_up) as a piece of each part (`tp/autotp_fused.py`).
-4. Only for a model that none of the above made parallel, and only when world > 1: the
+3. Only for a model that none of the above made parallel, and only when world > 1: the
    model's own transformers TP plan (or, without one, a structural rule by module name),
    with `plan=` entries (glob -> style in transformers' `base_model_tp_plan` format, or
    name -> Placement) overriding it where they match, as transformers merges a `tp_plan`
@@ -117,7 +118,7 @@ def plain_specs(model: nn.Module) -> dict:
 
 
 def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) -> dict[str, Placement]:
-    """Case 4: a plan of ours for a model nobody made parallel: the model's own TP plan (or
+    """Case 3: a plan of ours for a model nobody made parallel: the model's own TP plan (or
     the structural rule where it has none), `plan=` entries overriding it where they match."""
     experts = plan if isinstance(plan, str) else "tp"
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -181,17 +182,16 @@ def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan
     specs = dict(specs)
     placements: dict[str, Placement] = {}
     tensors = {name: _tensor_of(model, name) for name in specs}
-    recorded = getattr(model, "_lazyload_placements", {})
     explicit = plan if isinstance(plan, dict) else {}
     for name, tensor in tensors.items():
         if is_dtensor(tensor):
             placements[name] = dtensor_placement(name, tensor)
-        elif name in recorded:
-            placements[name] = recorded[name]
 
     local_shaped = []
+    rule = _rule_for_local_shapes(model, specs, mismatched, plan, world)
     for name, ckpt_shape, model_shape in mismatched:
-        placement = _local_shape_placement(model, name, tuple(ckpt_shape), tuple(model_shape), explicit, rank, world)
+        placement = _local_shape_placement(model, name, tuple(ckpt_shape), tuple(model_shape), explicit, rank, world,
+                                           rule.get(name))
         if placement is not None:
             placements[name] = placement
             specs[name] = TargetSpec(name, tuple(ckpt_shape), specs[name].dtype)
@@ -213,10 +213,29 @@ def _tensor_of(model: nn.Module, name: str) -> torch.Tensor:
     return getattr(model.get_submodule(module_name), attr)
 
 
-def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank, world) -> Placement | None:
-    """Case 3: a model tensor that is this rank's share of the checkpoint tensor: the even
-    split (or KV-style groups, or the `plan=` style), else DeepSpeed AutoTP's uneven one; a
-    layer AutoTP made is read by AutoTP's rule alone."""
+def _rule_for_local_shapes(model: nn.Module, specs: MappingT, mismatched: list, plan: Any,
+                           world: int) -> dict[str, Placement]:
+    """For a model that holds local shards (`parallelize` made it so, or the user's own
+    layers), the split the rule of case 3 gives each such tensor at its full shape: a
+    fused layer's "packed" split or a KV head group is told from the model's structure, not
+    from its local shape alone (which reads as a plain shard)."""
+    if world == 1 or plan == {} or not mismatched:
+        return {}
+    full = {**specs, **{name: TargetSpec(name, tuple(ckpt), specs[name].dtype) for name, ckpt, _ in mismatched}}
+    names = {name for name, _, _ in mismatched}
+    try:
+        rule = static_placements(model, full, plan if plan is not None else "tp", world)
+    except PlanError:  # the rule cannot split this model at this world: the shapes alone decide
+        return {}
+    return {name: placement for name, placement in rule.items() if name in names}
+
+
+def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank, world,
+                           rule: Placement | None = None) -> Placement | None:
+    """Case 2: a model tensor that is this rank's share of the checkpoint tensor: the rule's
+    split when it gives this local shape, else the even split (or KV-style groups, or the
+    `plan=` style), else DeepSpeed AutoTP's uneven one; a layer AutoTP made is read by
+    AutoTP's rule alone."""
     if world == 1 or len(ckpt_shape) != len(model_shape):
         return None
     dims = [d for d, (c, m) in enumerate(zip(ckpt_shape, model_shape)) if c != m]
@@ -229,6 +248,12 @@ def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank,
         return fused_placement(name, module, fused, dims[0], ckpt_shape, model_shape, rank, world)
     if style is None and is_autotp_layer(module):
         return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
+    if style is None and rule is not None and rule.kind != "replicate":
+        try:
+            if local_regions(name, ckpt_shape, rule, rank, world)[0] == model_shape:
+                return rule
+        except PlanError:
+            pass
     if style is not None:
         candidate = style_placement(style, name, len(ckpt_shape), is_conv1d(module))
     else:

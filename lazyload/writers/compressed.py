@@ -19,8 +19,7 @@ from torch import nn
 
 from ..errors import ArgumentError
 from ..expr import Source
-from ..quant.linear import quantizable_linears
-from ..quant.onload import QuantizedDest, Quantization, quantize_into, scale_shape
+from ..quant.onload import Grid, QuantizedDest, Quantization, quantize_into, scale_shape
 
 FORMATS = {"int8": ("int", "int-quantized"), "fp8": ("float", "float-quantized")}
 
@@ -32,25 +31,25 @@ class Encoded(NamedTuple):
     group: int
 
 
-def quantized_names(model: nn.Module, exprs: dict, shapes: dict, config: Quantization) -> dict[str, Encoded]:
-    """Checkpoint tensor name -> Encoded, for the Linear weights `config` quantizes on load
-    that the checkpoint stores whole under the model's name (a fused or converted source
-    stays full precision). A weight whose columns are no whole number of groups is refused:
+def encoded_weights(grids: dict[str, Grid], exprs: dict, shapes: dict, config: Quantization) -> dict[str, Encoded]:
+    """Checkpoint tensor name -> Encoded, for the tensors the load quantizes (`grids`: the
+    load's own `quant.targets.quantized_targets`) that are 2-D Linear weights the checkpoint
+    stores whole under the model's name (a fused, converted or pre-quantized source stays
+    as it is). A weight whose columns are no whole number of groups is refused:
     compressed-tensors' group strategy cannot hold its short last group."""
     out = {}
-    for module in quantizable_linears(model, config):
-        name = f"{module}.weight"
+    for name, grid in grids.items():
         expr = exprs.get(name)
-        if not isinstance(expr, Source) or expr.key != name:
+        if not isinstance(expr, Source) or expr.key != name or len(shapes[name]) != 2 or grid.rows != 1:
             continue
         cols = shapes[name][-1]
-        group = config.group_size or cols
-        if cols % group:
+        if cols % grid.group:
+            module = name.rpartition(".")[0]
             raise ArgumentError(f"{name}: {cols} input columns are no whole number of quantization groups of "
-                                f"{group}, which a compressed-tensors checkpoint cannot hold; pass "
+                                f"{grid.group}, which a compressed-tensors checkpoint cannot hold; pass "
                                 f"quantize=Quantization({config.dtype!r}, group_size=G) with G dividing {cols}, or "
                                 f"keep it in full precision (Quantization(skip=[{module!r}])).")
-        out[name] = Encoded(config.torch_dtype, group)
+        out[name] = Encoded(config.torch_dtype, grid.group)
     return out
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..engine import run_schedule
 from ..errors import ArgumentError, CheckpointError, PlanError
-from ..expr import Box, Source, box_numel, box_shape, full_box
+from ..expr import Box, Dequant, Source, box_numel, box_shape, full_box
 from ..formats import CheckpointSource, open_index, resolve
 from ..formats.logical import Layout, Part
 from ..formats.sharded import FORMAT, LAYOUT_JSON, VERSION
@@ -30,12 +30,14 @@ from ..headers import DTYPES, TensorEntry
 from ..index import CheckpointIndex
 from ..mapping import Mapping, check_mapping, natural_key
 from ..placer import TensorDest
-from ..plan import ReadItem, check_rank
-from ..planner import LoadOptions, map_checkpoint, plan_load
+from ..plan import Placement, check_rank, plan_for_rank
+from ..planner import LoadOptions, byte_budget, map_checkpoint, plan_load
+from ..quant.formats import read_quantization_config
 from ..quant.onload import Quantization
+from ..quant.targets import quantized_targets
 from ..readers import PreadReader
-from ..schedule import default_budget, layer_of, schedule
-from .compressed import encode, entries, quantization_config, quantized_names
+from ..schedule import layer_of, schedule
+from .compressed import encode, encoded_weights, entries, quantization_config
 from .output import check_output, source_dirs, staged_directory
 from ..stored import StoredCheckpoint, meta_model, transformers_config
 
@@ -79,30 +81,33 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
     model = model if model is not None else _meta_model(config, src)
     if qconfig is not None:
         return _save_compressed(src, out_dir, index, view, model, qconfig, max_file_bytes, max_host_bytes)
-    boxes = _rank_boxes(StoredCheckpoint.of_index(view), model, world, plan)
+    boxes, quant = _rank_boxes(StoredCheckpoint.of_index(view, _quantization_config(src, index)), model, world, plan)
     for name in view:  # tensors no model tensor reads are kept, whole, in rank 0's file
         if name not in boxes:
             boxes[name][0].append(full_box(view[name].shape))
-    pieces = _pieces(view, boxes, world)
+    pieces = _pieces(view, boxes, world, _scale_names(quant))
     with staged_directory(out_dir) as staging:
         _write_layout(staging, pieces, index, view, world, max_file_bytes, max_host_bytes)
         _copy_configs(src, staging)
     return os.path.join(out_dir, LAYOUT_JSON)
 
 
-def _rank_boxes(view: StoredCheckpoint, model: nn.Module, world: int, plan: dict | str | None) -> dict:
+def _rank_boxes(view: StoredCheckpoint, model: nn.Module, world: int, plan: dict | str | None) -> tuple[dict, Any]:
     """Source tensor name -> rank -> the boxes of it that rank reads, as `load_into` plans
-    them (the same planner; each source name a leaf of the view)."""
-    options = LoadOptions(plan=plan, strict=False, missing="keep", shards_only=True)  # boxes, no load: no process-group check
+    them (the same planner; each source name a leaf of the view): every single-tensor read
+    of the plan's items, a pre-quantized weight's scale blocks and zero points included;
+    and the view's pre-quantized weights."""
+    options = LoadOptions(plan=plan, strict=False, missing="keep")
     boxes: dict[str, dict[int, list[Box]]] = defaultdict(lambda: defaultdict(list))
     mapped = map_checkpoint(view, view.index, model, None)
     if mapped.mapping.mismatched:
         check_mapping(Mapping(mapped.mapping.exprs, [], [], mapped.mapping.mismatched), view.index, mapped.specs)
     for rank in range(world):
         for item in plan_load(view, model, rank, world, options, preview=True, mapped=mapped).items:
-            if item.src_box not in boxes[item.entry.key][rank]:
-                boxes[item.entry.key][rank].append(item.src_box)
-    return boxes
+            for read in item.reads():  # a dequantized item's scale blocks and zero points too
+                if read.src_box not in boxes[read.entry.key][rank]:
+                    boxes[read.entry.key][rank].append(read.src_box)
+    return boxes, mapped.quant
 
 
 def _write_layout(out_dir: str, pieces: dict, index: CheckpointIndex, view: CheckpointIndex, world: int,
@@ -122,6 +127,21 @@ def _write_layout(out_dir: str, pieces: dict, index: CheckpointIndex, view: Chec
                               "pieces": records[name]} for name in view}}
     with open(os.path.join(out_dir, LAYOUT_JSON), "w") as f:
         json.dump(doc, f, indent=1)
+
+
+def _quantization_config(src: Any, index: CheckpointIndex) -> dict | None:
+    """The source's `quantization_config` (its config.json's), so that its pre-quantized
+    weights are paired with their scales as a load pairs them."""
+    if hasattr(src, "quantization_config"):  # a LazyCheckpoint, local or remote
+        return src.quantization_config()
+    return read_quantization_config([f for f in index.files if "://" not in f])
+
+
+def _scale_names(quant: Any) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Pre-quantized weight name -> its block and the names of its scale (and zero point)
+    tensors (each name of the view is a whole tensor: its leaf is one `Dequant`)."""
+    return {name: (leaf.block, tuple(k for k in leaf.keys() if k != name))
+            for name, leaf in quant.leaves.items() if isinstance(leaf, Dequant)}
 
 
 def _local_paths(src: Any) -> list:
@@ -170,23 +190,36 @@ def _names_as_tensors(index: CheckpointIndex) -> CheckpointIndex:
     return CheckpointIndex.of(index.files, entries)
 
 
-def _pieces(view: CheckpointIndex, boxes: dict, world: int) -> dict[int, list[tuple[str, str, Box]]]:
+def _pieces(view: CheckpointIndex, boxes: dict, world: int,
+            scales: dict[str, tuple[tuple[int, ...], tuple[str, ...]]]) -> dict[int, list[tuple[str, str, Box]]]:
     """Per rank, its (key in its file, tensor name, box), in layer order. A tensor whose
     boxes do not tile it (a part nobody reads, boxes that overlap) is stored whole instead,
-    in each rank's file that reads any of it."""
+    in each rank's file that reads any of it; so is a pre-quantized weight whose slices cut
+    its blocks, with its scales (a load pairs each weight piece with its blocks' scale piece)."""
+    by_name = {name: _tiling(name, boxes[name], view, world) for name in boxes}
+    for weight, (block, siblings) in scales.items():
+        if weight in by_name and any(a % b for bs in by_name[weight].values() for box in bs
+                                     for (a, _), b in zip(box, block)):
+            by_name[weight] = {rank: [full_box(view[weight].shape)] for rank in boxes[weight]}
+            for sibling in siblings:
+                by_name[sibling] = {rank: [full_box(view[sibling].shape)] for rank in boxes[weight]}
     per_rank: dict[int, list[tuple[str, str, Box]]] = defaultdict(list)
-    for name in sorted(boxes, key=lambda n: (natural_key(layer_of(n)), natural_key(n))):
-        by_rank = boxes[name]
-        shape = view[name].shape
-        parts = [Part(Source(name), box, rank) for rank, bs in by_rank.items() for box in bs]
-        try:
-            Layout(name, shape, view[name].dtype, tuple(parts), world).expr()
-        except CheckpointError:
-            by_rank = {rank: [full_box(shape)] for rank in by_rank}
-        for rank, bs in by_rank.items():
+    for name in sorted(by_name, key=lambda n: (natural_key(layer_of(n)), natural_key(n))):
+        for rank, bs in by_name[name].items():
             for i, box in enumerate(sorted(bs)):
                 per_rank[rank].append((name if i == 0 else f"{name}@{i}", name, box))
     return per_rank
+
+
+def _tiling(name: str, by_rank: dict[int, list[Box]], view: CheckpointIndex, world: int) -> dict[int, list[Box]]:
+    """`by_rank` itself when its boxes tile the tensor, else the whole tensor for each of its ranks."""
+    shape = view[name].shape
+    parts = [Part(Source(name), box, rank) for rank, bs in by_rank.items() for box in bs]
+    try:
+        Layout(name, shape, view[name].dtype, tuple(parts), world).expr()
+    except CheckpointError:
+        return {rank: [full_box(shape)] for rank in by_rank}
+    return by_rank
 
 
 def _cut(pieces: list, view: CheckpointIndex, max_bytes: int | None) -> list[list]:
@@ -210,9 +243,11 @@ def _save_compressed(src: Any, out_dir: str | os.PathLike, index: CheckpointInde
                      model: nn.Module, qconfig: Quantization, max_file_bytes: int | None,
                      max_host_bytes: int | None) -> str:
     """A compressed-tensors checkpoint of `src` in `out_dir`, layer by layer (world 1)."""
-    stored = StoredCheckpoint.of_index(view)
-    exprs = map_checkpoint(stored, stored.index, model, None).mapping.exprs
-    encoded = quantized_names(model, exprs, {name: view[name].shape for name in view}, qconfig)
+    stored = StoredCheckpoint.of_index(view, _quantization_config(src, index))
+    mapped = map_checkpoint(stored, stored.index, model, None)
+    exprs, specs = mapped.mapping.exprs, mapped.specs
+    grids = quantized_targets(model, qconfig, exprs, specs, {}, stored.index, 0, 1)  # the load's own choice
+    encoded = encoded_weights(grids, exprs, {name: view[name].shape for name in view}, qconfig)
     pieces = [(name, name, full_box(view[name].shape))
               for name in sorted(view, key=lambda n: (natural_key(layer_of(n)), natural_key(n)))]
     chunks = _cut(pieces, view, max_file_bytes)
@@ -263,42 +298,40 @@ def _header(chunk: list, view: CheckpointIndex, metadata: dict, encoded: dict) -
     return raw + b" " * (-len(raw) % 8), offset
 
 
+def _layer_reads(pieces: list, index: CheckpointIndex, view: CheckpointIndex) -> tuple[list, dict[str, TensorDest]]:
+    """The schedule of one layer's pieces (key in the file, tensor name, box of it), planned
+    by the planner's own `plan_for_rank` (each piece a target whose placement is its box),
+    and a destination for each."""
+    exprs = {key: index.expr(name) for key, name, _ in pieces}
+    shapes = {key: view[name].shape for key, name, _ in pieces}
+    dtypes = {key: view[name].dtype for key, name, _ in pieces}
+    boxes = {key: Placement("box", spans=tuple((span,) for span in box)) for key, _, box in pieces}
+    targets, items = plan_for_rank(exprs, index, shapes, dtypes, boxes)
+    dests = {t.name: TensorDest(torch.empty(t.local_shape, dtype=t.dtype)) for t in targets}
+    return schedule(items), dests
+
+
 def _write_file(path: str, chunk: list, index: CheckpointIndex, view: CheckpointIndex, metadata: dict,
                 max_host_bytes: int | None, encoded: dict | None = None) -> int:
     """One safetensors file: the header, then each layer's pieces as soon as they are read
     (those named in `encoded` quantized); returns the bytes of its tensors."""
     encoded = encoded or {}
     raw, total = _header(chunk, view, metadata, encoded)
-    shape_of = lambda key: index[key].shape  # noqa: E731
     by_layer: dict[str, list] = defaultdict(list)
     for piece in chunk:
         by_layer[layer_of(piece[1])].append(piece)
     reader = PreadReader()
-    with open(path + ".tmp", "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for layer_pieces in by_layer.values():
-            items, dests = [], {}
-            for key, name, box in layer_pieces:
-                dests[key] = TensorDest(torch.empty(box_shape(box), dtype=view[name].dtype))
-                origin = [a for a, _ in box]
-                for p in index.expr(name).pieces(box, shape_of):
-                    dst = tuple((a - o, b - o) for (a, b), o in zip(p.dst_box, origin))
-                    items.append(ReadItem(index[p.key], p.src_box, p.ops, key, dst))
-            groups = schedule(items)
-            budget = max_host_bytes or default_budget(groups)
-            largest = max((item.nbytes for item in items), default=0)
-            if budget < largest:
-                raise PlanError(f"max_host_bytes={budget} is smaller than the largest single read ({largest} "
-                                "bytes); raise it to at least that.")
-            try:
-                run_schedule(groups, reader, dests, budget)
-            except BaseException:
-                reader.close()
-                raise
-            for key, name, _ in layer_pieces:
-                for tensor in encode(dests[key].tensor, encoded.get(name)):
-                    f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-    reader.close()
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for layer_pieces in by_layer.values():
+                groups, dests = _layer_reads(layer_pieces, index, view)
+                run_schedule(groups, reader, dests, byte_budget(groups, max_host_bytes))
+                for key, name, _ in layer_pieces:
+                    for tensor in encode(dests[key].tensor, encoded.get(name)):
+                        f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    finally:
+        reader.close()
     os.replace(path + ".tmp", path)
     return total
