@@ -53,6 +53,22 @@ def test_world1_is_bit_exact_against_transformers_dequantize(mxfp4, reference):
         assert model.get_parameter(name).abs().sum() > 0
 
 
+def test_without_a_quantization_config_the_blocks_are_found_by_their_names(mxfp4, reference, tmp_path):
+    """A config.json without its quantization_config: the experts are still dequantized
+    (other loaders leave them at their random init), not unexpected keys."""
+    import json
+
+    directory, config = mxfp4
+    bare = copy_checkpoint(directory, tmp_path / "bare")
+    meta = json.loads((bare / "config.json").read_text())
+    del meta["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(meta))
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    report = LazyCheckpoint(str(bare)).load_into(model, progress=False)
+    assert report.ok and not report.unexpected
+    assert_same_weights(model, reference)
+
+
 @pytest.mark.parametrize("plan", ["ep", TP], ids=["ep", "tp"])
 def test_each_rank_is_its_slice_of_transformers_dequantize(mxfp4, reference, plan):
     """EP: a rank's experts; TP (transformers' plan): gate_up's output columns and down's
