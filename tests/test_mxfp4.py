@@ -9,6 +9,7 @@ import torch
 from checkpoints import assert_same_weights, build_model, copy_checkpoint, reference_model
 from quant_checkpoints import write_mxfp4_checkpoint
 
+import lazyload
 from lazyload import LazyCheckpoint, Placement
 from lazyload.errors import PlanError, ReadError
 
@@ -160,3 +161,21 @@ def test_world2_under_gloo(mxfp4, tmp_path):
 
     directory, _ = mxfp4
     spawn_cases(2, [("ep", str(directory)), ("tp", str(directory))], tmp_path, _gloo_case)
+
+
+@pytest.mark.parametrize("plan", ["ep", TP], ids=["ep", "tp"])
+def test_a_resharded_copy_loads_back_bit_exact(mxfp4, reference, tmp_path, plan):
+    """save_sharded at world 2 writes each rank's blocks and scales (experts, or rows and
+    whole groups); the copy loads at world 1 as transformers' dequantization, and at world 2
+    each rank its share."""
+    directory, config = mxfp4
+    lazyload.save_sharded(str(directory), str(tmp_path / "out"), 2, plan=plan)
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    assert LazyCheckpoint(str(tmp_path / "out")).load_into(model, progress=False).ok
+    assert_same_weights(model, reference)
+    for rank in range(2):
+        model = build_model("gpt_oss", config, torch.bfloat16)
+        assert LazyCheckpoint(str(tmp_path / "out")).load_into(model, rank, 2, plan=plan, progress=False).ok
+        for name in _names(config):
+            full, mine = reference.get_parameter(name).detach(), model.get_parameter(name).detach()
+            assert torch.equal(mine, _share(full, mine, rank, 2)), f"{name} rank {rank}"

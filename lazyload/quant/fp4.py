@@ -19,7 +19,7 @@ import itertools
 import torch
 
 from ..errors import CheckpointError
-from ..expr import Expr, Mxfp4, Transpose
+from ..expr import Cat, Expr, Mxfp4, Source, Transpose
 from ..index import CheckpointIndex
 
 BLOCKS, SCALES = "_blocks", "_scales"
@@ -46,13 +46,25 @@ def mxfp4_leaves(index: CheckpointIndex, tensors: dict) -> dict[str, tuple[Expr,
             raise CheckpointError(f"{_file(index, name)}: {name!r} {list(shape)} and {base + SCALES!r} "
                                   f"{scale[0]} {list(scale[1])} are not MXFP4 blocks and scales (uint8 [..., K/32, 16] "
                                   "and uint8 [..., K/32]); lazyload cannot dequantize them.")
-        weight, scales = index.expr(name), index.expr(base + SCALES)
-        if not (hasattr(weight, "key") and hasattr(scales, "key")):
-            raise CheckpointError(f"{_file(index, name)}: the MXFP4 weight {base!r} is stored in pieces; lazyload "
-                                  "reads MXFP4 blocks and scales stored whole.")
+        try:
+            leaf = _paired(index.expr(name), index.expr(base + SCALES), len(shape))
+        except ValueError as exc:
+            raise CheckpointError(f"{_file(index, name)}: the MXFP4 weight {base!r} is stored in pieces that do not "
+                                  f"pair with its scales' ({exc}); re-shard it from the original checkpoint.") from None
         ndim = len(shape) - 1
-        out[base] = (Transpose(Mxfp4(weight.key, scales.key), ndim - 2, ndim - 1), name, base + SCALES)
+        out[base] = (Transpose(leaf, ndim - 2, ndim - 1), name, base + SCALES)
     return out
+
+
+def _paired(blocks: Expr, scales: Expr, ndim: int) -> Expr:
+    """The dequantization of blocks stored whole or in pieces (a resharded checkpoint): each
+    blocks piece with the scales piece cut alike, along a dim before the bytes of a group."""
+    if isinstance(blocks, Source) and isinstance(scales, Source):
+        return Mxfp4(blocks.key, scales.key)
+    if not (isinstance(blocks, Cat) and isinstance(scales, Cat) and blocks.dim == scales.dim < ndim - 1
+            and len(blocks.parts) == len(scales.parts)):
+        raise ValueError("the blocks are not cut where the scales are")
+    return Cat(tuple(_paired(b, s, ndim) for b, s in zip(blocks.parts, scales.parts)), blocks.dim)
 
 
 def _file(index: CheckpointIndex, name: str) -> str:
