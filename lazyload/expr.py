@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
+from .errors import PlanError
+
 Box = tuple[tuple[int, int], ...]
 ShapeOf = Callable[[str], tuple[int, ...]]  # checkpoint key -> shape
 
@@ -326,6 +328,53 @@ class Dequant(Expr):
 
     def __str__(self):
         return f"dequant({self.weight}, {self.scale}" + (f", {self.zero})" if self.zero else ")")
+
+
+MX_GROUP = 32  # MXFP4: values per E8M0 scale, packed 16 bytes to a group
+
+
+@dataclass(frozen=True)
+class Mxfp4(Expr):
+    """An MXFP4 weight in full precision [..., R, K] from its packed E2M1 `blocks`
+    [..., R, K/32, 16] and E8M0 `scales` [..., R, K/32] (`quant.fp4`). A box must hold whole
+    groups of 32 along K: it reads those groups' bytes and scales, nothing more; a box
+    that cuts a group (a split of K into shares that are no multiple of 32) is refused."""
+
+    blocks: str
+    scales: str
+
+    def shape(self, shape_of):
+        blocks, scales = tuple(shape_of(self.blocks)), tuple(shape_of(self.scales))
+        if len(blocks) < 3 or blocks[-1] != MX_GROUP // 2 or scales != blocks[:-1]:
+            raise ValueError(f"MXFP4 blocks {self.blocks} {list(blocks)} and scales {self.scales} {list(scales)} "
+                             f"are not [..., K/{MX_GROUP}, {MX_GROUP // 2}] and [..., K/{MX_GROUP}]")
+        return blocks[:-2] + (blocks[-2] * MX_GROUP,)
+
+    def keys(self):
+        return [self.blocks, self.scales]
+
+    def pieces(self, box, shape_of):
+        if not box_numel(box):
+            return []
+        start, stop = box[-1]
+        if start % MX_GROUP or stop % MX_GROUP:
+            groups = shape_of(self.scales)[-1]
+            raise PlanError(f"{self.blocks}: columns {start}:{stop} cut its MXFP4 groups of {MX_GROUP}; a split "
+                            f"of its {groups * MX_GROUP} input columns must keep whole groups: use a world that "
+                            f"divides {groups} (one of {[w for w in range(1, groups + 1) if groups % w == 0]}).")
+        groups = box[:-1] + ((start // MX_GROUP, stop // MX_GROUP),)
+        return [Piece(self.blocks, groups + ((0, MX_GROUP // 2),), (), box,
+                      ScaleRef(self.scales, groups, None, (1,) * (len(box) - 1) + (MX_GROUP,)))]
+
+    def layout(self, shape_of):
+        return (Mxfp4, tuple(shape_of(self.blocks)))
+
+    def like(self, piece, ops, dst_box):
+        return Piece(self.blocks, piece.src_box, ops, dst_box,
+                     ScaleRef(self.scales, piece.scales.box, None, piece.scales.block))
+
+    def __str__(self):
+        return f"mxfp4({self.blocks}, {self.scales})"
 
 
 @dataclass(frozen=True)

@@ -288,7 +288,7 @@ def _match_keys(index: CheckpointIndex, resolver: _Resolver, computed: set[str],
     matched = _Matched()
     exprs, from_alias, groups = matched.exprs, matched.from_alias, matched.groups
     for key in index.natural_names(quant.siblings):
-        hit = resolver.resolve(key)
+        hit = resolver.resolve(quant.logical.get(key, key))  # MXFP4: X_blocks loads as X
         if hit is None:
             if give_up is not None and give_up.unexpected(key):
                 return None

@@ -100,9 +100,12 @@ def quantize_compressed(w: torch.Tensor, num_type: str, strategy: str, group_siz
     return q, scale, zero
 
 
-def _rewrite(src: Path, dst: Path, quantize_one, quantization_config: dict, names=QUANTIZED) -> Path:
-    """Every shard of `src` with the weights of the modules `names` replaced by
-    `quantize_one(key, w)` (a dict of tensors), the index json and config.json to match."""
+def _rewrite(src: Path, dst: Path, quantize_one, quantization_config: dict, names=QUANTIZED,
+             select=None) -> Path:
+    """Every shard of `src` with the weights of the modules `names` (or those `select(key,
+    tensor)` picks) replaced by `quantize_one(key, w)` (a dict of tensors), the index json and
+    config.json to match."""
+    select = select or (lambda key, tensor: is_quantized(key, tensor, names))
     from safetensors.torch import load_file, save_file
 
     src, dst = Path(src), Path(dst)
@@ -111,7 +114,7 @@ def _rewrite(src: Path, dst: Path, quantize_one, quantization_config: dict, name
     for shard in sorted(src.glob("*.safetensors")):
         out = {}
         for key, tensor in load_file(str(shard)).items():
-            out.update(quantize_one(key, tensor) if is_quantized(key, tensor, names) else {key: tensor})
+            out.update(quantize_one(key, tensor) if select(key, tensor) else {key: tensor})
         save_file(out, str(dst / shard.name), metadata={"format": "pt"})
         weight_map.update({k: shard.name for k in out})
         del out
@@ -163,6 +166,25 @@ def write_compressed_checkpoint(src, dst, num_type="int", strategy="channel", gr
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                             "input_activations": inputs, "output_activations": None}}}
     return _rewrite(src, dst, one, config)
+
+
+def write_mxfp4_checkpoint(src, dst, seed: int = 0, scales=(118, 134)) -> Path:
+    """The gpt-oss checkpoint at `src` with its experts in gpt-oss's MXFP4 layout in `dst`:
+    each `experts.{gate_up,down}_proj` [E, K, R] replaced by random packed E2M1 bytes
+    `_blocks` uint8 [E, R, K/32, 16] and E8M0 exponents `_scales` uint8 [E, R, K/32] drawn
+    from `scales` (transformers' own MXFP4 quantizer needs triton's kernels, not on CPU), and
+    `quantization_config = {"quant_method": "mxfp4", ...}` as gpt-oss ships it."""
+    g = torch.Generator().manual_seed(seed)
+
+    def one(key, w):
+        experts, k, r = w.shape
+        blocks = torch.randint(0, 256, (experts, r, k // 32, 16), generator=g, dtype=torch.uint8)
+        exps = torch.randint(scales[0], scales[1], (experts, r, k // 32), generator=g, dtype=torch.uint8)
+        return {key + "_blocks": blocks, key + "_scales": exps}
+
+    config = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                   "model.embed_tokens", "lm_head"]}
+    return _rewrite(src, dst, one, config, select=lambda key, w: key.endswith(("experts.gate_up_proj", "experts.down_proj")))
 
 
 def needs_torchao() -> None:

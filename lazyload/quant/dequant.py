@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from .fp4 import dequantize_mxfp4_into
+
 # Elements per chunk: the float32 scratch of a CPU chunk (1 MiB) stays in cache; on a GPU
 # a chunk only bounds the scratch.
 CPU_CHUNK = 1 << 18
@@ -38,6 +40,8 @@ def dequantize_into(out: torch.Tensor, box: QuantizedBox, start: tuple[int, ...]
     entry along each dim. `box.scale` holds the entries of the blocks the box touches (or
     one entry for the whole weight)."""
     q = box.weight
+    if q.dtype == torch.uint8:  # packed E2M1 with E8M0 scales (expr.Mxfp4): whole groups
+        return dequantize_mxfp4_into(out, q, box.scale)
     if q.ndim == 0:  # a scalar weight is a box of one element
         q, out, start, block = q.reshape(1), out.reshape(1), (0,), (1,)
     grid = _grid(start, q.shape, block)

@@ -36,6 +36,7 @@ import torch
 from ..errors import CheckpointError
 from ..expr import Cat, Dequant, Expr, Source
 from ..index import CheckpointIndex
+from .fp4 import mxfp4_leaves
 
 WEIGHT_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # FP8 block layout; compressed-tensors
@@ -45,7 +46,7 @@ ZERO_SUFFIX = "_zero_point"
 UNSUPPORTED_SUFFIXES = ("_g_idx", "_packed", "_shape", "_global_scale", "_shape_original")
 # Scales of activations and of the KV cache: for quantized kernels, not for weights.
 IGNORED = (r"\.(input|output)_(scale|zero_point)$", r"\.[qkv]_scale$", r"\.input_global_scale$")
-METHODS = ("fp8", "compressed-tensors")
+METHODS = ("fp8", "compressed-tensors", "mxfp4")
 COMPRESSED_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
 DEFAULT_BLOCK = 128  # DeepSeek-V3's and Qwen3 FP8's weight_block_size
 
@@ -62,6 +63,7 @@ class Quantization:
     siblings: frozenset[str] = frozenset()
     ignored: tuple[str, ...] = ()
     weight_keys: frozenset[str] = frozenset()  # the stored keys of the quantized weights (of every piece)
+    logical: dict[str, str] = field(default_factory=dict)  # a weight's name -> the name it loads as (X_blocks -> X)
 
     def values_dtype(self, key: str, stored: torch.dtype) -> torch.dtype | None:
         """The dtype of the values stored key `key` holds: None for a quantized weight (its
@@ -134,8 +136,14 @@ def detect(index: CheckpointIndex, config: dict | None = None,
         siblings.update((scale, zero) if zero else (scale,))
     if declared or leaves:
         _check_unscaled(tensors, index, leaves.keys() | held_pairs, siblings, config)
-    weight_keys = frozenset(k for leaf in leaves.values() for k in _weight_pieces(leaf))
-    return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else (), weight_keys)
+    weight_keys = {k for leaf in leaves.values() for k in _weight_pieces(leaf)}
+    logical = {}
+    for base, (leaf, blocks, scales) in mxfp4_leaves(index, tensors).items():  # gpt-oss's experts (quant.fp4)
+        leaves[blocks], logical[blocks] = leaf, base
+        siblings.add(scales)
+        weight_keys.add(blocks)
+    return Quantization(leaves, frozenset(siblings), IGNORED if (declared or leaves) else (), frozenset(weight_keys),
+                        logical)
 
 
 def _weight_pieces(expr: Expr) -> list[str]:
@@ -227,6 +235,8 @@ def _config_blocks(config: dict) -> list[tuple[int | None, int | None]]:
         return [tuple(int(b) for b in size)] if size else [(None, None)]
     if method == "compressed-tensors":
         return _compressed_tensors_blocks(config)
+    if method == "mxfp4":  # its blocks and scales are found by their names (quant.fp4)
+        return []
     raise CheckpointError(f"config.json: the checkpoint is quantized with {method!r}, which lazyload cannot "
                           f"dequantize (it reads {', '.join(METHODS)}); dequantize it with its own tools first.")
 

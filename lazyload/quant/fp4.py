@@ -1,0 +1,99 @@
+"""MXFP4 weights in gpt-oss's layout (transformers' `integrations/mxfp4.py`): found by their
+names, planned as `expr.Mxfp4` leaves, dequantized exactly as transformers does.
+
+- `X_blocks` uint8 [..., R, K/32, 16]: E2M1 values two to a byte, element 2j in the low
+  nibble and 2j+1 in the high one; bit 3 of a nibble is the sign, bits 0-2 index
+  [0, 0.5, 1, 1.5, 2, 3, 4, 6].
+- `X_scales` uint8 [..., R, K/32]: one E8M0 exponent per 32 values, 2^(s - 127); 255 is NaN.
+- The dequantized [..., R, K] is what the module holds as [..., K, R] (gpt-oss's experts
+  store [E, in, out]), so the leaf of `X` is the transpose of the last two dims.
+
+Transformers computes `ldexp(lut[nibble], s - 127)` in the parameter's dtype; the same
+ldexp in float32 cast once to the destination gives the same values (every E2M1 value has
+at most two significant bits), which tests/test_mxfp4.py checks against its loader.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..errors import CheckpointError
+from ..expr import Cat, Expr, Mxfp4, Source, Transpose
+from ..index import CheckpointIndex
+
+BLOCKS, SCALES = "_blocks", "_scales"
+E8M0_NAN = 255
+# E2M1 codes 0-15: bit 3 the sign, bits 0-2 the magnitude's index.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+CHUNK = 1 << 18  # float32 scratch elements per chunk (1 MiB: stays in a CPU cache)
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def mxfp4_leaves(index: CheckpointIndex, tensors: dict) -> dict[str, tuple[Expr, str, str]]:
+    """Logical weight name `X` -> (its leaf, its blocks name, its scales name) for every
+    uint8 `X_blocks` with a uint8 `X_scales` sibling of shape blocks.shape[:-1] (with or
+    without a quantization_config: gpt-oss's experts are never left unread)."""
+    out = {}
+    for name, (dtype, shape) in tensors.items():
+        if dtype != torch.uint8 or not name.endswith(BLOCKS):
+            continue
+        base = name[:-len(BLOCKS)]
+        scale = tensors.get(base + SCALES)
+        if scale is None:
+            continue
+        if scale[0] != torch.uint8 or tuple(scale[1]) != tuple(shape[:-1]) or len(shape) < 3 or shape[-1] != 16:
+            raise CheckpointError(f"{_file(index, name)}: {name!r} {list(shape)} and {base + SCALES!r} "
+                                  f"{scale[0]} {list(scale[1])} are not MXFP4 blocks and scales (uint8 [..., K/32, 16] "
+                                  "and uint8 [..., K/32]); lazyload cannot dequantize them.")
+        try:
+            leaf = _paired(index.expr(name), index.expr(base + SCALES), len(shape))
+        except ValueError as exc:
+            raise CheckpointError(f"{_file(index, name)}: the MXFP4 weight {base!r} is stored in pieces that do not "
+                                  f"pair with its scales' ({exc}); re-shard it from the original checkpoint.") from None
+        ndim = len(shape) - 1
+        out[base] = (Transpose(leaf, ndim - 2, ndim - 1), name, base + SCALES)
+    return out
+
+
+def _paired(blocks: Expr, scales: Expr, ndim: int) -> Expr:
+    """The dequantization of blocks stored whole or in pieces (a resharded checkpoint): each
+    blocks piece with the scales piece cut alike, along a dim before the bytes of a group."""
+    if isinstance(blocks, Source) and isinstance(scales, Source):
+        return Mxfp4(blocks.key, scales.key)
+    if not (isinstance(blocks, Cat) and isinstance(scales, Cat) and blocks.dim == scales.dim < ndim - 1
+            and len(blocks.parts) == len(scales.parts)):
+        raise ValueError("the blocks are not cut where the scales are")
+    return Cat(tuple(_paired(b, s, ndim) for b, s in zip(blocks.parts, scales.parts)), blocks.dim)
+
+
+def _file(index: CheckpointIndex, name: str) -> str:
+    return index[index.expr(name).keys()[0]].file
+
+
+def dequantize_mxfp4_into(out: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """Write the E2M1 `blocks` [..., G, 16] times 2^(`scales` [..., G] - 127) into `out`
+    [..., G * 32] (any dtype and strides). An E8M0 NaN scale (255) is refused: transformers
+    would load it as inf and NaN."""
+    if bool((scales == E8M0_NAN).any()):
+        at = (scales == E8M0_NAN).nonzero()[0].tolist()
+        raise CheckpointError(f"an MXFP4 scale is {E8M0_NAN} (E8M0 NaN) at {at} of the scales read with this box "
+                              "(the blocks' `_scales` tensor); the checkpoint is corrupt, a NaN scale makes every "
+                              "one of its 32 weights NaN.")
+    rows = max(1, CHUNK // (32 * blocks.shape[-2]))  # a chunk of rows through a float32 scratch
+    for lead in itertools.product(*(range(n) for n in blocks.shape[:-3])):
+        for r in range(0, blocks.shape[-3], rows):
+            at = lead + (slice(r, r + rows),)
+            _dequantize_rows(out[at], blocks[at], scales[at])
+
+
+def _dequantize_rows(out: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    lut = _LUTS.get(blocks.device)
+    if lut is None:
+        lut = _LUTS.setdefault(blocks.device, torch.tensor(E2M1, dtype=torch.float32, device=blocks.device))
+    values = torch.empty(*blocks.shape, 2, dtype=torch.float32, device=blocks.device)
+    values[..., 0] = lut[(blocks & 0x0F).long()]
+    values[..., 1] = lut[(blocks >> 4).long()]
+    flat = values.view(*blocks.shape[:-1], 32)
+    torch.ldexp(flat, (scales.to(torch.int32) - 127).unsqueeze(-1), out=flat)
+    out.copy_(flat.view(out.shape))  # the one rounding, to the destination dtype

@@ -1,0 +1,181 @@
+"""MXFP4 checkpoints in gpt-oss's layout (experts' `_blocks` / `_scales`), loaded in full
+precision into a GptOss model built on the meta device: bit-exact against transformers'
+own loader (`Mxfp4Config(dequantize=True)`), at world 1 and per rank under EP and TP,
+each rank reading only its experts / rows / whole 32-column groups."""
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import assert_same_weights, build_model, copy_checkpoint, reference_model
+from quant_checkpoints import write_mxfp4_checkpoint
+
+import lazyload
+from lazyload import LazyCheckpoint, Placement
+from lazyload.errors import PlanError, ReadError
+
+# K = 64 for both projections: two 32-column groups, so TP 2 splits down_proj's inputs at a
+# group boundary and TP 4 would cut them.
+SIZES = dict(hidden_size=64, intermediate_size=64)
+# TP of the experts by an explicit plan (gpt-oss's own plan shards them only by expert):
+# gate_up's output columns (gate/up interleaved: pairs stay together), down's input rows.
+TP = {"model.layers.*.mlp.experts.gate_up_proj": Placement("shard", dim=2),
+      "model.layers.*.mlp.experts.gate_up_proj_bias": Placement("shard", dim=1),
+      "model.layers.*.mlp.experts.down_proj": Placement("shard", dim=1)}
+EXPERTS = ("model.layers.{}.mlp.experts.gate_up_proj", "model.layers.{}.mlp.experts.down_proj")
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    from checkpoints import write_checkpoint
+
+    src, config = write_checkpoint("gpt_oss", "bf16", tmp_path_factory.mktemp("gpt_oss"), **SIZES)
+    return write_mxfp4_checkpoint(src, tmp_path_factory.mktemp("mxfp4")), config
+
+
+@pytest.fixture(scope="module")
+def reference(mxfp4):
+    from transformers import Mxfp4Config
+
+    directory, _ = mxfp4
+    return reference_model("gpt_oss", directory, torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True))
+
+
+def _names(config):
+    return [p.format(i) for i in range(config.num_hidden_layers) for p in EXPERTS]
+
+
+def test_world1_is_bit_exact_against_transformers_dequantize(mxfp4, reference):
+    directory, config = mxfp4
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    report = LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    assert report.ok and not report.unexpected and not report.missing
+    assert_same_weights(model, reference)
+    for name in _names(config):  # a real check: the experts are no zeros and no copies of each other
+        assert model.get_parameter(name).abs().sum() > 0
+
+
+def test_without_a_quantization_config_the_blocks_are_found_by_their_names(mxfp4, reference, tmp_path):
+    """A config.json without its quantization_config: the experts are still dequantized
+    (other loaders leave them at their random init), not unexpected keys."""
+    import json
+
+    directory, config = mxfp4
+    bare = copy_checkpoint(directory, tmp_path / "bare")
+    meta = json.loads((bare / "config.json").read_text())
+    del meta["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(meta))
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    report = LazyCheckpoint(str(bare)).load_into(model, progress=False)
+    assert report.ok and not report.unexpected
+    assert_same_weights(model, reference)
+
+
+@pytest.mark.parametrize("plan", ["ep", TP], ids=["ep", "tp"])
+def test_each_rank_is_its_slice_of_transformers_dequantize(mxfp4, reference, plan):
+    """EP: a rank's experts; TP (transformers' plan): gate_up's output columns and down's
+    input rows, split at 32-column group boundaries."""
+    directory, config = mxfp4
+    world = 2
+    for rank in range(world):
+        model = build_model("gpt_oss", config, torch.bfloat16)
+        assert LazyCheckpoint(str(directory)).load_into(model, rank, world, plan=plan, progress=False).ok
+        for name in _names(config):
+            full = reference.get_parameter(name).detach()
+            mine = model.get_parameter(name).detach()
+            mine = mine.to_local() if hasattr(mine, "to_local") else mine
+            assert mine.shape != full.shape, f"{name}: not split ({plan})"
+            assert torch.equal(mine, _share(full, mine, rank, world)), f"{name} rank {rank} ({plan})"
+
+
+def test_a_rank_reads_only_its_blocks_and_scales(mxfp4):
+    """The plan of rank 1 of 2 under EP reads half of every expert tensor's bytes: its
+    experts' blocks and scales, nothing of the other rank's."""
+    from lazyload.summary import plan_ranks
+
+    directory, config = mxfp4
+    plans, _ = plan_ranks(str(directory), 2, plan="ep")
+    experts = config.num_local_experts
+    for rank, plan in enumerate(plans):
+        reads = [(part.entry.key, part.src_box) for item in plan.items for part in item.reads()]
+        packed = [(key, box) for key, box in reads if key.endswith(("_blocks", "_scales"))]
+        assert len(packed) == 2 * len(_names(config)), packed  # each tensor's blocks and scales, once
+        for key, box in packed:
+            mine = (rank * experts // 2, (rank + 1) * experts // 2)
+            assert box[0] == mine, f"rank {rank}: {key} reads experts {box[0]}"
+
+
+def test_a_world_that_cuts_a_group_is_refused_before_any_byte(mxfp4):
+    directory, config = mxfp4
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    with pytest.raises(PlanError, match=r"down_proj_blocks.*groups of 32.*one of \[1, 2\]"):
+        LazyCheckpoint(str(directory)).load_into(model, 0, 4, plan=TP, progress=False)
+    assert all(p.is_meta for p in model.parameters())  # untouched
+
+
+def test_a_nan_scale_is_refused_naming_the_tensor(mxfp4, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory, config = mxfp4
+    broken = copy_checkpoint(directory, tmp_path / "broken")
+    key = "model.layers.1.mlp.experts.down_proj_scales"
+    for shard in sorted(broken.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        if key in tensors:
+            tensors[key][2, 5, 1] = 255
+            shard.unlink()  # a hard link to the fixture's shard: write a new file
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    # Found once its scales are read (a value, not a shape): the engine's ReadError names the
+    # tensor and file, the target left unloaded, and the CheckpointError that stopped it.
+    with pytest.raises(ReadError, match=r"CheckpointError: an MXFP4 scale is 255 \(E8M0 NaN\).*down_proj_blocks") as info:
+        LazyCheckpoint(str(broken)).load_into(model, progress=False)
+    assert info.value.not_loaded == ["model.layers.1.mlp.experts.down_proj"]
+
+
+def _gloo_case(case, rank, world):
+    """Under a real process group: EP or TP experts, each rank its slice of world 1's load."""
+    plan, directory = case
+    from checkpoints import make_config
+
+    config = make_config("gpt_oss", **SIZES)
+    full = build_model("gpt_oss", config, torch.bfloat16)
+    LazyCheckpoint(directory).load_into(full, progress=False)  # world 1
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    assert LazyCheckpoint(directory).load_into(model, rank, world, plan=TP if plan == "tp" else plan,
+                                               progress=False).ok
+    for name in _names(config):
+        want, mine = full.get_parameter(name).detach(), model.get_parameter(name).detach()
+        mine = mine.to_local() if hasattr(mine, "to_local") else mine
+        assert torch.equal(mine, _share(want, mine, rank, world)), f"{name} rank {rank} ({plan})"
+        assert mine.shape != want.shape, f"{name}: not split ({plan})"
+
+
+def _share(full: torch.Tensor, mine: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The rank's slice of `full` along the one dim a rank's tensor `mine` is split on (or all of it)."""
+    split = [d for d in range(full.ndim) if mine.shape[d] != full.shape[d]]
+    return full.chunk(world, split[0])[rank] if split else full
+
+
+def test_world2_under_gloo(mxfp4, tmp_path):
+    from gloo import spawn_cases
+
+    directory, _ = mxfp4
+    spawn_cases(2, [("ep", str(directory)), ("tp", str(directory))], tmp_path, _gloo_case)
+
+
+@pytest.mark.parametrize("plan", ["ep", TP], ids=["ep", "tp"])
+def test_a_resharded_copy_loads_back_bit_exact(mxfp4, reference, tmp_path, plan):
+    """save_sharded at world 2 writes each rank's blocks and scales (experts, or rows and
+    whole groups); the copy loads at world 1 as transformers' dequantization, and at world 2
+    each rank its share."""
+    directory, config = mxfp4
+    lazyload.save_sharded(str(directory), str(tmp_path / "out"), 2, plan=plan)
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    assert LazyCheckpoint(str(tmp_path / "out")).load_into(model, progress=False).ok
+    assert_same_weights(model, reference)
+    for rank in range(2):
+        model = build_model("gpt_oss", config, torch.bfloat16)
+        assert LazyCheckpoint(str(tmp_path / "out")).load_into(model, rank, 2, plan=plan, progress=False).ok
+        for name in _names(config):
+            full, mine = reference.get_parameter(name).detach(), model.get_parameter(name).detach()
+            assert torch.equal(mine, _share(full, mine, rank, 2)), f"{name} rank {rank}"
