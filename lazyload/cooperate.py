@@ -242,17 +242,16 @@ class Part:
         return self.tensor.numel() * self.wire.itemsize
 
 
-_ALIGN = 16  # each part of a packed batch starts here, so that its bytes view as any dtype
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+def _aligned(n: int, part: Part) -> int:
+    """The offset at or after `n` where `part` starts in a packed batch: a multiple of its
+    wire itemsize, so that its bytes view as its dtype (no padding between parts of one dtype)."""
+    return -(-n // part.wire.itemsize) * part.wire.itemsize
 
 
 @dataclass(frozen=True)
 class Batch:
-    """What one collective carries: parts of one reader, packed one after the other (at
-    aligned offsets), at most the staging budget in all; or one part sent as it is."""
+    """What one collective carries: parts of one reader, packed one after the other, at
+    most the staging budget in all; or one part sent as it is."""
 
     reader: int
     parts: tuple[Part, ...]
@@ -261,7 +260,7 @@ class Batch:
     def offsets(self) -> tuple[int, ...]:
         offsets, end = [], 0
         for part in self.parts:
-            offsets.append(_aligned(end))
+            offsets.append(_aligned(end, part))
             end = offsets[-1] + part.nbytes
         return tuple(offsets)
 
@@ -347,10 +346,10 @@ def batches(parts: dict[int, list[Part]], limit: int) -> list[Batch]:
         for part in parts[reader]:
             for piece in pieces(part.tensor, limit):
                 piece = Part(piece, part.wire)
-                if held and _aligned(end) + piece.nbytes > limit:
+                if held and _aligned(end, piece) + piece.nbytes > limit:
                     out.append(Batch(reader, tuple(held)))
                     held, end = [], 0
-                end = (_aligned(end) if held else 0) + piece.nbytes
+                end = _aligned(end, piece) + piece.nbytes
                 held.append(piece)
         out += [Batch(reader, tuple(held))] if held else []
     return out
