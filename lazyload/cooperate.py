@@ -370,9 +370,9 @@ def _broadcast_all(batches: list[Batch], circle: Circle, staging: Staging) -> in
 def _finish(pending: list, staging: Staging) -> None:
     """Wait for the broadcasts in flight; a receiver's packed batches go to their
     destinations, and the staging is freed."""
-    for work, batch, packed in pending:
+    for work, batch, packed, received in pending:
         work.wait()
-        if packed is not None:
+        if received and packed is not None:
             unpack(batch, packed)
     pending.clear()
     staging.held = 0
@@ -392,21 +392,22 @@ def pieces(tensor: torch.Tensor, limit: int):
             yield from pieces(tensor[start:start + rows], limit)
 
 
-def _broadcast(batch: Batch, circle: Circle, staging: Staging) -> tuple[Any, Batch, torch.Tensor | None]:
+def _broadcast(batch: Batch, circle: Circle, staging: Staging) -> tuple[Any, Batch, torch.Tensor | None, bool]:
     """Start broadcasting `batch` from its reader, as bytes (exact for every dtype, float8
     included): a direct batch from and into its tensor, else through a packed buffer (the
-    reader packs it; a receiver unpacks it once received: returned with the work)."""
+    reader packs it; a receiver unpacks it once received). Returned with the work: the
+    buffer, held until the work is done, and whether this rank receives."""
     import torch.distributed as dist
 
+    receives = batch.reader != circle.me
     if batch.direct:
         payload, packed = batch.parts[0].tensor.reshape(-1).view(torch.uint8), None
     else:
         payload = packed = staging.stage(batch)
-        if batch.reader == circle.me:
+        if not receives:
             pack(batch, packed)
-            packed = None
     work = dist.broadcast(payload, group=circle.group, group_src=batch.reader, async_op=True)
-    return work, batch, packed
+    return work, batch, packed, receives
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-size integers: copies are bitwise
