@@ -197,14 +197,17 @@ def main():
     parser.add_argument("--dir", default=None, help="where to write the sparse checkpoints (a temporary one if not)")
     parser.add_argument("--no-old", action="store_true", help="leave out the code before this change")
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers (a quick run)")
+    parser.add_argument("--cases", default=None, help="some of the cases, e.g. llama-405b:64:8,deepseek-v3:16:8")
     args = parser.parse_args()
     old = None if args.no_old else old_cooperate()
+    cases = CASES if args.cases is None else [(n, int(dp), int(tp)) for n, dp, tp in
+                                              (c.split(":") for c in args.cases.split(","))]
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         rows = []
-        for name in dict.fromkeys(name for name, _, _ in CASES):
+        for name in dict.fromkeys(name for name, _, _ in cases):
             directory = os.path.join(root, name)
             sparse_checkpoint.write(name, directory, layers=args.layers)
-            rows += [((name, dp, tp), run_case(directory, dp, tp, old)) for n, dp, tp in CASES if n == name]
+            rows += [((name, dp, tp), run_case(directory, dp, tp, old)) for n, dp, tp in cases if n == name]
     print_table(rows)
 
 

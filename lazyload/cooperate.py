@@ -127,23 +127,27 @@ def split_reads(groups: list[Group], replicas: int, can_split=lambda name, items
     layers = []
     for group in groups:
         whole = []
-        for name, items in _by_target(group.items, skip).items():
-            nbytes = sum(item.nbytes for item in items)
-            if replicas > 1 and nbytes * replicas > group.nbytes and can_split(name, items):
+        targets = _by_target(group.items)
+        layer_bytes = sum(nbytes for _, nbytes in targets.values())
+        for name, (items, nbytes) in targets.items():
+            if name in skip:
+                continue
+            if replicas > 1 and nbytes * replicas > layer_bytes and can_split(name, items):
                 rows[name] = Rows(max(item.dst_box[0][1] for item in items), replicas, len(rows) % replicas)
             else:
-                sizes[name] = sizes.get(name, 0) + nbytes
+                sizes[name] = nbytes
                 whole.append(name)
         layers.append(sorted(whole, key=lambda n: (-sizes[n], n)))
     return _greedy(layers, sizes, replicas), rows
 
 
-def _by_target(items, skip: frozenset[str]) -> dict[str, list]:
-    """The items of each target (those in `skip` left out), in the order they come."""
-    out: dict[str, list] = {}
+def _by_target(items) -> dict[str, tuple[list, int]]:
+    """The items of each target, in the order they come, and their bytes."""
+    out: dict[str, tuple[list, int]] = {}
     for item in items:
-        if item.target not in skip:
-            out.setdefault(item.target, []).append(item)
+        its, nbytes = out.get(item.target, ([], 0))
+        its.append(item)
+        out[item.target] = its, nbytes + item.nbytes
     return out
 
 
@@ -219,15 +223,16 @@ def wire_dtypes(plan: Any) -> dict[str, torch.dtype]:
     """Targets held in float32 whose every element is copied from bfloat16 as it is (a cast:
     no dequantization, no conversion, nothing left as the model initialised it): they go
     as the bfloat16 bytes read (half the float32 bytes), exact both ways."""
+    held = {t.name: t for t in plan.targets if plan.dtypes.get(t.name) == torch.float32
+            and t.name not in plan.quantized and not isinstance(plan.mapping.exprs.get(t.name), Whole)}
     stored: dict[str, set] = {}
     covered: dict[str, int] = {}
     for item in plan.items:
-        stored.setdefault(item.target, set()).add(None if item.scales is not None else item.entry.dtype)
-        covered[item.target] = covered.get(item.target, 0) + box_numel(item.dst_box)
-    return {t.name: torch.bfloat16 for t in plan.targets
-            if stored.get(t.name) == {torch.bfloat16} and plan.dtypes.get(t.name) == torch.float32
-            and t.name not in plan.quantized and not isinstance(plan.mapping.exprs.get(t.name), Whole)
-            and covered[t.name] == box_numel(tuple((0, n) for n in t.local_shape))}
+        if item.target in held:
+            stored.setdefault(item.target, set()).add(None if item.scales is not None else item.entry.dtype)
+            covered[item.target] = covered.get(item.target, 0) + box_numel(item.dst_box)
+    return {name: torch.bfloat16 for name, t in held.items() if stored.get(name) == {torch.bfloat16}
+            and covered[name] == box_numel(tuple((0, n) for n in t.local_shape))}
 
 
 @dataclass(frozen=True)
