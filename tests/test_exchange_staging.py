@@ -2,7 +2,10 @@
 that is not contiguous goes through contiguous staging copies, which count against the host
 budget: the most staging bytes held at once stays within it, at budgets below one tensor, one
 row and one layer, and every destination ends bit for bit as its reader wrote it. A (dp 2)
-load at the smallest budget the plan allows equals world 1's bit for bit."""
+load at the smallest budget the plan allows equals world 1's bit for bit. A bfloat16
+checkpoint loaded into a float32 model on (dp 2) takes at most one broadcast per reader and
+layer (not one per tensor), receives the bfloat16 bytes its peer read (not float32), and
+equals world 1's bit for bit."""
 from __future__ import annotations
 
 import torch
@@ -70,13 +73,44 @@ def _case_small_budget(directory, rank):
         assert torch.equal(models[1][name], param), f"rank {rank}: {name} differs at max_host_bytes={largest}"
 
 
+def _case_bf16_into_fp32(directory, rank):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+    from lazyload import LazyCheckpoint
+    from lazyload.schedule import layer_of
+
+    config = AutoConfig.from_pretrained(directory)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    ref = build_model("llama", config, torch.float32)
+    LazyCheckpoint(directory).load_into(ref, progress=False)
+    model = build_model("llama", config, torch.float32)
+    calls, broadcast = [], dist.broadcast
+    dist.broadcast = lambda *args, **kwargs: calls.append(1) or broadcast(*args, **kwargs)
+    try:
+        report = LazyCheckpoint(directory).load_into(model, mesh=mesh, progress=False)
+    finally:
+        dist.broadcast = broadcast
+    names = [n for n, _ in model.named_parameters()]
+    layers = {layer_of(n) for n in names}
+    assert len(calls) <= 2 * len(layers) < len(names), f"rank {rank}: {len(calls)} broadcasts for {len(layers)} layers"
+    read = torch.tensor([report.bytes_read])
+    dist.all_reduce(read)  # the two ranks' reads: each received what the other read, as read (bfloat16)
+    assert report.bytes_received == read.item() - report.bytes_read > 0, f"rank {rank}: {report.bytes_received}"
+    for name, param in ref.named_parameters():
+        assert torch.equal(model.get_parameter(name).view(torch.int32), param.view(torch.int32)), name
+
+
 def _run(case, rank, world):
     if isinstance(case, int):
         _case(case, rank, world)
+    elif case.endswith("bf16"):
+        _case_bf16_into_fp32(case, rank)
     else:
         _case_small_budget(case, rank)
 
 
 def test_exchange_staging_within_budget(tmp_path):
     directory, _ = write_checkpoint("llama", torch.float32, tmp_path / "llama")
-    spawn_cases(2, [*BUDGETS, str(directory)], tmp_path, _run)
+    bf16, _ = write_checkpoint("llama", torch.bfloat16, tmp_path / "llama-bf16")
+    spawn_cases(2, [*BUDGETS, str(directory), str(bf16)], tmp_path, _run)
