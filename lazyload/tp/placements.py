@@ -1,25 +1,28 @@
 """Placements: where each target's tensor-parallel placement comes from, and its checks.
 
-Placements are found, per parameter, in this order:
+A target's placement is the first answer of an ordered tuple of rules, each a small function
+`rule(context, target) -> Placement | None` (None: not its case); no answer: replicated.
+The order, as data (the tuples `SPLIT_MADE`, then `PLAN_OF_OURS`):
 
-1. The parameter is a DTensor (torch's `parallelize_module`, FSDP2's `fully_shard`, or
-   `lazyload.tp.parallelize`): this rank's share is read off its mesh and placements,
-   on any mesh.
-2. The parameter already has a local shape (`parallelize` kept it a plain local shard: KV
-   heads replicated over groups of ranks, the structural rule's layers; or the user's own
-   parallel layers): the split case 3's rule gives it, when that gives this local shape (a
-   fused layer's "packed" split is told from the structure, not the shape); else the sharded
-   dim is the one where the checkpoint is `k` times larger (`k == world`: plain shard; `k` a
-   divisor of world: KV-style groups); `plan=` may say "packed" for fused ones. Other local
-   sizes, and every layer DeepSpeed's AutoTP made, are read by AutoTP's shard-size rule
-   (`tp/autotp.py`: KV heads or 64-column grains, so a rank may hold more, or nothing);
-   its fused layers (qkv, gate_up) as a piece of each part (`tp/autotp_fused.py`).
-3. Only for a model that none of the above made parallel, and only when world > 1: the
-   model's own transformers TP plan (or, without one, a structural rule by module name),
-   with `plan=` entries (glob -> style in transformers' `base_model_tp_plan` format, or
-   name -> Placement) overriding it where they match, as transformers merges a `tp_plan`
-   override. `plan={}` shards nothing. A `plan=` glob that matches no module or parameter
-   is a PlanError.
+1. The model holds a split someone made. A parameter that already has its local shape
+   (`parallelize` kept it a plain local shard: KV heads replicated over groups of ranks, the
+   structural rule's layers; or the user's own parallel layers, or DeepSpeed's AutoTP):
+   `autotp_fused` (AutoTP's fused qkv/gate_up: a piece of each part, `tp/autotp_fused.py`),
+   `autotp_layer` (any other AutoTP layer: its shard-size rule, `tp/autotp.py`: KV heads or
+   64-column grains, so a rank may hold more, or nothing), `local_as_planned` (the split a
+   plan of ours gives it at full shape, when that gives this local shape: a fused layer's
+   "packed" split is told from the structure), `local_plan_style` (a `plan=` style, e.g.
+   "packed"), `local_even_share` (the dim where the checkpoint is `k` times larger:
+   `k == world` a plain shard, `k` a divisor of world KV-style groups), `local_autotp` (other
+   sizes: AutoTP's rule). Then `dtensor` (torch's `parallelize_module`, FSDP2's
+   `fully_shard`, `lazyload.tp.parallelize`): this rank's share read off its mesh, any mesh.
+2. Only when no rule of 1 answered for any target, world > 1 and `plan != {}`, a plan of
+   ours: `user_plan` (`plan=` entries: glob -> style in transformers' `base_model_tp_plan`
+   format, or name -> Placement, overriding as transformers merges a `tp_plan` override),
+   `model_plan` (the model's own transformers TP plan), `structural` (without one: the
+   structural rule by module name, kept only in blocks whose forward can run split). Each
+   FP8 scale grid then follows its weight. A `plan=` glob that matches no module or
+   parameter is a PlanError.
 
 Uneven splits: a plan of ours refuses them (PlanError before any byte is read); a DTensor's
 layout (torch.chunk: the last ranks hold less or nothing) and AutoTP's are followed as they are.
@@ -27,7 +30,8 @@ layout (torch.chunk: the last ranks hold less or nothing) and AutoTP's are follo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping as MappingT
+from functools import cached_property
+from typing import Any, Callable, Mapping as MappingT
 
 import numpy as np
 import torch
@@ -117,53 +121,284 @@ def plain_specs(model: nn.Module) -> dict:
     return {n: TargetSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
 
 
+# ----------------------------------------------------------------------------- the rules
+#
+# A target's placement is the answer of the first rule that answers (a Placement; None: not
+# this rule's case). The rules are data: the two tuples below, in order; a new TP rule is one
+# function `rule(context, target) -> Placement | None` and one entry. No rule answers: the
+# target is read whole (replicated).
+
+
+@dataclass(frozen=True)
+class Local:
+    """A parameter whose model shape is its share of the checkpoint tensor (the mapping's
+    mismatched): `full` the checkpoint's shape, `dim` the one dim that differs, `case` the
+    rules that read it ("plan": a `plan=` style; "fused" and "autotp": a layer AutoTP made;
+    "shape": any other)."""
+
+    full: tuple[int, ...]
+    dim: int
+    case: str
+    style: Any = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target as the rules see it: its name, its model shape, the module holding it."""
+
+    name: str
+    shape: tuple[int, ...]  # the model's (the spec's)
+    module: nn.Module
+    module_name: str
+    attr: str
+    local: Local | None = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`place(context, target) -> Placement | None`; `local_share`: its answers are the
+    target's local share (the target then takes the checkpoint's full shape)."""
+
+    name: str
+    place: Callable[["Context", Target], Placement | None]
+    local_share: bool = False
+
+
+class Context:
+    """What the rules read: the model, the specs, `plan=`, this rank, the world, and what
+    several rules share (computed once, when first asked)."""
+
+    def __init__(self, model: nn.Module, specs: MappingT, plan: Any, world: int, rank: int = 0,
+                 mismatched: list = ()):
+        self.model, self.specs, self.plan, self.world, self.rank = model, specs, plan, world, rank
+        self.explicit = plan if isinstance(plan, dict) else {}
+        self.mismatched = mismatched
+        shapes = {name: (tuple(full), tuple(model_shape)) for name, full, model_shape in mismatched}
+        self.targets = [self._target(name, spec, shapes) for name, spec in specs.items()]
+
+    def _target(self, name: str, spec: TargetSpec, mismatched: dict) -> Target:
+        module, module_name, attr = owner_of(self.model, name)
+        full, model_shape = mismatched.get(name, (None, None))
+        if full is None:
+            return Target(name, tuple(spec.shape), module, module_name, attr)
+        return Target(name, model_shape, module, module_name, attr, _local(self, name, module, full, model_shape))
+
+    @cached_property
+    def ours(self) -> "Ours":
+        return Ours(self.model, self.plan, self.world)
+
+    @cached_property
+    def planned_at_full(self) -> dict[str, Placement]:
+        """The split a plan of ours gives each local-shaped tensor at its full shape: a fused
+        layer's "packed" split or a KV head group is told from the model's structure, not
+        from its local shape alone (which reads as a plain shard)."""
+        if self.world == 1 or self.plan == {} or not self.mismatched:
+            return {}
+        full = {**self.specs, **{n: TargetSpec(n, tuple(c), self.specs[n].dtype) for n, c, _ in self.mismatched}}
+        names = {name for name, _, _ in self.mismatched}
+        try:
+            rule = static_placements(self.model, full, self.plan if self.plan is not None else "tp", self.world)
+        except PlanError:  # the rule cannot split this model at this world: the shapes alone decide
+            return {}
+        return {name: placement for name, placement in rule.items() if name in names}
+
+
+def _local(ctx: Context, name: str, module: nn.Module, full: tuple, model_shape: tuple) -> Local | None:
+    if ctx.world == 1 or len(full) != len(model_shape):
+        return None
+    dims = [d for d, (c, m) in enumerate(zip(full, model_shape)) if c != m]
+    if len(dims) != 1:
+        return None
+    style = StylePlan(ctx.explicit).style_of_param(name) if ctx.explicit else None
+    case = ("plan" if style is not None else "fused" if fused_kind(module) is not None
+            else "autotp" if is_autotp_layer(module) else "shape")
+    return Local(full, dims[0], case, style)
+
+
+class Ours:
+    """What a plan of ours reads off the model once: `plan=` and the model's own TP plan
+    (as StylePlans), its heads, the attention group (expert parallel), the blocks whose
+    forward cannot run split."""
+
+    def __init__(self, model: nn.Module, plan: Any, world: int):
+        plan = plan if plan is not None else "tp"
+        self.experts = plan if isinstance(plan, str) else "tp"
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        self.user = StylePlan(plan if isinstance(plan, dict) else {}, prefix)
+        self.auto = StylePlan(model_tp_plan(model, self.experts), prefix)
+        self.heads = model_heads(model)
+        # Expert parallel: tensors that do not split over every rank (40 heads at world 64) are
+        # split over a divisor group of ranks instead of refused; attention over one group size.
+        self.attn = attention_group(self.heads, world) if self.experts == "ep" and self.heads.heads else world
+        self.whole = whole_modules(model, self.auto)
+        self.structural: dict[str, Placement] | None = None
+
+
+# --- the model holds a split already made: its local shares, its DTensors
+
+
+def _autotp_fused(ctx: Context, t: Target) -> Placement | None:
+    """AutoTP's fused layers (qkv, gate_up): a piece of each part."""
+    if t.local and t.local.case == "fused":
+        return fused_placement(t.name, t.module, fused_kind(t.module), t.local.dim, t.local.full, t.shape,
+                               ctx.rank, ctx.world)
+    return None
+
+
+def _autotp_layer(ctx: Context, t: Target) -> Placement | None:
+    """Any other layer AutoTP made: its shard-size rule alone."""
+    if t.local and t.local.case == "autotp":
+        return autotp_placement(ctx.model, t.module, t.module_name, t.local.dim, t.local.full, t.shape, ctx.rank,
+                                ctx.world)
+    return None
+
+
+def _local_as_planned(ctx: Context, t: Target) -> Placement | None:
+    """The split a plan of ours gives it at its full shape, when that gives this local shape."""
+    if not (t.local and t.local.case == "shape"):
+        return None
+    rule = ctx.planned_at_full.get(t.name)
+    if rule is not None and rule.kind != "replicate":
+        try:
+            if local_regions(t.name, t.local.full, rule, ctx.rank, ctx.world)[0] == t.shape:
+                return rule
+        except PlanError:
+            pass
+    return None
+
+
+def _local_plan_style(ctx: Context, t: Target) -> Placement | None:
+    """A `plan=` style (e.g. "packed" for a fused layer), when it gives this local shape."""
+    if t.local and t.local.case == "plan":
+        return _if_local(ctx, t, style_placement(t.local.style, t.name, len(t.local.full), is_conv1d(t.module)))
+    return None
+
+
+def _local_even_share(ctx: Context, t: Target) -> Placement | None:
+    """The checkpoint's dim is `world` times the model's (a plain shard) or a divisor of it (KV-style groups)."""
+    if t.local and t.local.case == "shape":
+        candidate = _even_share(t.local.full[t.local.dim], t.shape[t.local.dim], t.local.dim, ctx.world)
+        return None if candidate is None else _if_local(ctx, t, candidate)
+    return None
+
+
+def _local_autotp(ctx: Context, t: Target) -> Placement | None:
+    """Other local sizes: AutoTP's uneven shard-size rule (KV heads or 64-column grains)."""
+    if t.local and t.local.case == "shape" and _even_share(t.local.full[t.local.dim], t.shape[t.local.dim],
+                                                             t.local.dim, ctx.world) is None:
+        return autotp_placement(ctx.model, t.module, t.module_name, t.local.dim, t.local.full, t.shape, ctx.rank,
+                                ctx.world)
+    return None
+
+
+def _if_local(ctx: Context, t: Target, candidate: Placement) -> Placement | None:
+    try:
+        local_shape, _ = local_regions(t.name, t.local.full, candidate, ctx.rank, ctx.world)
+    except PlanError:
+        return None
+    return candidate if local_shape == t.shape else None
+
+
+def _from_mesh(ctx: Context, t: Target) -> Placement | None:
+    """A DTensor: this rank's share read off its mesh and placements."""
+    tensor = getattr(t.module, t.attr)
+    return dtensor_placement(t.name, tensor) if is_dtensor(tensor) else None
+
+
+# --- a plan of ours, for a model nobody split
+
+
+def _user_plan(ctx: Context, t: Target) -> Placement | None:
+    """A `plan=` entry (glob -> style, or name -> Placement)."""
+    style = ctx.ours.user.style_of_param(t.name)
+    return None if style is None else _checked(ctx, t, style)
+
+
+def _model_plan(ctx: Context, t: Target) -> Placement | None:
+    """The model's own transformers TP plan, outside the blocks whose forward cannot run split."""
+    ours = ctx.ours
+    if not ours.auto.entries or in_whole_module(t.name, ours.whole):
+        return None
+    style = ours.auto.style_of_param(t.name)
+    return None if style is None else _checked(ctx, t, style)
+
+
+def _structural(ctx: Context, t: Target) -> Placement | None:
+    """A model without a TP plan: the structural rule by module name, kept only in blocks
+    whose forward can run split (`paired_structural`, decided for the whole block over
+    the parameters `plan=` does not place)."""
+    ours = ctx.ours
+    if ours.auto.entries:
+        return None
+    if ours.structural is None:
+        ours.structural = paired_structural(ctx.model, {u.name: p for u in ctx.targets
+                                                        if ours.user.style_of_param(u.name) is None
+                                                        and (p := _structural_style(ctx, u)) is not None})
+    return ours.structural.get(t.name)
+
+
+def _structural_style(ctx: Context, t: Target) -> tuple[Placement, str] | None:
+    kind, parts = structural_style(t.module, t.module_name, t.attr)
+    if kind == "packed":
+        heads, world = ctx.ours.heads, ctx.world
+        if t.module_name.rpartition(".")[2] == "c_attn" and heads.heads and heads.heads % world:
+            raise PlanError(f"{t.name}: {heads.heads} attention heads do not split evenly over {world} "
+                            "ranks; choose a world that divides the number of heads.")
+        return Placement("packed", 1 if is_conv1d(t.module) and t.attr == "weight" else 0, parts=parts), kind
+    return None if kind is None else (_checked(ctx, t, kind), kind)
+
+
+def _checked(ctx: Context, t: Target, style: Any) -> Placement:
+    """A style's placement, with the attention-head checks (expert parallel: over divisor groups of ranks)."""
+    ours, world = ctx.ours, ctx.world
+    placement = style_placement(style, t.name, len(ctx.specs[t.name].shape), is_conv1d(t.module))
+    last = t.module_name.rpartition(".")[2]
+    if ours.experts == "ep" and _in_attention(ctx.model, t.module_name):
+        shape = ctx.specs[t.name].shape
+        return _over_groups(attention_checks(t.name, last, placement, ours.heads, ours.attn), shape, world, ours.attn)
+    if ours.experts == "ep":
+        return _over_groups(placement, ctx.specs[t.name].shape, world)
+    return attention_checks(t.name, last, placement, ours.heads, world)
+
+
+# The order, in one place. First: the model holds a split already made (its local shares, then
+# its DTensors: a DTensor's shape is the global one, never a local share of a valid checkpoint).
+SPLIT_MADE: tuple[Rule, ...] = (
+    Rule("autotp_fused", _autotp_fused, local_share=True),
+    Rule("autotp_layer", _autotp_layer, local_share=True),
+    Rule("local_as_planned", _local_as_planned, local_share=True),
+    Rule("local_plan_style", _local_plan_style, local_share=True),
+    Rule("local_even_share", _local_even_share, local_share=True),
+    Rule("local_autotp", _local_autotp, local_share=True),
+    Rule("dtensor", _from_mesh),
+)
+# Then, only when no rule above answered for any target, world > 1 and plan != {}: a plan of ours.
+PLAN_OF_OURS: tuple[Rule, ...] = (
+    Rule("user_plan", _user_plan),
+    Rule("model_plan", _model_plan),
+    Rule("structural", _structural),
+)
+
+
+def first_answers(rules: tuple[Rule, ...], ctx: Context) -> dict[str, tuple[Rule, Placement]]:
+    """Each target's first answer over `rules`, as (rule, placement). Each rule in turn
+    answers for the targets no earlier rule answered."""
+    answers: dict[str, tuple[Rule, Placement]] = {}
+    for rule in rules:
+        for t in ctx.targets:
+            if t.name not in answers and (placement := rule.place(ctx, t)) is not None:
+                answers[t.name] = (rule, placement)
+    return answers
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
 def static_placements(model: nn.Module, specs: MappingT, plan: Any, world: int) -> dict[str, Placement]:
-    """Case 3: a plan of ours for a model nobody made parallel: the model's own TP plan (or
-    the structural rule where it has none), `plan=` entries overriding it where they match."""
-    experts = plan if isinstance(plan, str) else "tp"
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    user = StylePlan(plan if isinstance(plan, dict) else {}, prefix)
-    auto = StylePlan(model_tp_plan(model, experts), prefix)
-    heads = model_heads(model)
-    # Expert parallel: tensors that do not split over every rank (40 heads at world 64) are
-    # split over a divisor group of ranks instead of refused; attention over one group size.
-    attn = attention_group(heads, world) if experts == "ep" and heads.heads else world
-    whole = whole_modules(model, auto)
-    out = {}
-    structural: dict[str, tuple[Placement, str]] = {}  # name -> (placement, style), checked in pairs at the end
-    for name, spec in specs.items():
-        module, module_name, attr = owner_of(model, name)
-        conv1d = is_conv1d(module)
-        last = module_name.rpartition(".")[2]
-        style = user.style_of_param(name)
-        by_rule = style is None and not auto.entries
-        if style is None and auto.entries:
-            style = None if in_whole_module(name, whole) else auto.style_of_param(name)
-        elif style is None:
-            kind, parts = structural_style(module, module_name, attr)
-            if kind == "packed":
-                dim = 1 if conv1d and attr == "weight" else 0
-                placement = Placement("packed", dim, parts=parts)
-                if last == "c_attn" and heads.heads and heads.heads % world:
-                    raise PlanError(f"{name}: {heads.heads} attention heads do not split evenly over {world} "
-                                    "ranks; choose a world that divides the number of heads.")
-                structural[name] = (placement, kind)
-                continue
-            style = kind
-        if style is None:
-            continue
-        placement = style_placement(style, name, len(spec.shape), conv1d)
-        if experts == "ep" and _in_attention(model, module_name):
-            placement = _over_groups(attention_checks(name, last, placement, heads, attn), spec.shape, world, attn)
-        elif experts == "ep":
-            placement = _over_groups(placement, spec.shape, world)
-        else:
-            placement = attention_checks(name, last, placement, heads, world)
-        if by_rule:
-            structural[name] = (placement, style)
-        else:
-            out[name] = placement
-    return out | paired_structural(model, structural)
+    """A plan of ours for a model nobody made parallel (`PLAN_OF_OURS`): `plan=` entries, the
+    model's own TP plan, the structural rule where it has none."""
+    answers = first_answers(PLAN_OF_OURS, Context(model, specs, plan, world))
+    return {name: placement for name, (_, placement) in answers.items()}
 
 
 def _in_attention(model: nn.Module, module_name: str) -> bool:
@@ -174,31 +409,20 @@ def _in_attention(model: nn.Module, module_name: str) -> bool:
 
 def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan: Any, rank: int,
                        world: int) -> Resolved:
-    """Every target's placement for this rank (see the module docstring), validated here,
-    before any byte is read. `mismatched` are the mapping's (name, checkpoint shape, model
-    shape): those that are this rank's share of the checkpoint tensor get their full shape."""
+    """Every target's placement for this rank (the rules above), validated here, before any
+    byte is read. `mismatched` are the mapping's (name, checkpoint shape, model shape): those
+    that are this rank's share of the checkpoint tensor get their full shape."""
     check_rank(rank, world)
     check_plan(model, plan)
     specs = dict(specs)
-    placements: dict[str, Placement] = {}
-    tensors = {name: _tensor_of(model, name) for name in specs}
-    explicit = plan if isinstance(plan, dict) else {}
-    for name, tensor in tensors.items():
-        if is_dtensor(tensor):
-            placements[name] = dtensor_placement(name, tensor)
-
-    local_shaped = []
-    rule = _rule_for_local_shapes(model, specs, mismatched, plan, world)
-    for name, ckpt_shape, model_shape in mismatched:
-        placement = _local_shape_placement(model, name, tuple(ckpt_shape), tuple(model_shape), explicit, rank, world,
-                                           rule.get(name))
-        if placement is not None:
-            placements[name] = placement
+    ctx = Context(model, specs, plan, world, rank, mismatched)
+    answers = first_answers(SPLIT_MADE, ctx)
+    placements = {name: placement for name, (_, placement) in answers.items()}
+    local_shaped = [name for name, _, _ in mismatched if name in answers and answers[name][0].local_share]
+    for name, ckpt_shape, _ in mismatched:
+        if name in local_shaped:
             specs[name] = TargetSpec(name, tuple(ckpt_shape), specs[name].dtype)
-            local_shaped.append(name)
-
-    parallel_already = bool(placements)
-    if not parallel_already and world > 1 and plan != {}:
+    if not placements and world > 1 and plan != {}:
         placements.update(static_placements(model, specs, plan if plan is not None else "tp", world))
         placements.update(scales_follow_weights(model, specs, placements))
     check_block_splits(model, specs, placements, rank, world)  # transformers' FP8 layers: whole scale blocks
@@ -206,65 +430,6 @@ def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan
         if placement.kind != "replicate":
             local_regions(name, specs[name].shape, placement, rank, world)
     return Resolved(specs, placements, local_shaped)
-
-
-def _tensor_of(model: nn.Module, name: str) -> torch.Tensor:
-    module_name, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(module_name), attr)
-
-
-def _rule_for_local_shapes(model: nn.Module, specs: MappingT, mismatched: list, plan: Any,
-                           world: int) -> dict[str, Placement]:
-    """For a model that holds local shards (`parallelize` made it so, or the user's own
-    layers), the split the rule of case 3 gives each such tensor at its full shape: a
-    fused layer's "packed" split or a KV head group is told from the model's structure, not
-    from its local shape alone (which reads as a plain shard)."""
-    if world == 1 or plan == {} or not mismatched:
-        return {}
-    full = {**specs, **{name: TargetSpec(name, tuple(ckpt), specs[name].dtype) for name, ckpt, _ in mismatched}}
-    names = {name for name, _, _ in mismatched}
-    try:
-        rule = static_placements(model, full, plan if plan is not None else "tp", world)
-    except PlanError:  # the rule cannot split this model at this world: the shapes alone decide
-        return {}
-    return {name: placement for name, placement in rule.items() if name in names}
-
-
-def _local_shape_placement(model, name, ckpt_shape, model_shape, explicit, rank, world,
-                           rule: Placement | None = None) -> Placement | None:
-    """Case 2: a model tensor that is this rank's share of the checkpoint tensor: the rule's
-    split when it gives this local shape, else the even split (or KV-style groups, or the
-    `plan=` style), else DeepSpeed AutoTP's uneven one; a layer AutoTP made is read by
-    AutoTP's rule alone."""
-    if world == 1 or len(ckpt_shape) != len(model_shape):
-        return None
-    dims = [d for d, (c, m) in enumerate(zip(ckpt_shape, model_shape)) if c != m]
-    if len(dims) != 1:
-        return None
-    module, module_name, _ = owner_of(model, name)
-    style = StylePlan(explicit).style_of_param(name) if explicit else None
-    fused = fused_kind(module) if style is None else None
-    if fused is not None:  # AutoTP's fused layers: a piece of each part
-        return fused_placement(name, module, fused, dims[0], ckpt_shape, model_shape, rank, world)
-    if style is None and is_autotp_layer(module):
-        return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
-    if style is None and rule is not None and rule.kind != "replicate":
-        try:
-            if local_regions(name, ckpt_shape, rule, rank, world)[0] == model_shape:
-                return rule
-        except PlanError:
-            pass
-    if style is not None:
-        candidate = style_placement(style, name, len(ckpt_shape), is_conv1d(module))
-    else:
-        candidate = _even_share(ckpt_shape[dims[0]], model_shape[dims[0]], dims[0], world)
-    if candidate is None:
-        return autotp_placement(model, module, module_name, dims[0], ckpt_shape, model_shape, rank, world)
-    try:
-        local_shape, _ = local_regions(name, ckpt_shape, candidate, rank, world)
-    except PlanError:
-        return None
-    return candidate if local_shape == model_shape else None
 
 
 def _even_share(full: int, local: int, dim: int, world: int) -> Placement | None:
