@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -99,20 +98,10 @@ def write_dcp(ckpt_dir, dcp_dir):
 
 def launch(loader, world, args):
     common.warm_page_cache(args.dcp_dir)
-    with tempfile.TemporaryDirectory(prefix="bench_dcp_") as out:
-        env = dict(os.environ, LAZYLOAD_PROGRESS="0", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
-                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               os.path.abspath(__file__), "--worker", "--loader", loader, "--ckpt-dir", args.ckpt_dir,
-               "--dcp-dir", args.dcp_dir, "--out", out]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        files = sorted(os.listdir(out))
-        if proc.returncode != 0 or len(files) != world:
-            raise RuntimeError(f"{loader} at world {world} failed (exit {proc.returncode}):\n{proc.stderr[-5000:]}")
-        ranks = []
-        for name in files:
-            with open(os.path.join(out, name)) as f:
-                ranks.append(json.load(f))
+    env = dict(os.environ, LAZYLOAD_PROGRESS="0", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+    ranks, _ = common.torchrun_ranks(__file__, world, ["--loader", loader, "--ckpt-dir", args.ckpt_dir,
+                                                       "--dcp-dir", args.dcp_dir], args.timeout, env)
     return ranks
 
 

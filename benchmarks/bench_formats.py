@@ -29,7 +29,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -134,21 +133,12 @@ def launch(loader, world, args, paths):
     common.warm_page_cache(args.ckpt_dir)
     for copy in (paths["same"], paths["other"]):
         common.warm_page_cache(copy)
-    with tempfile.TemporaryDirectory(prefix="bench_formats_") as out:
-        env = dict(os.environ, LAZYLOAD_PROGRESS="0", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
-                   TQDM_DISABLE="1", DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world),
-                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               os.path.abspath(__file__), "--worker", "--loader", loader, "--ckpt-dir", args.ckpt_dir,
-               "--same", paths["same"], "--other", paths["other"], "--ds-json", paths["ds_json"], "--out", out]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        files = sorted(os.listdir(out))
-        if proc.returncode != 0 or len(files) != world:
-            raise RuntimeError(f"{loader} at world {world} failed (exit {proc.returncode}):\n{proc.stderr[-5000:]}")
-        ranks = []
-        for name in files:
-            with open(os.path.join(out, name)) as f:
-                ranks.append(json.load(f))
+    env = dict(os.environ, LAZYLOAD_PROGRESS="0", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
+               TQDM_DISABLE="1", DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world),
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+    ranks, _ = common.torchrun_ranks(__file__, world, ["--loader", loader, "--ckpt-dir", args.ckpt_dir, "--same",
+                                                       paths["same"], "--other", paths["other"], "--ds-json",
+                                                       paths["ds_json"]], args.timeout, env)
     return sorted(ranks, key=lambda r: r["rank"])
 
 

@@ -33,8 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -142,24 +140,12 @@ def launch(loader, world, cache, args, num_layers):
         failure = common.drop_page_cache()
         if failure:
             raise RuntimeError(f"could not drop the page cache: {failure}")
-    with tempfile.TemporaryDirectory(prefix="bench_tp_") as out:
-        env = dict(os.environ, LAZYLOAD_PROGRESS="0", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
-                   TQDM_DISABLE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(max(1, CPUS // world)),
-                   TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               os.path.abspath(__file__), "--worker", "--loader", loader, "--ckpt-dir", args.ckpt_dir,
-               "--out", out, "--checksum-names", ",".join(checksum_names(num_layers))]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        wall = time.perf_counter() - t0
-        files = sorted(os.listdir(out))
-        if proc.returncode != 0 or len(files) != world:
-            raise RuntimeError(f"{loader} world {world} failed (exit {proc.returncode}, {len(files)} rank files):\n"
-                               f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}")
-        ranks = []
-        for name in files:
-            with open(os.path.join(out, name)) as f:
-                ranks.append(json.load(f))
+    env = dict(os.environ, LAZYLOAD_PROGRESS="0", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
+               TQDM_DISABLE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(max(1, CPUS // world)),
+               TOKENIZERS_PARALLELISM="false")
+    ranks, wall = common.torchrun_ranks(__file__, world, ["--loader", loader, "--ckpt-dir", args.ckpt_dir,
+                                                          "--checksum-names", ",".join(checksum_names(num_layers))],
+                                        args.timeout, env)
     return sorted(ranks, key=lambda r: r["rank"]), wall
 
 

@@ -411,6 +411,28 @@ def run_isolated(fn_name, args, timeout=1800):
     raise RuntimeError(f"{fn_name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
+def torchrun_ranks(script, world, worker_args, timeout, env):
+    """Run ``script --worker WORKER_ARGS --out DIR`` under torchrun at ``world`` ranks, each
+    rank writing one json file into DIR; returns (the ranks' records, sorted by file name,
+    and the job's wall seconds). A job that fails, or leaves fewer files than ranks, raises
+    with the tail of its output."""
+    with tempfile.TemporaryDirectory(prefix="bench_ranks_") as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               os.path.abspath(script), "--worker", *worker_args, "--out", out]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        wall = time.perf_counter() - t0
+        files = sorted(os.listdir(out))
+        if proc.returncode != 0 or len(files) != world:
+            raise RuntimeError(f"{' '.join(worker_args)} at world {world} failed (exit {proc.returncode}, "
+                               f"{len(files)} rank files):\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}")
+        ranks = []
+        for name in files:
+            with open(os.path.join(out, name)) as f:
+                ranks.append(json.load(f))
+    return ranks, wall
+
+
 def median_records(results):
     """Per-metric median over repeated runs of the same case."""
     merged = {}
