@@ -113,10 +113,6 @@ class StoredCheckpoint:
     def header_bytes_read(self) -> int:
         return self.index.header_bytes_read
 
-    def values_dtype(self, key: str, quant: PreQuantized) -> torch.dtype | None:
-        """The dtype of the values a key holds: None for a quantized weight (8-bit storage)."""
-        return None if key in quant.leaves else self.index[key].dtype
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self.files)} files, {len(self.index)} tensors, {self.total_bytes} bytes)"
 
