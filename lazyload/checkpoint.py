@@ -125,7 +125,9 @@ class LazyCheckpoint(StoredCheckpoint):
 
         A read that fails (I/O error, permission, a file changed since it was indexed) is a
         ReadError listing the targets `loaded` (assigned) and `not_loaded` (kept as they
-        were; `partly_written`: real tensors filled in place, their values now mixed)."""
+        were; `partly_written`: real tensors filled in place, their values now mixed). A
+        load that quantizes or makes the model parallel is undone when it fails (a read, or
+        another rank): the model keeps its modules and tensors, and nothing is `loaded`."""
         started = time.perf_counter()
         check_keywords("load_into", unknown, LazyCheckpoint.load_into)
         options = LoadOptions(device=device, dtype=dtype, strict=strict, missing=missing, key_map=key_map,

@@ -507,23 +507,31 @@ def _announce(reader: Reader, groups: list[Group], k: int, announced: dict[int, 
     announced[k].result()
 
 
-def settle_failure(error: ReadError, slots: dict[str, Slot], dests: dict[str, Destination]) -> ReadError:
+def settle_failure(error: ReadError, slots: dict[str, Slot], dests: dict[str, Destination],
+                   undone: bool = False) -> ReadError:
     """After a failed run: assign the targets that were fully read (they are loaded), leave
     the others as they were (meta, or a real model's previous values), and say so. Only a
     real tensor filled in place can be left half written: it is named (`partly_written`).
     Staging every in-place target into fresh memory instead would double a real model's
-    memory for the length of the load."""
-    for name in error.loaded:
+    memory for the length of the load. `undone`: the load changed the model's structure and
+    its caller puts the model back as it was, so nothing is loaded (a real tensor filled
+    in place, fully or not, is named as partly written)."""
+    loaded = [] if undone else error.loaded
+    for name in loaded:
         for tensor_name, tensor in dests[name].tensors(name).items():
             assign(slots[tensor_name], tensor)
-    in_place = [name for name in error.partly_written
-                if _is_own_storage(slots[name], dests[name].tensors(name)[name])]
+    not_loaded = [*error.loaded, *error.not_loaded] if undone else error.not_loaded
+    written = [name for name in not_loaded if name in error.partly_written or (undone and name in error.loaded)]
+    in_place = [name for name in written if _is_own_storage(slots[name], dests[name].tensors(name)[name])]
     message = str(error)
+    if undone:
+        message += (" None is kept: the load changes the model's modules (quantized layers, tensor parallel), "
+                    "and they are left as they were.")
     if in_place:
         message += (f" Partly written (a real model's tensors filled in place, now a mix of old and new values; "
                     f"load again): {_names(in_place)}.")
-    message += f" Not loaded, left as they were: {_names(error.not_loaded)}."
-    return ReadError(message, error.loaded, error.not_loaded, in_place)
+    message += f" Not loaded, left as they were: {_names(not_loaded)}."
+    return ReadError(message, loaded, not_loaded, in_place)
 
 
 def _is_own_storage(slot: Slot, dest: torch.Tensor) -> bool:

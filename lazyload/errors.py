@@ -73,7 +73,8 @@ class ReadError(LazyLoadError):
     written (and assigned); `not_loaded`, the others, which keep their previous values
     (a real model) or stay on meta; among them `partly_written`, targets of a real model
     filled in place whose bytes were being written when the read failed: their values
-    are a mix of old and new (load them again)."""
+    are a mix of old and new (load them again). A load that quantizes or makes the model
+    parallel puts its modules back as they were: nothing is `loaded`."""
 
     def __init__(self, message: str, loaded: list[str] = (), not_loaded: list[str] = (),
                  partly_written: list[str] = ()):

@@ -4,7 +4,9 @@ changes, in named steps:
     swap quantized layers -> make parallel -> allocate -> read and place -> agree -> assign -> buffers
 
 Every input check ran in the planner, and every rank agreed on its plan before `execute`
-is called (`load_into`); here only a read can fail (a ReadError saying what was loaded).
+is called (`load_into`); here a read can fail (a ReadError saying what was loaded), or
+another rank. A load that changes the model's structure (quantized layers swapped, the
+model made parallel) is undone when it fails: the model is left as it was.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from .quant.linear import to_torchao
 from .quant.targets import saved_bytes, swap_quantized
 from .readers import Reader, choose_reader
 from .report import LoadReport, MemorySampler, size
-from .targets import Slot, current_tensor, is_dtensor, local_tensor, model_slots
+from .targets import ModuleStates, Slot, current_tensor, is_dtensor, local_tensor, model_slots
 
 logger = logging.getLogger("lazyload")
 
@@ -37,6 +39,21 @@ def execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement = N
             started: float | None = None) -> LoadReport:
     """Load `model` as `plan` says; returns the LoadReport (`started`: when planning began)."""
     started = time.perf_counter() if started is None else started
+    before = ModuleStates(model) if restructures(plan) else None
+    try:
+        return _execute(plan, model, agree, started)
+    except BaseException:
+        if before is not None:
+            before.restore()  # a failed rank or read leaves no half-transformed model
+        raise
+
+
+def restructures(plan: LoadPlan) -> bool:
+    """Whether the load changes the model's modules (not only its tensors' values)."""
+    return bool(plan.quantized) or plan.parallel is not None
+
+
+def _execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement, started: float) -> LoadReport:
     slots = swap_quantized_layers(plan, model)
     make_parallel(plan, model, slots)
     reader = choose_reader(plan.reader, plan.device, plan.release_pages, plan.items, plan.index, plan.world,
@@ -113,7 +130,8 @@ def allocate_destinations(plan: LoadPlan, slots: dict[str, Slot], reader: Reader
 def read_and_place(plan: LoadPlan, reader: Reader, dests: dict[str, Destination], slots: dict[str, Slot],
                    bar: tqdm, share: Share | None = None) -> EngineStats:
     """Run the schedule (of the targets this rank reads, when replicas share reads); after a
-    failed read, what was fully read is assigned, the rest left as it was."""
+    failed read, what was fully read is assigned, the rest left as it was (nothing is
+    assigned when the load changes the model's structure: `execute` undoes it)."""
     groups = plan.groups if reader.prefetching else plan.copy_groups
     if share is not None:
         groups = share.own(groups)
@@ -124,7 +142,7 @@ def read_and_place(plan: LoadPlan, reader: Reader, dests: dict[str, Destination]
         return run_schedule(groups, reader, placing, plan.budget, on_bytes=_progress(bar, reader),
                             mapped=frozenset(plan.views))
     except ReadError as exc:
-        raise settle_failure(exc, slots, dests) from exc
+        raise settle_failure(exc, slots, dests, undone=restructures(plan)) from exc
 
 
 def receive_shared(plan: LoadPlan, share: Share | None, dests: dict[str, Destination], bar: tqdm) -> int:

@@ -4,6 +4,7 @@ reads the checkpoint."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -86,6 +87,25 @@ def is_dtensor(tensor: object) -> bool:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank fills); any other tensor as it is."""
     return tensor._local_tensor if is_dtensor(tensor) else tensor
+
+
+class ModuleStates:
+    """Every module of a model as it is now: its attributes, its parameter, buffer,
+    submodule and hook tables copied (not their tensors). `restore` puts them all back: a
+    load that swapped modules, made the model parallel (DTensors, local sizes, replaced
+    forwards, hooks) and assigned some tensors leaves it as it was when it fails."""
+
+    def __init__(self, model: nn.Module):
+        self._states = [(module, _copied(vars(module))) for module in model.modules()]
+
+    def restore(self) -> None:
+        for module, attrs in self._states:
+            vars(module).clear()
+            vars(module).update(_copied(attrs))
+
+
+def _copied(attrs: dict) -> dict:
+    return {k: copy.copy(v) if isinstance(v, (dict, set, list)) else v for k, v in attrs.items()}
 
 
 @contextlib.contextmanager

@@ -320,6 +320,16 @@ def reference_model(arch: str, directory, dtype, *, base: bool = False, **model_
     return model.eval()
 
 
+def model_snapshot(model: torch.nn.Module) -> tuple:
+    """Everything a load could change: each module's object, class and attributes (sizes,
+    head counts, a replaced forward), each parameter's object, device, shape and dtype."""
+    modules = {name: (id(m), type(m), sorted(vars(m)), {k: v for k, v in vars(m).items()
+                                                        if isinstance(v, (int, float, str, bool))})
+               for name, m in model.named_modules()}
+    params = {name: (id(p), p.device.type, tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+    return modules, params
+
+
 def meta_tensors(model: torch.nn.Module) -> list[str]:
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
     names += [n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta]

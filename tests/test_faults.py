@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import build_model, shard_files
+from checkpoints import build_model, model_snapshot, shard_files
 from gloo import end_rank, spawn_collecting
 
 READERS = ["pread", "mmap"]
@@ -142,6 +142,21 @@ def test_read_fault_real_model_in_place(llama, monkeypatch):
     assert target in e.value.partly_written and target in str(e.value)
     assert "Partly written" in str(e.value)
     assert_as_reported(model, e.value, expected, before)
+
+
+def test_read_fault_in_a_quantized_load_leaves_the_model_as_it_was(llama, monkeypatch):
+    """A load that swaps in quantized layers and fails at a read puts the model back: the
+    same modules and meta parameters; nothing is listed as loaded."""
+    from lazyload import ReadError
+
+    directory, config = llama
+    model = build_model("llama", config, torch.float32)
+    before = model_snapshot(model)
+    fail_at(monkeypatch, "pread", K, raise_eio)
+    with pytest.raises(ReadError) as e:
+        load(directory, model, reader="pread", quantize="int8")
+    assert not e.value.loaded and e.value.not_loaded and "None is kept" in str(e.value), str(e.value)
+    assert model_snapshot(model) == before, "the failed load left quantized layers in the model"
 
 
 # --- files truncated during the load (in a subprocess: SIGBUS would be a signal exit) ---
@@ -416,11 +431,12 @@ def _dist_cases(rank, world, directory, corrupt, faulty):
 
     if rank == faulty:
         PreadReader.read_into = failing_read
-    models = []
+    models, before = [], []
 
     def run(rank_timeout):
         model = build_model("llama", config, torch.float32)
         models.append(model)
+        before.append(model_snapshot(model))
         LazyCheckpoint(directory).load_into(model, rank, world, progress=False, reader="pread",
                                             rank_timeout=rank_timeout)
         return model
@@ -431,8 +447,10 @@ def _dist_cases(rank, world, directory, corrupt, faulty):
         PreadReader.read_into = original
     if rank != faulty:
         assert "'read'" in str(exc) and "ReadError" in str(exc) and os.strerror(errno.EIO) in str(exc), str(exc)
-        assert all(p.to_local().is_meta if hasattr(p, "to_local") else p.is_meta
-                   for p in models[0].parameters()), "a model was assigned although another rank failed"
+    else:  # the model is put back whole: nothing of it counts as loaded
+        assert not exc.loaded and exc.not_loaded and "None is kept" in str(exc), str(exc)
+    # on every rank the model is as it was: not made parallel, every parameter the same meta one
+    assert model_snapshot(models[0]) == before[0], f"rank {rank}: the failed load left the model changed"
     dist.barrier()
 
     # A rank that never reports (it did not call load_into): the others give up after

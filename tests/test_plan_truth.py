@@ -16,21 +16,11 @@ import json
 
 import torch
 
-from checkpoints import build_model, fixed_input
+from checkpoints import build_model, fixed_input, model_snapshot
 from gloo import spawn_cases
 
 LAYER_NORM_COLWISE = {"model.decoder.layers.*.self_attn_layer_norm": "colwise"}
 OPT_256 = dict(hidden_size=256, word_embed_proj_dim=256, ffn_dim=512)
-
-
-def _snapshot(model: torch.nn.Module) -> tuple:
-    """Everything a load could change: each module's object, class and attributes (sizes,
-    head counts, a replaced forward), each parameter's object, device, shape and dtype."""
-    modules = {name: (id(m), type(m), sorted(vars(m)), {k: v for k, v in vars(m).items()
-                                                        if isinstance(v, (int, float, str, bool))})
-               for name, m in model.named_modules()}
-    params = {name: (id(p), p.device.type, tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
-    return modules, params
 
 
 def _case(case, rank, world):
@@ -49,7 +39,7 @@ def _case(case, rank, world):
         if rank == 0:
             save_sharded(directory, expected, 4)
     elif what == "refused":
-        before = _snapshot(model)
+        before = model_snapshot(model)
         try:
             LazyCheckpoint(directory).load_into(model, rank, world, quantize="int8", plan=LAYER_NORM_COLWISE,
                                                 progress=False)
@@ -57,7 +47,7 @@ def _case(case, rank, world):
             assert expected.startswith(str(exc)), (str(exc), expected)
         else:
             raise AssertionError("load_into accepted a split the model cannot run")
-        assert _snapshot(model) == before, "the refused load changed the model"
+        assert model_snapshot(model) == before, "the refused load changed the model"
         assert not any(k.startswith("_lazyload") for m in model.modules() for k in vars(m))
     else:  # the remedy the message names: the norm replicated, the rest split as planned
         plan = {"model.decoder.layers.*.self_attn_layer_norm": "replicate"}
