@@ -172,7 +172,8 @@ class LoadPlan:
 def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, world: int = 1,
               options: LoadOptions = LoadOptions(), *, preview: bool = False, mapped: Mapped | None = None) -> LoadPlan:
     """This rank's LoadPlan. `preview`: the plan alone, for any rank (the CLI, the writer):
-    no initial values or buffers computed, no page-cache or memory probes of this host.
+    no initial values or buffers computed (`check_values` runs their checks), no page-cache
+    or memory probes of this host.
     `mapped`: an earlier plan's `mapped`, reused when this rank's index is the same."""
     options = options.checked(model, checkpoint.paths if checkpoint.remote else None)
     qconfig = Quantization.of(options.quantize)
@@ -257,6 +258,15 @@ def values(model: nn.Module, slots: dict[str, Slot], specs: dict[str, TargetSpec
     recompute = meta_buffers_to_recompute(model, loaded_dtypes, device, also=emptied_buffers(
         model, set(mapping.exprs)) | cast_buffers(model, loaded_dtypes))
     return initialized, recompute
+
+
+def check_values(plan: LoadPlan, model: nn.Module) -> None:
+    """What `load_into` computes before reading, for a preview planned without it: the
+    model's own init of the tensors the checkpoint does not fill and the meta buffers,
+    computed on the CPU and dropped, so that a preview refuses what the load refuses, with
+    the same error (a MissingKeysError, a MetaBufferError)."""
+    values(model, plan.mapped.slots, plan.specs, plan.mapping, plan.placements, plan.dtypes, plan.rank, plan.world,
+           torch.device("cpu"), plan.options)
 
 
 def _reads(targets: list[TargetPlan], items: list[ReadItem], whole: dict[str, int], slots: dict[str, Slot],

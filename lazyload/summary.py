@@ -15,7 +15,7 @@ from .hints import one_of_several, worlds_that_plan
 from .mapping import prefix_hint
 from .tp.heads import model_heads
 from .plan import check_rank
-from .planner import LoadOptions, LoadPlan, plan_load
+from .planner import LoadOptions, LoadPlan, check_values, plan_load
 from .report import group_layers, size
 from .schedule import layer_of
 from .stored import StoredCheckpoint, meta_model, transformers_config
@@ -68,7 +68,8 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None, *, q
     it, from the checkpoint headers and a meta model of `config` (a transformers config, or
     a directory/file holding config.json; default: the one beside the checkpoint, for a URL
     its store's). Returns (plans, warnings). A world that cannot be planned is a PlanError
-    naming the worlds that can, a checkpoint none of whose keys fit the model a MappingError."""
+    naming the worlds that can, a checkpoint none of whose keys fit the model a MappingError,
+    meta buffers the model's init cannot compute a MetaBufferError (as `load_into` says)."""
     check_rank(0, world)
     stored = StoredCheckpoint(path)
     model = meta_model(transformers_config(stored, config, "--config"))
@@ -89,6 +90,8 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None, *, q
         worlds = worlds_that_plan(rank_plan, world)
         raise PlanError(f"{exc} Worlds that work (of 1 to {max(world, 8)}): "
                         f"{', '.join(map(str, worlds)) or 'none'}.") from exc
+    for planned in ranks:  # what each rank's load computes before reading, refused as load_into refuses it
+        check_values(planned, model)
     heads = model_heads(model)
     if world > 1 and heads.kv_heads and world > heads.kv_heads and any(
             p.groups for p in ranks[-1].placements.placements.values()):

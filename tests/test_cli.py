@@ -127,6 +127,36 @@ def test_failures_are_one_line_and_exit_2(llama, tmp_path, capsys):
     assert "differ in shape" in err and "mlp.up_proj.weight" in err and not (tmp_path / "o").exists()
 
 
+def _init_fails(self, module):
+    raise RuntimeError("this init needs real weights")
+
+
+def _init_computes_nothing(self, module):
+    pass
+
+
+@pytest.mark.parametrize("init", [_init_fails, _init_computes_nothing])
+def test_plan_refuses_meta_buffers_as_load_into_does(llama, capsys, monkeypatch, init):
+    """A preview runs what the load computes before reading (the rotary `inv_freq` on meta,
+    computed by the model's `_init_weights`): an init that fails, or that leaves the buffer
+    unset, fails `lazyload plan` with load_into's own MetaBufferError."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+    from lazyload import LazyCheckpoint, MetaBufferError
+    from lazyload.cli import main
+    from lazyload.stored import meta_model
+
+    directory = llama
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", init)
+    model = meta_model(AutoConfig.from_pretrained(directory))  # the model `lazyload plan` builds
+    with pytest.raises(MetaBufferError) as e:
+        LazyCheckpoint(str(directory)).load_into(model, strict=False, missing="keep", progress=False)
+    assert all(p.is_meta for p in model.parameters()) and model.model.rotary_emb.inv_freq.is_meta
+    capsys.readouterr()
+    err = _one_line_error(capsys, main(["plan", str(directory), "--world", "2"]))
+    assert err.strip() == f"lazyload: error: {e.value}", (err, str(e.value))
+
+
 def test_inspect_into_a_closed_pipe_prints_no_traceback(checkpoint):
     directory, _ = checkpoint("llama")
     child = subprocess.Popen([sys.executable, "-m", "lazyload.cli", "inspect", str(directory)],
