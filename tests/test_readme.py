@@ -19,6 +19,23 @@ def test_ci_runs_the_readme_test_command():
     assert command in readme
 
 
+def test_every_error_class_is_exported_and_in_the_error_reference():
+    """Each LazyLoadError subclass is `lazyload.<Name>` (the lazy package import gives the
+    class itself) and README's "Errors" section names it."""
+    import inspect
+
+    import lazyload
+    from lazyload import errors
+
+    readme = (ROOT / "README.md").read_text()
+    reference = readme[readme.index("### Errors"):readme.index("#### Failures")]
+    names = [n for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, errors.LazyLoadError)]
+    assert "ExchangeError" in names and "RemoteError" in names
+    for name in names:
+        assert name in lazyload.__all__ and getattr(lazyload, name) is getattr(errors, name), name
+        assert f"`{name}`" in reference or f"`lazyload.{name}`" in reference, f"the error reference lacks {name}"
+
+
 def test_readme_opens_with_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     first = [line.strip() for line in readme.splitlines() if line.startswith("    python3 -m venv")]
