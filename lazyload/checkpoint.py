@@ -70,8 +70,11 @@ class LazyCheckpoint(StoredCheckpoint):
           whole model). Under torch.distributed they must be the process group's (a model
           nobody made parallel is then made runnable, see `lazyload.tp.parallelize`),
           unless `shards_only=True`.
-        - `device`: where the tensors go; default the model's device, for a meta model
-          `cuda:$LOCAL_RANK` when CUDA is available, else CPU.
+        - `device`: where the tensors go; default the device of the model's real tensors;
+          for a model on meta, its DTensors' mesh device type, else this process's GPU when
+          CUDA is available (as torch's DeviceMesh picks it: the current device once CUDA is
+          initialised, else `LOCAL_RANK`'s, the only visible GPU, or rank % GPUs), else CPU.
+          A device that does not exist here is a DeviceError.
         - `dtype`: None keeps each model tensor's dtype (casting from the checkpoint); "auto"
           keeps the checkpoint's; a floating `torch.dtype` (or its name: "bfloat16", "bf16",
           "float16") for every floating tensor (integer tensors keep theirs).

@@ -30,8 +30,10 @@ Extension points, and what each promises:
   format, from names and small metadata reads only. Formats are asked in registration
   order (`formats()`), the first answer wins; `register(..., before=name)` places a new
   one. The built-ins, in order: `sharded` (lazyload_sharded.json), `deepspeed` (DeepSpeed's
-  json), `megatron` (mp_rank_XX/ directories), `torch` (.bin/.pt state dicts),
-  `safetensors` (files, a directory, an index json: the catch-all, last). A local glob is
+  json), the training checkpoints `megatron_dist` (Megatron-Core `torch_dist`),
+  `dcp_safetensors` (DCP's per-rank safetensors) and `dcp` (torch DCP directories),
+  `megatron` (mp_rank_XX/ directories), `torch` (.bin/.pt state dicts), `safetensors`
+  (files, a directory, an index json: the catch-all, last). A local glob is
   expanded to its list of files before any format is asked.
   A detect that recognises its format but finds it broken raises a `CheckpointError`.
 - `Format.open_index(source, storage, options) -> CheckpointIndex`: the Index, without
