@@ -201,8 +201,8 @@ def main():
                   f"{common.mib(written['peak_anon'] - written['baseline_anon'])} |")
         else:
             print(f"| {paths[key]} | {world} | (kept from an earlier run) | - |")
-    print(f"\n| loader | seconds/rank | bytes read/rank (MiB) | from storage (MiB) | peak file-backed (MiB) | "
-          f"peak anon above baseline (MiB) | VmHWM (MiB) | rank 0 q_proj[0] sum |\n|---|---|---|---|---|---|---|---|")
+    print("\n| loader | seconds/rank | bytes read/rank (MiB) | from storage (MiB) | peak file-backed (MiB) | "
+          "peak anon above baseline (MiB) | VmHWM (MiB) | rank 0 q_proj[0] sum |\n|---|---|---|---|---|---|---|---|")
     for loader in args.loaders.split(","):
         try:
             runs = [launch(loader, args.world, args, paths) for _ in range(args.repeat)]
