@@ -20,7 +20,7 @@ import traceback
 import pytest
 import torch
 
-from checkpoints import build_model, shard_files, write_checkpoint
+from checkpoints import build_model, model_snapshot, shard_files, write_checkpoint
 
 WORLD, FAULTY, TIMEOUT = 4, 2, 10.0
 DEADLINE = 420  # seconds for a whole job (spawning 4 ranks on 2 cores is most of it): past it, a rank hangs
@@ -60,13 +60,9 @@ class Log:
         self.file.write(f"{time.strftime('%H:%M:%S')} " + " ".join(map(str, words)) + "\n")
 
 
-def _is_meta(model) -> bool:
-    return all((p.to_local() if hasattr(p, "to_local") else p).is_meta for p in model.parameters())
-
-
 def _load(case, rank, directory, copy, meshes):
     """Rank `rank`'s load of `case`: rank FAULTY loads otherwise. Returns (model, its
-    LoadReport or the error raised)."""
+    snapshot before the load, its LoadReport or the error raised)."""
     from lazyload import LazyCheckpoint
     from transformers import AutoConfig
 
@@ -81,15 +77,16 @@ def _load(case, rank, directory, copy, meshes):
     if faulty and case == "bf16-linear":
         model.model.layers[1].mlp.down_proj.to(torch.bfloat16)
     source = copy if faulty and case == "bf16-copy" else directory
+    before = model_snapshot(model)
     try:
         report = LazyCheckpoint(source).load_into(model, progress=False,
                                                   rank_timeout=120 if case == "normal" else TIMEOUT, **kwargs)
     except Exception as exc:  # the outcome under test
-        return model, exc
-    return model, report
+        return model, before, exc
+    return model, before, report
 
 
-def _check(case, rank, model, exc):
+def _check(case, rank, model, before, exc):
     """Every rank failed with a LazyLoadError saying why, and no model was made runnable
     (the "normal" case: every rank loaded, and received part of its share from its replica)."""
     from lazyload import LazyLoadError, LoadReport, RankFailedError
@@ -100,7 +97,7 @@ def _check(case, rank, model, exc):
         return
     assert not isinstance(exc, LoadReport), f"rank {rank}: the load succeeded though rank {FAULTY} loads otherwise"
     assert isinstance(exc, LazyLoadError), f"rank {rank}: not a LazyLoadError: {exc!r}"
-    assert _is_meta(model), f"rank {rank}: its model was made runnable"
+    assert model_snapshot(model) == before, f"rank {rank}: the failed load left its model changed (made runnable)"
     if case == "raises-in-exchange" and rank == FAULTY:
         assert isinstance(exc, ExchangeError) and "injected" in str(exc), repr(exc)
         return
@@ -151,10 +148,10 @@ def _worker(rank, world, init_file, directory, copy, logs, cases, results):
             if rank == FAULTY and case in ("raises-in-exchange", "dies-in-exchange"):
                 _break_exchange(2, die=case == "dies-in-exchange")
             started = time.monotonic()
-            model, exc = _load(case, rank, directory, copy, meshes)
+            model, before, exc = _load(case, rank, directory, copy, meshes)
             seconds = time.monotonic() - started
             log("ended", f"{seconds:.1f} s", repr(exc)[:2000])
-            _check(case, rank, model, exc)
+            _check(case, rank, model, before, exc)
             results.put((rank, case, None, seconds))
         except BaseException:
             log("FAILED", traceback.format_exc())
