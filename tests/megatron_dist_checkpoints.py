@@ -1,11 +1,16 @@
 """Megatron-Core `torch_dist` checkpoints written by Megatron's own `dist_checkpointing.save`
 (megatron-core 0.16.1) on CPU, for the tests: a GPTModel (local layer spec, RMSNorm, SwiGLU,
 grouped-query attention, RoPE: a Llama) at TP 2 under gloo, and Megatron's own logits on
-fixed tokens to check the conversion against.
+fixed tokens to check the conversion against. The MoE one (a Qwen3-MoE: q/k norms, 4
+experts, top-2 routing) is saved at TP 2 x EP 2 (SequentialMLP, the local spec's experts),
+then loaded back by Megatron's own `dist_checkpointing.load` at TP 1 and converted to
+transformers' names here, independently of lazyload, as the bit-exact reference.
 
 Megatron calls `torch.cuda.current_device()` and `torch.cuda.synchronize()` while saving,
 and its RNG tracker's `fork()` in the forward; on a CPU-only machine the writer replaces
-those three with CPU no-ops (nothing written changes)."""
+those three with CPU no-ops (nothing written changes). Its router's gating also names
+`te_general_gemm`, which 0.16.1 only defines when TransformerEngine imports: set to None,
+the router takes its own torch.mm path."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +22,7 @@ import torch
 from gloo import spawn_cases
 
 HEADS, GROUPS, HIDDEN, FFN, LAYERS, VOCAB, SEQ = 4, 2, 64, 128, 2, 256, 12
+EXPERTS, TOP_K, EXPERT_FFN, HEAD_DIM = 4, 2, 32, 8  # the MoE model's (its heads not HIDDEN // HEADS)
 
 
 def hf_config():
@@ -28,46 +34,92 @@ def hf_config():
                           tie_word_embeddings=False, max_position_embeddings=128)
 
 
+def hf_moe_config():
+    """The transformers Qwen3-MoE config of the Megatron MoE model (Megatron's top-k then
+    softmax over the k is Qwen3-MoE's softmax, top-k, renormalised: norm_topk_prob)."""
+    import transformers as tf
+
+    return tf.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                             num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
+                             moe_intermediate_size=EXPERT_FFN, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-5,
+                             tie_word_embeddings=False, max_position_embeddings=128)
+
+
 def tokens() -> torch.Tensor:
     return (torch.arange(SEQ)[None] * 7) % VOCAB
 
 
 def _cpu_only() -> None:
     from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
 
 
-def _gpt_model(world: int):
+def _moe_options(tp: int, ep: int) -> dict:
+    return dict(num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_ffn_hidden_size=EXPERT_FFN, qk_layernorm=True,
+                kv_channels=HEAD_DIM, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                moe_token_dispatcher_type="allgather")  # alltoall makes CUDA streams
+
+
+def _gpt_model(tp: int, ep: int = 0):
+    """A Megatron GPTModel at TP `tp`; a MoE one at EP `ep` (whole experts per rank) when ep."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    moe = _moe_options(tp, ep) if ep else {}
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=GROUPS, ffn_hidden_size=FFN, use_cpu_initialization=True,
                                normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
                                activation_func=torch.nn.functional.silu, params_dtype=torch.float32,
-                               tensor_model_parallel_size=world)
+                               tensor_model_parallel_size=tp, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS if ep else None, qk_layernorm=bool(ep), normalization="RMSNorm")
     torch.manual_seed(0)
-    return GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=VOCAB, max_sequence_length=128, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False, parallel_output=False).eval()
+    return GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
+                    position_embedding_type="rope", share_embeddings_and_output_weights=False,
+                    parallel_output=False).eval()
 
 
-def _save(directory, rank, world):
+@torch.no_grad()
+def _distinct_values(model) -> None:
+    """Norms, routers and experts drawn again: a replicated tensor the same on every rank
+    (seeded by its name), an expert by its global index (Megatron's CPU init gives every EP
+    rank the same local experts, and every norm ones: a swapped expert or norm would go unseen)."""
+    from megatron.core import parallel_state
+
+    first = parallel_state.get_expert_model_parallel_rank() * (EXPERTS // parallel_state.get_expert_model_parallel_world_size())
+    for name, param in model.named_parameters():
+        if ".local_experts." in name:
+            expert = first + int(name.split(".local_experts.")[1].split(".")[0])
+            name = name.replace(f".local_experts.{expert - first}.", f".expert{expert}.")
+        elif param.dim() != 1 and "router" not in name:
+            continue
+        torch.manual_seed(sum(i * ord(c) for i, c in enumerate(name)))
+        param.normal_(1.0 if param.dim() == 1 else 0.0, 0.2 if param.dim() == 1 else 0.1)
+
+
+def _save(case, rank, world):
     from megatron.core import dist_checkpointing, parallel_state
 
+    directory, moe = case
     _cpu_only()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    model = _gpt_model(world)
+    ep = world if moe else 0
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, expert_model_parallel_size=ep or 1,
+                                             expert_tensor_parallel_size=1 if moe else None)
+    model = _gpt_model(world, ep)
+    if moe:
+        _distinct_values(model)
     with torch.no_grad():
         mask = torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1).bool()
         logits = model(tokens(), torch.arange(SEQ)[None], mask)
     state = model.sharded_state_dict()
     state["args"] = argparse.Namespace(num_attention_heads=HEADS, num_query_groups=GROUPS, group_query_attention=True,
-                                       hidden_size=HIDDEN, kv_channels=HIDDEN // HEADS)  # as Megatron-LM saves it
+                                       hidden_size=HIDDEN, kv_channels=HEAD_DIM if moe else HIDDEN // HEADS)
     iteration = os.path.join(directory, "iter_0000100")
     os.makedirs(iteration, exist_ok=True)
     dist_checkpointing.save(state, iteration)
@@ -76,9 +128,54 @@ def _save(directory, rank, world):
         with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("100")
     parallel_state.destroy_model_parallel()
+    if moe:
+        _save_reference(iteration, os.path.join(directory, "reference.pt"), rank)
 
 
-def save_megatron(directory, tmp_path) -> None:
+def _save_reference(iteration: str, out: str, rank: int) -> None:
+    """Megatron's own load of the checkpoint at TP 1, EP 1 (every rank a data-parallel
+    replica), converted to transformers' Qwen3-MoE names by `_as_transformers`."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)
+    model = _gpt_model(1, 1)
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), iteration)
+    loaded.pop("args", None)  # common state, not the model's
+    model.load_state_dict(loaded)
+    if rank == 0:
+        torch.save(_as_transformers(model.state_dict()), out)
+    parallel_state.destroy_model_parallel()
+
+
+def _as_transformers(megatron: dict) -> dict:
+    """Megatron's (TP 1) state dict under Qwen3-MoE's names, by hand: qkv rows per query
+    group [q heads, k, v] regrouped, experts' [gate; up] rows kept as fused `gate_up_proj`."""
+    per = HEADS // GROUPS
+    out = {"model.embed_tokens.weight": megatron["embedding.word_embeddings.weight"],
+           "model.norm.weight": megatron["decoder.final_layernorm.weight"],
+           "lm_head.weight": megatron["output_layer.weight"]}
+    for i in range(LAYERS):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = megatron[m + "self_attention.linear_qkv.weight"].view(GROUPS, per + 2, HEAD_DIM, HIDDEN)
+        out[h + "self_attn.q_proj.weight"] = qkv[:, :per].reshape(-1, HIDDEN)
+        out[h + "self_attn.k_proj.weight"] = qkv[:, per].reshape(-1, HIDDEN)
+        out[h + "self_attn.v_proj.weight"] = qkv[:, per + 1].reshape(-1, HIDDEN)
+        for ours, theirs in (("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+                             ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+                             ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+                             ("input_layernorm.weight", "input_layernorm.weight"),
+                             ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+                             ("mlp.router.weight", "mlp.gate.weight")):
+            out[h + theirs] = megatron[m + ours]
+        experts = [f"{m}mlp.experts.local_experts.{e}." for e in range(EXPERTS)]
+        out[h + "mlp.experts.gate_up_proj"] = torch.stack([megatron[e + "linear_fc1.weight"] for e in experts])
+        out[h + "mlp.experts.down_proj"] = torch.stack([megatron[e + "linear_fc2.weight"] for e in experts])
+    return {k: v.clone() for k, v in out.items()}
+
+
+def save_megatron(directory, tmp_path, moe_directory=None) -> None:
     """A Megatron-LM-style save directory at `directory` (tracker + iter_0000100/), and
-    Megatron's logits for `tokens()` beside it."""
-    spawn_cases(2, [str(directory)], tmp_path, _save)
+    Megatron's logits for `tokens()` beside it; with `moe_directory`, the MoE model's there
+    too (and its `reference.pt`), in the same spawned job."""
+    cases = [(str(directory), False)] + ([(str(moe_directory), True)] if moe_directory else [])
+    spawn_cases(2, cases, tmp_path, _save)
