@@ -17,14 +17,14 @@ pytest.importorskip("megatron.core", reason="megatron-core (the test extra) writ
 
 from gloo import spawn_cases  # noqa: E402
 from lazyload import CheckpointError, LazyCheckpoint  # noqa: E402
-from megatron_dist_checkpoints import hf_config, hf_moe_config, save_megatron, tokens  # noqa: E402
+from megatron_dist_checkpoints import hf_config, save_megatron, tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """Both Megatron checkpoints, dense and MoE, written by one spawned job."""
+    """The dense and the Qwen3-MoE Megatron checkpoints, written by one spawned job."""
     root = tmp_path_factory.mktemp("megatron")
-    save_megatron(root / "save", root, root / "moe")
+    save_megatron(root, [(root / "save", "llama"), (root / "qwen3_moe", "qwen3_moe")])
     return root
 
 
@@ -35,7 +35,7 @@ def saved(written):
 
 @pytest.fixture(scope="module")
 def saved_moe(written):
-    return written / "moe"
+    return written / "qwen3_moe"
 
 
 def _meta_llama():
@@ -45,16 +45,18 @@ def _meta_llama():
         return tf.LlamaForCausalLM._from_config(hf_config(), attn_implementation="eager", dtype=torch.float32).eval()
 
 
-def _meta_qwen3_moe():
+def _meta_model(kind: str):
     import transformers as tf
 
+    classes = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "qwen2_moe": tf.Qwen2MoeForCausalLM}
     with torch.device("meta"):
-        return tf.Qwen3MoeForCausalLM._from_config(hf_moe_config(), attn_implementation="eager",
-                                                   dtype=torch.float32).eval()
+        return classes[kind]._from_config(hf_config(kind), attn_implementation="eager", dtype=torch.float32).eval()
 
 
 def _loaded(path, rank=0, world=1, plan=None):
-    model = _meta_qwen3_moe() if os.path.basename(path) == "moe" else _meta_llama()
+    """The checkpoint at `path` loaded into a meta-built model of its kind (its folder's name)."""
+    kind = os.path.basename(path)
+    model = _meta_model(kind) if kind.endswith("_moe") else _meta_llama()
     report = LazyCheckpoint(str(path)).load_into(model, rank, world, plan=plan, progress=False)
     assert report.ok
     return model, report
@@ -70,15 +72,27 @@ def test_megatron_logits_match_megatrons_forward(saved):
     _megatron_logits_match(_loaded(saved)[0], saved)
 
 
-def test_megatron_moe_equals_megatrons_own_load_and_routes_as_megatron(saved_moe):
-    """Router, experts (fused gate_up_proj / down_proj from the expert axis), q/k norms: every
-    tensor equals Megatron's own load converted, bit for bit; the logits are Megatron's."""
-    model, _ = _loaded(saved_moe)
-    want = torch.load(saved_moe / "reference.pt")
+def _equals_megatrons_own_load(path):
+    """Every tensor equals Megatron's own load converted, bit for bit; the logits are Megatron's."""
+    model, _ = _loaded(path)
+    want = torch.load(path / "reference.pt")
     got = model.state_dict()
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
-    _megatron_logits_match(model, saved_moe)
+    _megatron_logits_match(model, path)
+
+
+def test_megatron_moe_equals_megatrons_own_load_and_routes_as_megatron(saved_moe):
+    """Qwen3-MoE: router, experts (fused gate_up_proj / down_proj from the expert axis), q/k norms."""
+    _equals_megatrons_own_load(saved_moe)
+
+
+@pytest.mark.slow
+def test_megatron_shared_expert_loads_into_qwen2_moe(tmp_path):
+    """Qwen2-MoE: QKV bias, the shared expert's fc1 split into gate_proj / up_proj, its
+    sigmoid gate (a checkpoint of its own: one more spawned job)."""
+    save_megatron(tmp_path, [(tmp_path / "qwen2_moe", "qwen2_moe")])
+    _equals_megatrons_own_load(tmp_path / "qwen2_moe")
 
 
 def test_entry_points_give_the_same_tensors(saved, tmp_path):
@@ -98,7 +112,7 @@ def _case_world2(case, rank, world):
     """This rank's shards equal the reference (world 1's, or Megatron's own load converted
     for the MoE model) and, for the MoE model, its forward gives Megatron's logits."""
     path, plan = case
-    moe = os.path.basename(path) == "moe"
+    moe = os.path.basename(path).endswith("_moe")
     want = torch.load(os.path.join(path, "reference.pt")) if moe else _loaded(path)[0].state_dict()
     model, report = _loaded(path, rank, world, plan)
     for key, value in model.state_dict().items():
