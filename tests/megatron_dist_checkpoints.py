@@ -2,7 +2,8 @@
 (megatron-core 0.16.1) on CPU, for the tests: a GPTModel (local layer spec, RMSNorm, SwiGLU,
 grouped-query attention, RoPE: a Llama) at TP 2 under gloo, and Megatron's own logits on
 fixed tokens to check the conversion against. The MoE ones (a Qwen3-MoE: q/k norms, 4
-experts, top-2 routing; a Qwen2-MoE: QKV bias and a gated shared expert) are saved at
+experts, top-2 routing; a Qwen2-MoE: QKV bias, a gated shared expert, its second layer
+dense, so that Megatron saves its layers unstacked) are saved at
 TP 2 x EP 2 (SequentialMLP, the local spec's experts), then loaded back by Megatron's own
 `dist_checkpointing.load` at TP 1 and converted to transformers' names here, independently
 of lazyload, as the bit-exact reference (`reference.pt`).
@@ -28,8 +29,8 @@ HEAD_DIM = {"llama": 16, "qwen3_moe": 8, "qwen2_moe": 16}  # Qwen3-MoE's not HID
 _MOE = dict(num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_ffn_hidden_size=EXPERT_FFN,
             expert_tensor_parallel_size=1, moe_token_dispatcher_type="allgather")  # alltoall makes CUDA streams
 _MEGATRON = {"llama": {}, "qwen3_moe": dict(qk_layernorm=True, **_MOE),  # options beside the Llama's
-             "qwen2_moe": dict(add_qkv_bias=True, moe_shared_expert_intermediate_size=SHARED_FFN,
-                               moe_shared_expert_gate=True, **_MOE)}
+             "qwen2_moe": dict(add_qkv_bias=True, moe_shared_expert_intermediate_size=SHARED_FFN,  # layer 1 dense:
+                               moe_shared_expert_gate=True, moe_layer_freq=[1, 0], **_MOE)}  # saved per layer
 
 
 def hf_config(kind: str = "llama"):
@@ -46,7 +47,8 @@ def hf_config(kind: str = "llama"):
                decoder_sparse_step=1, mlp_only_layers=[])
     if kind == "qwen3_moe":
         return tf.Qwen3MoeConfig(head_dim=HEAD_DIM[kind], **moe, **common)
-    return tf.Qwen2MoeConfig(shared_expert_intermediate_size=SHARED_FFN, qkv_bias=True, **moe, **common)
+    return tf.Qwen2MoeConfig(shared_expert_intermediate_size=SHARED_FFN, qkv_bias=True, **(moe | {"mlp_only_layers": [1]}),
+                             **common)
 
 
 def tokens() -> torch.Tensor:
@@ -66,7 +68,7 @@ def _cpu_only() -> None:
 def _gpt_model(kind: str, tp: int, ep: int = 1):
     """A Megatron GPTModel of `kind` at TP `tp` (a MoE one at EP `ep`: whole experts per rank)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     options = dict(_MEGATRON[kind], expert_model_parallel_size=ep) if kind != "llama" else {}
@@ -75,8 +77,9 @@ def _gpt_model(kind: str, tp: int, ep: int = 1):
                                normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
                                activation_func=torch.nn.functional.silu, params_dtype=torch.float32,
                                tensor_model_parallel_size=tp, kv_channels=HEAD_DIM[kind], **options)
-    spec = get_gpt_layer_local_spec(num_experts=options.get("num_moe_experts"), normalization="RMSNorm",
-                                    qk_layernorm=options.get("qk_layernorm", False))
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if options:  # MoE layers, and dense ones where moe_layer_freq says
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     torch.manual_seed(0)
     return GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
                     position_embedding_type="rope", share_embeddings_and_output_weights=False,
@@ -152,35 +155,43 @@ _SAME = (("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
          ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
          ("input_layernorm.weight", "input_layernorm.weight"),
          ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+         ("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
          ("mlp.router.weight", "mlp.gate.weight"),
          ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight"),
          ("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"))
+_GATE_UP = (("mlp.linear_fc1.weight", "mlp."), ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_expert."))
 
 
 def _as_transformers(megatron: dict, head_dim: int) -> dict:
-    """A MoE model's Megatron (TP 1) state dict under transformers' names, by hand: qkv rows
-    per query group [q heads, k, v] regrouped, experts' [gate; up] rows kept as the fused
-    `gate_up_proj`, the shared expert's split into gate_proj / up_proj."""
-    per = HEADS // GROUPS
+    """A Megatron (TP 1) state dict under transformers' names, by hand."""
     out = {"model.embed_tokens.weight": megatron["embedding.word_embeddings.weight"],
            "model.norm.weight": megatron["decoder.final_layernorm.weight"],
            "lm_head.weight": megatron["output_layer.weight"]}
     for i in range(LAYERS):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for param in ("weight", "bias"):
-            fused = megatron.get(m + "self_attention.linear_qkv." + param)
-            if fused is not None:
-                qkv = fused.view(GROUPS, per + 2, head_dim, *fused.shape[1:])
-                for proj, rows in (("q", qkv[:, :per]), ("k", qkv[:, per]), ("v", qkv[:, per + 1])):
-                    out[f"{h}self_attn.{proj}_proj.{param}"] = rows.reshape(-1, *fused.shape[1:])
-        out.update({h + theirs: megatron[m + ours] for ours, theirs in _SAME if m + ours in megatron})
-        if m + "mlp.shared_experts.linear_fc1.weight" in megatron:
-            gate, up = megatron[m + "mlp.shared_experts.linear_fc1.weight"].chunk(2, 0)
-            out[h + "mlp.shared_expert.gate_proj.weight"], out[h + "mlp.shared_expert.up_proj.weight"] = gate, up
-        experts = [f"{m}mlp.experts.local_experts.{e}." for e in range(EXPERTS)]
+        out.update(_layer_as_transformers(megatron, f"decoder.layers.{i}.", f"model.layers.{i}.", head_dim))
+    return {k: v.clone() for k, v in out.items()}
+
+
+def _layer_as_transformers(megatron: dict, m: str, h: str, head_dim: int) -> dict:
+    """One layer: qkv rows per query group [q heads, k, v] regrouped, fc1 [gate; up] split
+    (dense and shared expert), experts' kept as the fused `gate_up_proj`, stacked."""
+    per = HEADS // GROUPS
+    out = {h + theirs: megatron[m + ours] for ours, theirs in _SAME if m + ours in megatron}
+    for param in ("weight", "bias"):
+        fused = megatron.get(m + "self_attention.linear_qkv." + param)
+        if fused is not None:
+            qkv = fused.view(GROUPS, per + 2, head_dim, *fused.shape[1:])
+            for proj, rows in (("q", qkv[:, :per]), ("k", qkv[:, per]), ("v", qkv[:, per + 1])):
+                out[f"{h}self_attn.{proj}_proj.{param}"] = rows.reshape(-1, *fused.shape[1:])
+    for ours, theirs in _GATE_UP:
+        if m + ours in megatron:
+            gate, up = megatron[m + ours].chunk(2, 0)
+            out[h + theirs + "gate_proj.weight"], out[h + theirs + "up_proj.weight"] = gate, up
+    experts = [f"{m}mlp.experts.local_experts.{e}." for e in range(EXPERTS)]
+    if experts[0] + "linear_fc1.weight" in megatron:
         out[h + "mlp.experts.gate_up_proj"] = torch.stack([megatron[e + "linear_fc1.weight"] for e in experts])
         out[h + "mlp.experts.down_proj"] = torch.stack([megatron[e + "linear_fc2.weight"] for e in experts])
-    return {k: v.clone() for k, v in out.items()}
+    return out
 
 
 def save_megatron(tmp_path, checkpoints: list[tuple[str, str]]) -> None:

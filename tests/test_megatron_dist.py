@@ -90,8 +90,14 @@ def test_megatron_moe_equals_megatrons_own_load_and_routes_as_megatron(saved_moe
 @pytest.mark.slow
 def test_megatron_shared_expert_loads_into_qwen2_moe(tmp_path):
     """Qwen2-MoE: QKV bias, the shared expert's fc1 split into gate_proj / up_proj, its
-    sigmoid gate (a checkpoint of its own: one more spawned job)."""
+    sigmoid gate, a dense layer after a MoE one (so Megatron saves each layer under its own
+    `decoder.layers.N.` keys): a checkpoint of its own, one more spawned job."""
+    import pickle
+
     save_megatron(tmp_path, [(tmp_path / "qwen2_moe", "qwen2_moe")])
+    with open(tmp_path / "qwen2_moe" / "iter_0000100" / ".metadata", "rb") as f:
+        keys = pickle.load(f).state_dict_metadata
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in keys and "decoder.layers.0.mlp.router.weight" in keys
     _equals_megatrons_own_load(tmp_path / "qwen2_moe")
 
 

@@ -1,7 +1,7 @@
 """Megatron-Core `torch_dist` checkpoints (Megatron-LM, NeMo 2's `weights/`): a DCP
 directory (`iter_NNNNNNN/` with `metadata.json` saying `"sharded_backend": "torch_dist"`,
 `.metadata`, `__R_N.distcp`, `common.pt`) under Megatron's layer-stacked names, read as
-transformers' Llama-family names (Llama, Mistral, Qwen2/3).
+transformers' Llama-family names (Llama, Mistral, Qwen2/3, and the MoEs Mixtral, Qwen2/3-MoE).
 
 The chunks are found as for any DCP checkpoint (`dcp`): header-only, checked to tile each
 tensor. A stacked tensor (`decoder.layers.self_attention.linear_qkv.weight`, global shape
@@ -14,6 +14,16 @@ are de-interleaved with `Chunk`s per head; `linear_fc1` ([all gate rows; all up 
 split in two; norms (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`),
 `embedding.word_embeddings`, `output_layer` and `decoder.final_layernorm` are renamed. So a
 rank's box pushed down reads only the heads and rows it holds, at any TP.
+
+MoE layers (Mixtral, Qwen2/3-MoE in transformers 5): `mlp.router.weight` is the router
+`mlp.gate.weight`; the experts are one tensor with an expert axis,
+`mlp.experts.experts.linear_fc1.weight` [layers, experts, 2 x ffn, hidden] (each expert's
+gate rows then its up rows) and `...linear_fc2.weight` [layers, experts, hidden, ffn], as
+SequentialMLP, GroupedMLP and TEGroupedMLP all save them, which per layer is exactly
+transformers' fused `mlp.experts.gate_up_proj` / `down_proj`: renamed, and the model's plan
+cuts each expert's gate and up rows (TP) or whole experts (EP). Qwen2-MoE's shared expert is
+split as the dense fc1 and its gate renamed. A layer saved unstacked (`decoder.layers.N.`,
+as Megatron does for layers of several kinds) is read as that layer's.
 
 The head counts come from Megatron's `args` in `common.pt` (read by torch's restricted
 unpickler, `argparse.Namespace` allowed) or else the `config.json` beside the checkpoint.
