@@ -121,13 +121,17 @@ def _case_world2(case, rank, world):
     moe = os.path.basename(path).endswith("_moe")
     want = torch.load(os.path.join(path, "reference.pt")) if moe else _loaded(path)[0].state_dict()
     model, report = _loaded(path, rank, world, plan)
+    experts_cut = 0
     for key, value in model.state_dict().items():
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        local = value.to_local() if hasattr(value, "to_local") else value
+        experts_cut += key.endswith("experts.gate_up_proj") and local.shape != want[key].shape
         if full.shape != want[key].shape:  # expert parallel: this rank's whole experts
             assert plan == "ep" and key.endswith(("gate_up_proj", "down_proj")), key
             want[key] = want[key].chunk(world, 0)[rank]
         assert torch.equal(full, want[key]), f"rank {rank} plan {plan}: {key}"
     if moe:
+        assert experts_cut, f"plan {plan}: no rank-local experts"
         _megatron_logits_match(model, path)
     total = LazyCheckpoint(str(path)).index.total_bytes
     assert report.bytes_read + report.bytes_mapped < 0.75 * total, (report.bytes_read, report.bytes_mapped, total)
