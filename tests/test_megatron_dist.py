@@ -2,7 +2,9 @@
 dist_checkpointing.save at TP 2) load into a meta-built transformers Llama: its logits match
 Megatron's forward within 1e-5, at world 2 under gloo each rank's shards equal world 1's
 bit for bit while reading less than 0.75x the checkpoint; the save directory, the iteration
-directory and a NeMo 2 `weights/` directory are all entry points."""
+directory and a NeMo 2 `weights/` directory are all entry points. A MoE GPTModel (saved at
+TP 2 x EP 2) loads into a meta-built Qwen3-MoE bit-exact against Megatron's own load
+converted, with Megatron's logits (so its routing), at world 1 and at world 2 (TP, EP)."""
 from __future__ import annotations
 
 import os
@@ -19,10 +21,21 @@ from megatron_dist_checkpoints import hf_config, save_megatron, tokens  # noqa: 
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def written(tmp_path_factory):
+    """The dense and the Qwen3-MoE Megatron checkpoints, written by one spawned job."""
     root = tmp_path_factory.mktemp("megatron")
-    save_megatron(root / "save", root)
-    return root / "save"
+    save_megatron(root, [(root / "save", "llama"), (root / "qwen3_moe", "qwen3_moe")])
+    return root
+
+
+@pytest.fixture(scope="module")
+def saved(written):
+    return written / "save"
+
+
+@pytest.fixture(scope="module")
+def saved_moe(written):
+    return written / "qwen3_moe"
 
 
 def _meta_llama():
@@ -32,18 +45,60 @@ def _meta_llama():
         return tf.LlamaForCausalLM._from_config(hf_config(), attn_implementation="eager", dtype=torch.float32).eval()
 
 
-def _loaded(path, rank=0, world=1):
-    model = _meta_llama()
-    report = LazyCheckpoint(str(path)).load_into(model, rank, world, progress=False)
+def _meta_model(kind: str):
+    import transformers as tf
+
+    classes = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "qwen2_moe": tf.Qwen2MoeForCausalLM}
+    with torch.device("meta"):
+        return classes[kind]._from_config(hf_config(kind), attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _loaded(path, rank=0, world=1, plan=None):
+    """The checkpoint at `path` loaded into a meta-built model of its kind (its folder's name)."""
+    kind = os.path.basename(path)
+    model = _meta_model(kind) if kind.endswith("_moe") else _meta_llama()
+    report = LazyCheckpoint(str(path)).load_into(model, rank, world, plan=plan, progress=False)
     assert report.ok
     return model, report
 
 
-def test_megatron_logits_match_megatrons_forward(saved):
-    model, _ = _loaded(saved)
+def _megatron_logits_match(model, path):
     with torch.no_grad():
         logits = model(input_ids=tokens()).logits
-    torch.testing.assert_close(logits, torch.load(saved / "megatron_logits.pt"), rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, torch.load(os.path.join(path, "megatron_logits.pt")), rtol=0, atol=1e-5)
+
+
+def test_megatron_logits_match_megatrons_forward(saved):
+    _megatron_logits_match(_loaded(saved)[0], saved)
+
+
+def _equals_megatrons_own_load(path):
+    """Every tensor equals Megatron's own load converted, bit for bit; the logits are Megatron's."""
+    model, _ = _loaded(path)
+    want = torch.load(path / "reference.pt")
+    got = model.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    _megatron_logits_match(model, path)
+
+
+def test_megatron_moe_equals_megatrons_own_load_and_routes_as_megatron(saved_moe):
+    """Qwen3-MoE: router, experts (fused gate_up_proj / down_proj from the expert axis), q/k norms."""
+    _equals_megatrons_own_load(saved_moe)
+
+
+@pytest.mark.slow
+def test_megatron_shared_expert_loads_into_qwen2_moe(tmp_path):
+    """Qwen2-MoE: QKV bias, the shared expert's fc1 split into gate_proj / up_proj, its
+    sigmoid gate, a dense layer after a MoE one (so Megatron saves each layer under its own
+    `decoder.layers.N.` keys): a checkpoint of its own, one more spawned job."""
+    import pickle
+
+    save_megatron(tmp_path, [(tmp_path / "qwen2_moe", "qwen2_moe")])
+    with open(tmp_path / "qwen2_moe" / "iter_0000100" / ".metadata", "rb") as f:
+        keys = pickle.load(f).state_dict_metadata
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in keys and "decoder.layers.0.mlp.router.weight" in keys
+    _equals_megatrons_own_load(tmp_path / "qwen2_moe")
 
 
 def test_entry_points_give_the_same_tensors(saved, tmp_path):
@@ -59,18 +114,34 @@ def test_entry_points_give_the_same_tensors(saved, tmp_path):
     assert LazyCheckpoint(str(saved)).source.kind == "megatron_dist"
 
 
-def _case_world2(path, rank, world):
-    want = _loaded(path)[0].state_dict()
-    model, report = _loaded(path, rank, world)
+def _case_world2(case, rank, world):
+    """This rank's shards equal the reference (world 1's, or Megatron's own load converted
+    for the MoE model) and, for the MoE model, its forward gives Megatron's logits."""
+    path, plan = case
+    moe = os.path.basename(path).endswith("_moe")
+    want = torch.load(os.path.join(path, "reference.pt")) if moe else _loaded(path)[0].state_dict()
+    model, report = _loaded(path, rank, world, plan)
+    experts_cut = 0
     for key, value in model.state_dict().items():
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
-        assert torch.equal(full, want[key]), f"rank {rank}: {key}"
+        local = value.to_local() if hasattr(value, "to_local") else value
+        experts_cut += key.endswith("experts.gate_up_proj") and local.shape != want[key].shape
+        if full.shape != want[key].shape:  # expert parallel: this rank's whole experts
+            assert plan == "ep" and key.endswith(("gate_up_proj", "down_proj")), key
+            want[key] = want[key].chunk(world, 0)[rank]
+        assert torch.equal(full, want[key]), f"rank {rank} plan {plan}: {key}"
+    if moe:
+        assert experts_cut, f"plan {plan}: no rank-local experts"
+        _megatron_logits_match(model, path)
     total = LazyCheckpoint(str(path)).index.total_bytes
     assert report.bytes_read + report.bytes_mapped < 0.75 * total, (report.bytes_read, report.bytes_mapped, total)
 
 
-def test_megatron_loads_at_world_2_under_gloo(saved, tmp_path):
-    spawn_cases(2, [str(saved)], tmp_path, _case_world2)
+def test_megatron_loads_at_world_2_under_gloo(saved, saved_moe, tmp_path):
+    """One spawned job: the dense checkpoint, and the MoE one at TP (each expert's gate and
+    up rows cut) and at EP (whole experts per rank)."""
+    cases = [(str(saved), None), (str(saved_moe), None), (str(saved_moe), "ep")]
+    spawn_cases(2, cases, tmp_path, _case_world2)
 
 
 def test_heads_that_do_not_fit_are_refused(saved, tmp_path):
@@ -108,15 +179,15 @@ def test_cli_plans_and_reshards_a_megatron_checkpoint(saved, tmp_path, capsys):
 
 
 def test_a_megatron_key_lazyload_does_not_know_is_named(saved, tmp_path):
-    """An MoE expert tensor (here a renamed fc2) is refused naming the key and what is known,
-    before any tensor byte."""
+    """A per-expert key (as Megatron's singleton_local_shards names them; here a renamed fc2)
+    is refused naming the key and what lazyload expected, before any tensor byte."""
     import pickle
 
     directory = tmp_path / "iter"
     shutil.copytree(saved / "iter_0000100", directory)
     with open(directory / ".metadata", "rb") as f:
         metadata = pickle.load(f)
-    old, new = "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.experts.linear_fc2.weight"
+    old, new = "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.experts.experts.0.linear_fc2.weight"
     metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
     for index in list(metadata.storage_data):
         if index.fqn == old:
@@ -125,6 +196,6 @@ def test_a_megatron_key_lazyload_does_not_know_is_named(saved, tmp_path):
     with open(directory / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     model = _meta_llama()
-    with pytest.raises(CheckpointError, match="decoder.layers.mlp.experts.linear_fc2.weight"):
+    with pytest.raises(CheckpointError, match=r"decoder\.layers\.mlp\.experts\.experts\.0\.linear_fc2\.weight.*expected"):
         LazyCheckpoint(str(directory)).load_into(model, progress=False)
     assert all(t.is_meta for t in model.state_dict().values())

@@ -1,7 +1,7 @@
 """Megatron-Core `torch_dist` checkpoints (Megatron-LM, NeMo 2's `weights/`): a DCP
 directory (`iter_NNNNNNN/` with `metadata.json` saying `"sharded_backend": "torch_dist"`,
 `.metadata`, `__R_N.distcp`, `common.pt`) under Megatron's layer-stacked names, read as
-transformers' Llama-family names (Llama, Mistral, Qwen2/3).
+transformers' Llama-family names (Llama, Mistral, Qwen2/3, and the MoEs Mixtral, Qwen2/3-MoE).
 
 The chunks are found as for any DCP checkpoint (`dcp`): header-only, checked to tile each
 tensor. A stacked tensor (`decoder.layers.self_attention.linear_qkv.weight`, global shape
@@ -14,6 +14,16 @@ are de-interleaved with `Chunk`s per head; `linear_fc1` ([all gate rows; all up 
 split in two; norms (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`),
 `embedding.word_embeddings`, `output_layer` and `decoder.final_layernorm` are renamed. So a
 rank's box pushed down reads only the heads and rows it holds, at any TP.
+
+MoE layers (Mixtral, Qwen2/3-MoE in transformers 5): `mlp.router.weight` is the router
+`mlp.gate.weight`; the experts are one tensor with an expert axis,
+`mlp.experts.experts.linear_fc1.weight` [layers, experts, 2 x ffn, hidden] (each expert's
+gate rows then its up rows) and `...linear_fc2.weight` [layers, experts, hidden, ffn], as
+SequentialMLP, GroupedMLP and TEGroupedMLP all save them, which per layer is exactly
+transformers' fused `mlp.experts.gate_up_proj` / `down_proj`: renamed, and the model's plan
+cuts each expert's gate and up rows (TP) or whole experts (EP). Qwen2-MoE's shared expert is
+split as the dense fc1 and its gate renamed. A layer saved unstacked (`decoder.layers.N.`,
+as Megatron does for layers of several kinds) is read as that layer's.
 
 The head counts come from Megatron's `args` in `common.pt` (read by torch's restricted
 unpickler, `argparse.Namespace` allowed) or else the `config.json` beside the checkpoint.
@@ -49,10 +59,21 @@ _RENAMES = {  # per-layer Megatron module -> transformers name (the qkv and fc1 
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    # MoE (Mixtral, Qwen2/3-MoE): the router; experts ([experts, rows, in], each expert's fc1
+    # [gate; up] as transformers' fused 3-D `gate_up_proj`), saved so by SequentialMLP,
+    # GroupedMLP and TEGroupedMLP alike (the doubled `experts.experts.` is Megatron's own key);
+    # the shared expert and its sigmoid gate (Qwen2-MoE)
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.experts.experts.linear_fc1.weight": "mlp.experts.gate_up_proj",
+    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.down_proj",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
 _GLOBAL = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight",
            "decoder.final_layernorm.weight": "model.norm.weight"}
-_SPLIT = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight")
+_GATE_UP = {"mlp.linear_fc1.weight": "mlp.{}_proj.weight",  # [all gate rows; all up rows] -> two Linears
+            "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.{}_proj.weight"}
+_SPLIT = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", *_GATE_UP)
 
 
 @dataclass(frozen=True)
@@ -170,10 +191,10 @@ def _per_layer(entries: dict[str, TensorEntry], tiles: dict[str, list[Part]], fq
 
 def _split(name: str, tree: Expr, shape: tuple[int, ...], dtype, heads: Heads, where: str) -> dict[str, Derived]:
     """transformers tensors from a fused Megatron one (one layer's qkv or fc1)."""
-    if name.startswith("mlp.linear_fc1"):
+    if name in _GATE_UP:
         half = (shape[0] // 2,) + shape[1:]
-        return {f"mlp.{p}_proj.weight": Derived(f"mlp.{p}_proj.weight", half, dtype, Chunk(tree, 0, i, 2))
-                for i, p in enumerate(("gate", "up"))}
+        targets = [_GATE_UP[name].format(part) for part in ("gate", "up")]
+        return {t: Derived(t, half, dtype, Chunk(tree, 0, i, 2)) for i, t in enumerate(targets)}
     per, blocks = heads.heads // heads.groups, heads.groups * (heads.heads // heads.groups + 2)
     if shape[0] != blocks * heads.size:
         raise CheckpointError(f"{where}: {name!r} has {shape[0]} rows, not ({heads.heads} heads + 2 x {heads.groups} "
@@ -205,9 +226,10 @@ def _transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) ->
         elif name in _RENAMES:
             derived = {_RENAMES[name]: Derived(_RENAMES[name], layout.shape, layout.dtype, tree)}
         else:
-            raise CheckpointError(f"{where}: Megatron key 'decoder.layers.{name}' is not one lazyload knows how to "
-                                  f"name for transformers (known: {sorted(_RENAMES) + list(_SPLIT)}); MoE experts "
-                                  "and other layer kinds are not read yet.")
+            raise CheckpointError(f"{where}: Megatron key 'decoder.layers.{name}' (layer {layer}) is not one lazyload "
+                                  f"knows how to name for transformers; expected one of {sorted(_RENAMES) + list(_SPLIT)} "
+                                  "(Megatron's default layout: experts as one tensor with an expert axis; per-expert "
+                                  "keys, singleton_local_shards, and other layer kinds are not read).")
         for target, d in derived.items():
             out[prefix + target] = replace(d, name=prefix + target)
     return out
@@ -223,11 +245,13 @@ def open_index(directory: str) -> CheckpointIndex:
     keys = dcp.chunk_keys([(fqn, chunk) for fqn, chunk, _ in planned])
     tiles: dict[str, list[Part]] = {}
     for (fqn, chunk, _), key in zip(planned, keys):
-        if _unwrapped(fqn).startswith(_STACKED):
+        layer, _, rest = _unwrapped(fqn).removeprefix(_STACKED).partition(".")
+        if _unwrapped(fqn).startswith(_STACKED) and not layer.isdigit():
             _per_layer(entries, tiles, fqn, chunk, key)
-        else:
+        else:  # a global tensor, or one layer's (`decoder.layers.N.`: layers of several kinds)
             box = tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
-            tiles.setdefault(f":{_unwrapped(fqn)}", []).append(Part(Source(key), box))
+            name = f"{int(layer)}:{rest}" if _unwrapped(fqn).startswith(_STACKED) else f":{_unwrapped(fqn)}"
+            tiles.setdefault(name, []).append(Part(Source(key), box))
     layouts = {}
     for key, parts in tiles.items():
         first = entries[parts[0].expr.keys()[0]]
