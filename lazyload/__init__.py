@@ -12,9 +12,10 @@ __version__ = "0.1.0"
 
 _ERRORS = ("LazyLoadError", "ArgumentError", "CheckpointError", "MappingError", "MissingKeysError",
            "UnexpectedKeysError", "ShapeMismatchError", "DtypeError", "OutputError", "PlanError", "RankFailedError",
-           "ReadError", "MetaBufferError", "DeviceError")
+           "ReadError", "MetaBufferError", "DeviceError", "SyncError")
 _WHERE = {"LazyCheckpoint": ".checkpoint", "load_model": ".auto", "save_sharded": ".writers", "LoadReport": ".report",
           "Placement": ".plan", "Quantization": ".quant.onload", "TensorEntry": ".headers",
+          "WeightSync": ".sync", "SyncReport": ".sync",
           **{name: ".errors" for name in _ERRORS}}
 __all__ = list(_WHERE)
 
@@ -36,9 +37,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import LazyCheckpoint
     from .errors import (ArgumentError, CheckpointError, DeviceError, DtypeError, LazyLoadError, MappingError,
                          MetaBufferError, MissingKeysError, OutputError, PlanError, RankFailedError, ReadError,
-                         ShapeMismatchError, UnexpectedKeysError)
+                         ShapeMismatchError, SyncError, UnexpectedKeysError)
     from .headers import TensorEntry
     from .plan import Placement
     from .quant.onload import Quantization
     from .report import LoadReport
+    from .sync import SyncReport, WeightSync
     from .writers import save_sharded

@@ -1,0 +1,157 @@
+"""WeightSync (live weight sync) over real gloo process groups, spawned: a trainer's FSDP2 (or
+TP x FSDP2) Llama into a server's tensor-parallel one built on meta, two syncs with an
+optimizer step between. Every server rank's tensors are compared bit for bit with the
+trainer's full weights (gathered only here, to compare), and every server rank receives
+exactly its share."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpoints import make_config, randomize_
+from gloo import spawn_cases
+
+
+def _config():
+    return make_config("llama", num_hidden_layers=2)
+
+
+def _trainer(dp_mesh, tp_mesh=None):
+    """A Llama trained by FSDP2 over `dp_mesh` (TP over `tp_mesh` first, when given)."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config())
+    randomize_(model)
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for layer in model.model.layers:
+            parallelize_module(layer, tp_mesh, {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                                                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                                                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                                                "mlp.down_proj": RowwiseParallel()})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _step(model, optimizer):
+    ids = torch.arange(16).reshape(2, 8) % 200
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _full(model) -> dict:
+    """The trainer's full weights (a collective over its ranks); None elsewhere."""
+    if model is None:
+        return None
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+            for n, t in model.state_dict().items()}
+
+
+def _shared_full(model) -> dict:
+    """The trainer's full weights on every rank (global rank 0 is a trainer in every case)."""
+    full = [_full(model)]
+    dist.broadcast_object_list(full, src=0)
+    return full[0]
+
+
+def _check_exact(sync, server, full: dict) -> None:
+    """Each server tensor is bit-equal to its planned slices of the trainer's full weight,
+    and the server runs: its logits are those of a plain model holding the full weights."""
+    state = server.state_dict()
+    for target in sync.load_plan.targets:
+        local = _local(state[target.name])
+        assert tuple(local.shape) == target.local_shape, target.name
+        expected = torch.empty_like(local)
+        for region in target.regions:
+            at = tuple(slice(s, s + b - a) for (a, b), s in zip(region.global_box, region.local_start))
+            expected[at] = full[target.name][tuple(slice(a, b) for a, b in region.global_box)]
+        assert torch.equal(local, expected), target.name
+    from transformers import LlamaForCausalLM
+
+    plain = LlamaForCausalLM(_config())
+    plain.load_state_dict(full)
+    ids = torch.arange(12).reshape(2, 6) % 200
+    with torch.no_grad():
+        torch.testing.assert_close(server(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def _local(tensor):
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def _share(server) -> int:
+    """The bytes of this server rank's local tensors (its share)."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in server.state_dict().values())
+
+
+def _ptrs(server) -> dict:
+    return {n: _local(t).data_ptr() for n, t in server.state_dict().items()}
+
+
+def _meta_server():
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(_config())
+
+
+def _two_syncs(trainer, server, server_mesh):
+    """Construct, sync, step, sync: exact after each, the target's storage kept, bytes as planned."""
+    import lazyload
+
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=server_mesh, rank_timeout=60)
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1) if trainer is not None else None
+    first = sync()
+    _check_exact_all(sync, trainer, server, first)
+    ptrs = _ptrs(server) if server is not None else None
+    if trainer is not None:
+        _step(trainer, optimizer)
+    second = sync()
+    _check_exact_all(sync, trainer, server, second)
+    assert first.planned and not second.planned and first.plan_digest == second.plan_digest
+    if server is not None:
+        assert _ptrs(server) == ptrs
+    return first, second
+
+
+def _check_exact_all(sync, trainer, server, report) -> None:
+    full = _shared_full(trainer)
+    if server is not None:
+        _check_exact(sync, server, full)
+        assert report.bytes_received + report.bytes_local == _share(server)
+    totals = [None] * dist.get_world_size()
+    dist.all_gather_object(totals, (report.bytes_sent, report.bytes_received))
+    assert sum(s for s, _ in totals) == sum(r for _, r in totals)  # every byte sent is received once
+
+
+def _run_case(case, rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if case == "trainer-server":  # FSDP2 over ranks 0-1, server TP 2 over ranks 2-3
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+        trainer = _trainer(mesh["x"]) if rank < 2 else None
+        server = _meta_server() if rank >= 2 else None
+        _two_syncs(trainer, server, mesh["x"] if server is not None else None)
+    elif case == "colocated":  # FSDP2 and TP 2 over the same ranks
+        mesh = init_device_mesh("cpu", (world,))
+        _two_syncs(_trainer(mesh), _meta_server(), mesh)
+    elif case == "2d":  # trainer TP 2 x FSDP 2 into server TP 4, colocated
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _two_syncs(_trainer(mesh["dp"], mesh["tp"]), _meta_server(), init_device_mesh("cpu", (4,)))
+    else:
+        raise AssertionError(case)
+
+
+def test_sync_two_ranks(tmp_path):
+    spawn_cases(2, ["colocated"], tmp_path, _run_case)
+
+
+def test_sync_four_ranks(tmp_path):
+    spawn_cases(4, ["trainer-server", "2d"], tmp_path, _run_case)
