@@ -54,10 +54,10 @@ def _full(model) -> dict:
             for n, t in model.state_dict().items()}
 
 
-def _shared_full(model) -> dict:
-    """The trainer's full weights on every rank (global rank 0 is a trainer in every case)."""
+def _shared_full(model, group=None) -> dict:
+    """The trainer's full weights on every rank of `group` (its first rank is a trainer in every case)."""
     full = [_full(model)]
-    dist.broadcast_object_list(full, src=0)
+    dist.broadcast_object_list(full, group=group, group_src=0)
     return full[0]
 
 
@@ -102,11 +102,11 @@ def _meta_server():
         return LlamaForCausalLM(_config())
 
 
-def _two_syncs(trainer, server, server_mesh):
+def _two_syncs(trainer, server, server_mesh, group=None):
     """Construct, sync, step, sync: exact after each, the target's storage kept, bytes as planned."""
     import lazyload
 
-    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=server_mesh, rank_timeout=60)
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=server_mesh, group=group, rank_timeout=60)
     optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1) if trainer is not None else None
     first = sync()
     _check_exact_all(sync, trainer, server, first)
@@ -122,13 +122,87 @@ def _two_syncs(trainer, server, server_mesh):
 
 
 def _check_exact_all(sync, trainer, server, report) -> None:
-    full = _shared_full(trainer)
+    full = _shared_full(trainer, sync.group)
     if server is not None:
         _check_exact(sync, server, full)
         assert report.bytes_received + report.bytes_local == _share(server)
-    totals = [None] * dist.get_world_size()
-    dist.all_gather_object(totals, (report.bytes_sent, report.bytes_received))
+    totals = [None] * len(sync.ranks)
+    dist.all_gather_object(totals, (report.bytes_sent, report.bytes_received), group=sync.group)
     assert sum(s for s, _ in totals) == sum(r for _, r in totals)  # every byte sent is received once
+
+
+def _colocated(rank):
+    """FSDP2 and TP 2 over the same ranks: ranks 0-1 and ranks 2-3 each sync over their own
+    group, at the same time."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("half", "x"))
+    half = mesh["x"]
+    _two_syncs(_trainer(half), _meta_server(), half, group=half.get_group())
+
+
+def _mismatched(rank, world):
+    """A source missing a tensor, one of another shape, a target mesh that does not split the
+    heads: every rank fails at construction, the server still on meta, no byte moved."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaForCausalLM
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(_config()).state_dict()
+    missing = {n: t for n, t in plain.items() if n != "model.norm.weight"}
+    reshaped = {**plain, "model.norm.weight": torch.ones(32)}
+    odd = _config()
+    odd.num_attention_heads = odd.num_key_value_heads = 2  # 2 heads over 4 ranks
+    for source, config, wanted in ((missing, _config(), lazyload.MissingKeysError),
+                                   (reshaped, _config(), lazyload.ShapeMismatchError),
+                                   (LlamaForCausalLM(odd).state_dict(), odd, lazyload.PlanError)):
+        with torch.device("meta"):
+            server = LlamaForCausalLM(config)
+        with pytest.raises(lazyload.LazyLoadError) as caught:
+            lazyload.WeightSync(source=source if rank == 0 else None, target=server if rank > 0 else None,
+                                target_mesh=mesh if rank > 0 else None, rank_timeout=30)
+        if rank > 0:
+            assert isinstance(caught.value, wanted), caught.value
+        else:
+            assert isinstance(caught.value, lazyload.RankFailedError) and sorted(caught.value.ranks) == [1, 2, 3]
+        assert all(t.is_meta for t in server.state_dict().values())
+
+
+def _fault(rank):
+    """Trainer rank 0 raises in the middle of a sync: every rank raises a SyncError, each server
+    rank's report names the tensors already new, and the next sync completes it, exact."""
+    import lazyload
+    import lazyload.sync.transfer as transfer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = _trainer(mesh["x"]) if rank < 2 else None
+    server = _meta_server() if rank >= 2 else None
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server else None,
+                               rank_timeout=5, max_host_bytes=40_000)
+    assert sync.routes.steps > 2
+    sync()
+    if trainer is not None:
+        _step(trainer, torch.optim.SGD(trainer.parameters(), lr=0.1))
+    pack, calls = transfer._pack, []
+    if rank == 0:
+        def failing(requests, ends):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected: the trainer fails mid-sync")
+            return pack(requests, ends)
+        transfer._pack = failing
+    with pytest.raises(lazyload.SyncError) as caught:
+        sync()
+    transfer._pack = pack
+    partial = caught.value.report.partial
+    if server is not None:
+        assert 0 < len(partial) < len(sync.load_plan.targets)
+    report = sync()
+    assert report.partial == ()
+    _check_exact_all(sync, trainer, server, report)
 
 
 def _run_case(case, rank, world):
@@ -139,19 +213,18 @@ def _run_case(case, rank, world):
         trainer = _trainer(mesh["x"]) if rank < 2 else None
         server = _meta_server() if rank >= 2 else None
         _two_syncs(trainer, server, mesh["x"] if server is not None else None)
-    elif case == "colocated":  # FSDP2 and TP 2 over the same ranks
-        mesh = init_device_mesh("cpu", (world,))
-        _two_syncs(_trainer(mesh), _meta_server(), mesh)
+    elif case == "colocated":
+        _colocated(rank)
     elif case == "2d":  # trainer TP 2 x FSDP 2 into server TP 4, colocated
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         _two_syncs(_trainer(mesh["dp"], mesh["tp"]), _meta_server(), init_device_mesh("cpu", (4,)))
+    elif case == "mismatched":
+        _mismatched(rank, world)
+    elif case == "fault":
+        _fault(rank)
     else:
         raise AssertionError(case)
 
 
-def test_sync_two_ranks(tmp_path):
-    spawn_cases(2, ["colocated"], tmp_path, _run_case)
-
-
-def test_sync_four_ranks(tmp_path):
-    spawn_cases(4, ["trainer-server", "2d"], tmp_path, _run_case)
+def test_sync(tmp_path):
+    spawn_cases(4, ["trainer-server", "colocated", "2d", "mismatched", "fault"], tmp_path, _run_case)

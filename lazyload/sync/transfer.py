@@ -2,16 +2,23 @@
 packs each target's boxes of a step into one message (the boxes' bytes as the source holds
 them: exact for every dtype) and sends it point-to-point; a target receives one message per
 source and step and places each box into its destination (cast, quantized, converted as the
-load plan says); boxes a colocated rank holds itself are copied without the wire. Every wait
-is bounded (`agreement.wait_all`, under `Agreement.collectives`)."""
+load plan says); boxes a colocated rank holds itself are copied without the wire.
+
+Every wait is bounded by `rank_timeout` and watched (`wait_polling`): a rank that fails
+announces it in the store, and the others stop waiting at once, leaving their sends and
+receives of that sync pending (kept alive, never waited for with a timeout: gloo closes a
+pair whose wait timed out, which would fail every later sync). Each sync has its own tag,
+so that a retry's messages never match a failed sync's."""
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..agreement import wait_all
+from ..agreement import CollectiveError
 from ..expr import box_numel
 from .layout import local_piece
 from .routes import Request, Routes, packed_offsets, slot
@@ -46,6 +53,10 @@ class Ends:
     dests: dict[str, Any]
     group: Any
     tag: int
+    device: torch.device  # where messages are staged: the host for gloo, the GPU for NCCL
+    timeout: float
+    aborted: Callable[[], str | None]  # another rank's failure, announced, or None
+    abandoned: list  # works (and their buffers) of failed syncs, kept alive
 
 
 def transfer(routes: Routes, ends: Ends, moved: Moved) -> None:
@@ -66,7 +77,7 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     for source, positions in routes.receives.get(step, {}).items():
         specs = [(ends.items[p].entry.dtype, ends.items[p].src_box) for p in positions]
         offsets, nbytes = packed_offsets(specs)
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device)
         inbox.append((positions, offsets, buffer))
         works.append(dist.irecv(buffer, src=source, group=ends.group, tag=ends.tag))
     for position in routes.local.get(step, ()):
@@ -74,7 +85,11 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
         piece = ends.pieces[item.entry.key]
         _place(ends, moved, item, local_piece(ends.tensors[piece.name], piece.held, item.src_box))
         moved.local += item.nbytes
-    wait_all(works, f"step {step} of the weight sync's sends and receives")
+    try:
+        wait_polling(works, ends, f"step {step} of the weight sync's sends and receives")
+    except CollectiveError:
+        ends.abandoned.append((works, outbox, inbox))
+        raise
     for positions, offsets, buffer in inbox:
         for position, offset in zip(positions, offsets):
             item = ends.items[position]
@@ -85,7 +100,7 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
 def _pack(requests: tuple[Request, ...], ends: Ends) -> torch.Tensor:
     """A target's boxes of one step, packed into one message (bytes copied as they are)."""
     offsets, nbytes = packed_offsets([(ends.dtypes[r.key], r.box) for r in requests])
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device)
     for request, offset in zip(requests, offsets):
         piece = ends.pieces[request.key]
         values = local_piece(ends.tensors[piece.name], piece.held, request.box)
@@ -99,3 +114,30 @@ def _place(ends: Ends, moved: Moved, item: Any, values: torch.Tensor) -> None:
     with torch.no_grad():
         dest.place(item, values)
     moved.placed(item.target)
+
+
+def wait_polling(works: list, ends: Ends, what: str) -> None:
+    """Wait for `works` in a helper thread (gloo completes a send or receive only inside a
+    wait, and a timed wait that expires closes its pair), while this one watches: done,
+    failed (CollectiveError), another rank's failure announced, or `ends.timeout` seconds
+    passed (CollectiveError; the helper is left waiting on what will never come)."""
+    done, failure = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            for work in works:
+                work.wait()
+        except Exception as exc:
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="lazyload-sync-wait", daemon=True).start()
+    deadline = time.monotonic() + ends.timeout
+    while not done.wait(0.02):
+        if time.monotonic() > deadline:
+            raise CollectiveError(f"{what} did not finish within {ends.timeout:g} s")
+        if (reason := ends.aborted()) is not None:
+            raise CollectiveError(f"{what} stopped: {reason}")
+    if failure:
+        raise CollectiveError(f"{what} failed ({type(failure[0]).__name__}: {failure[0]})") from failure[0]

@@ -8,12 +8,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..agreement import Agreement
 from ..buffers import fill_meta_buffers
 from ..keywords import check_keywords
-from ..errors import ArgumentError, LazyLoadError, SyncError
+from ..errors import ArgumentError, SyncError
 from ..executor import allocate_destinations, assign_loaded, make_parallel, swap_quantized_layers
 from ..mapping import KeyMap
 from ..mesh import ranks_of
@@ -23,7 +24,7 @@ from ..stored import StoredCheckpoint
 from .gather import Gather
 from .layout import source_layout, source_tensors
 from .routes import Request, Routes, requests_of, routes_for
-from .source_index import Piece, source_index
+from .source_index import source_index
 from .transfer import Ends, Moved, transfer
 
 
@@ -93,7 +94,11 @@ class WeightSync:
         self.routes: Routes = routes_for(self.rank, wanted)
         self.plan_seconds = time.perf_counter() - started
         self._store, self._syncs, self._dests, self._slots, self._assigned = store, 0, None, None, False
+        self._abandoned: list = []
         self._tag = next(_tags)
+        # NCCL sends device memory; gloo host memory
+        self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                      else torch.device("cpu"))
 
     @property
     def plan_digest(self) -> str:
@@ -127,6 +132,7 @@ class WeightSync:
             with agree.collectives():
                 self._sync(moved)
         except BaseException as exc:
+            self._store.set(self._abort_key(), f"rank {self.rank} failed ({type(exc).__name__}: {exc})")
             agree.failed(exc)
             report = self._report(moved, started, planned, tuple(moved.done))
             raise SyncError(f"rank {self.rank}: the weight sync did not complete ({type(exc).__name__}: {exc}); "
@@ -134,6 +140,14 @@ class WeightSync:
                             "tensors on this rank hold the new version (report.partial). Call the sync again on every "
                             "rank to complete it.", getattr(exc, "ranks", None), report) from exc
         return self._report(moved, started, planned)
+
+    def _abort_key(self) -> str:
+        return f"{self._prefix}/sync{self._syncs}/aborted"
+
+    def _aborted(self) -> str | None:
+        """Another rank's failure in this sync, as it announced it (None: none yet)."""
+        key = self._abort_key()
+        return self._store.get(key).decode() if self._store.check([key]) else None
 
     def _sync(self, moved: Moved) -> None:
         first = not self._assigned and self.load_plan is not None
@@ -146,7 +160,8 @@ class WeightSync:
             for item in self.items:
                 moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(source_tensors(self.source), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
-                    dests, self.group, self._tag * 1024 + self._syncs % 1024)
+                    dests, self.group, self._tag * 1024 + self._syncs % 1024, self._wire, self.timeout,
+                    self._aborted, self._abandoned)
         transfer(self.routes, ends, moved)
         if first:  # only now does the model hold its tensors: a failed first sync left it unassigned
             assign_loaded(self.load_plan, self._slots, self._dests)
