@@ -5,6 +5,8 @@ trainer's full weights (gathered only here, to compare), and every server rank r
 exactly its share."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,17 +15,22 @@ from checkpoints import make_config, randomize_
 from gloo import spawn_cases
 
 
-def _config():
-    return make_config("llama", num_hidden_layers=2)
+def _config(arch="llama"):
+    return make_config(arch, num_hidden_layers=2)
 
 
-def _trainer(dp_mesh, tp_mesh=None):
-    """A Llama trained by FSDP2 over `dp_mesh` (TP over `tp_mesh` first, when given)."""
+def _model(arch="llama", config=None):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config or _config(arch), attn_implementation="eager")
+
+
+def _trainer(dp_mesh, tp_mesh=None, arch="llama"):
+    """A model trained by FSDP2 over `dp_mesh` (TP over `tp_mesh` first, when given)."""
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_config())
+    model = _model(arch)
     randomize_(model)
     if tp_mesh is not None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -73,9 +80,7 @@ def _check_exact(sync, server, full: dict) -> None:
             at = tuple(slice(s, s + b - a) for (a, b), s in zip(region.global_box, region.local_start))
             expected[at] = full[target.name][tuple(slice(a, b) for a, b in region.global_box)]
         assert torch.equal(local, expected), target.name
-    from transformers import LlamaForCausalLM
-
-    plain = LlamaForCausalLM(_config())
+    plain = _model(config=server.config)
     plain.load_state_dict(full)
     ids = torch.arange(12).reshape(2, 6) % 200
     with torch.no_grad():
@@ -86,27 +91,26 @@ def _local(tensor):
     return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
 
 
-def _share(server) -> int:
-    """The bytes of this server rank's local tensors (its share)."""
-    return sum(_local(t).numel() * _local(t).element_size() for t in server.state_dict().values())
+def _share(sync, full) -> int:
+    """The bytes of this server rank's share of the trainer's tensors, as the trainer holds them."""
+    return sum(math.prod(t.local_shape) * full[t.name].element_size() for t in sync.load_plan.targets)
 
 
 def _ptrs(server) -> dict:
     return {n: _local(t).data_ptr() for n, t in server.state_dict().items()}
 
 
-def _meta_server():
-    from transformers import LlamaForCausalLM
-
+def _meta_server(arch="llama"):
     with torch.device("meta"):
-        return LlamaForCausalLM(_config())
+        return _model(arch)
 
 
-def _two_syncs(trainer, server, server_mesh, group=None):
+def _two_syncs(trainer, server, server_mesh, group=None, **options):
     """Construct, sync, step, sync: exact after each, the target's storage kept, bytes as planned."""
     import lazyload
 
-    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=server_mesh, group=group, rank_timeout=60)
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=server_mesh, group=group, rank_timeout=60,
+                               **options)
     optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1) if trainer is not None else None
     first = sync()
     _check_exact_all(sync, trainer, server, first)
@@ -124,8 +128,9 @@ def _two_syncs(trainer, server, server_mesh, group=None):
 def _check_exact_all(sync, trainer, server, report) -> None:
     full = _shared_full(trainer, sync.group)
     if server is not None:
-        _check_exact(sync, server, full)
-        assert report.bytes_received + report.bytes_local == _share(server)
+        if not sync.load_plan.quantized:  # quantized: compared with load_into's
+            _check_exact(sync, server, full)
+        assert report.bytes_received + report.bytes_local == _share(sync, full)
     totals = [None] * len(sync.ranks)
     dist.all_gather_object(totals, (report.bytes_sent, report.bytes_received), group=sync.group)
     assert sum(s for s, _ in totals) == sum(r for _, r in totals)  # every byte sent is received once
@@ -205,14 +210,48 @@ def _fault(rank):
     _check_exact_all(sync, trainer, server, report)
 
 
+def _trainer_server(rank, arch="llama", **options):
+    """FSDP2 over ranks 0-1, the server (TP 2, or `plan="ep"`) over ranks 2-3."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = _trainer(mesh["x"], arch=arch) if rank < 2 else None
+    server = _meta_server(arch) if rank >= 2 else None
+    return trainer, server, mesh["x"], _two_syncs(trainer, server, mesh["x"] if server is not None else None,
+                                                  **options)
+
+
+def _quantized(rank, directory):
+    """quantize="int8" on the way: each server rank's 8-bit data and scales equal those of
+    load_into(quantize=...) from a checkpoint of the trainer's weights."""
+    import lazyload
+    from safetensors.torch import save_file
+
+    quantize = lazyload.Quantization("int8", group_size=32, torchao=False)
+    trainer, server, mesh, (_, second) = _trainer_server(rank, quantize=quantize)
+    full = _full(trainer)
+    if rank == 0:
+        save_file({n: t.contiguous() for n, t in full.items()}, f"{directory}/model.safetensors")
+    dist.barrier()
+    if server is None:
+        return
+    loaded = _meta_server()
+    lazyload.LazyCheckpoint(f"{directory}/model.safetensors").load_into(loaded, mesh=mesh, quantize=quantize)
+    got, expected = server.state_dict(), loaded.state_dict()
+    assert sorted(got) == sorted(expected) and any(t.dtype == torch.int8 for t in got.values())
+    for name, tensor in expected.items():
+        assert torch.equal(_local(got[name]), _local(tensor)), name
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    if case == "trainer-server":  # FSDP2 over ranks 0-1, server TP 2 over ranks 2-3
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
-        trainer = _trainer(mesh["x"]) if rank < 2 else None
-        server = _meta_server() if rank >= 2 else None
-        _two_syncs(trainer, server, mesh["x"] if server is not None else None)
+    if isinstance(case, tuple):
+        _quantized(rank, case[1])
+    elif case == "trainer-server":
+        _trainer_server(rank)
+    elif case == "moe-ep":  # Qwen3-MoE, its experts split whole over the server ranks
+        _trainer_server(rank, "qwen3_moe", plan="ep")
     elif case == "colocated":
         _colocated(rank)
     elif case == "2d":  # trainer TP 2 x FSDP 2 into server TP 4, colocated
@@ -227,4 +266,5 @@ def _run_case(case, rank, world):
 
 
 def test_sync(tmp_path):
-    spawn_cases(4, ["trainer-server", "colocated", "2d", "mismatched", "fault"], tmp_path, _run_case)
+    cases = ["trainer-server", "colocated", "2d", "moe-ep", ("quantized", str(tmp_path)), "mismatched", "fault"]
+    spawn_cases(4, cases, tmp_path, _run_case)

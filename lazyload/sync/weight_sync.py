@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from ..mapping import KeyMap
 from ..mesh import ranks_of
 from ..placer import with_whole
 from ..planner import LoadOptions, LoadPlan, plan_load
+from ..quant.onload import Quantization
 from ..stored import StoredCheckpoint
 from .gather import Gather
 from .layout import source_layout, source_tensors
@@ -47,6 +48,12 @@ class SyncReport:
 
 
 _tags = itertools.count(1)
+
+
+def own_holders(quantize: Any) -> Quantization | None:
+    """`quantize=` kept in lazyload's quantized layers: torchao's holders would be new tensors,
+    which later syncs could not update in place."""
+    return None if quantize is None else replace(Quantization.of(quantize), torchao=False)
 
 
 class WeightSync:
@@ -83,7 +90,7 @@ class WeightSync:
         self.ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
         self.source, self.target, self.target_mesh = source, target, target_mesh
         self._options = LoadOptions(device=device, dtype=dtype, key_map=key_map, progress=False, plan=plan,
-                                    reader="pread", max_host_bytes=max_host_bytes, quantize=quantize,
+                                    reader="pread", max_host_bytes=max_host_bytes, quantize=own_holders(quantize),
                                     rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False)
         store = _get_default_store()
         gather = Gather(store, self.rank, self.ranks, rank_timeout)
