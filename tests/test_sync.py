@@ -268,3 +268,59 @@ def _run_case(case, rank, world):
 def test_sync(tmp_path):
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("quantized", str(tmp_path)), "mismatched", "fault"]
     spawn_cases(4, cases, tmp_path, _run_case)
+
+
+def _dies(rank):
+    """Trainer rank 1 dies in the middle of a sync: every other rank raises a SyncError
+    naming it (within about rank_timeout), each server rank's report saying what is new."""
+    import os
+
+    import lazyload
+    import lazyload.sync.transfer as transfer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = _trainer(mesh["x"]) if rank < 2 else None
+    server = _meta_server() if rank >= 2 else None
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server else None,
+                               rank_timeout=5, max_host_bytes=40_000)
+    sync()
+    if rank == 1:
+        pack, calls = transfer._pack, []
+
+        def dying(requests, ends):
+            calls.append(1)
+            if len(calls) == 3:
+                os._exit(0)  # no error, no goodbye: the process is gone
+            return pack(requests, ends)
+        transfer._pack = dying
+    with pytest.raises(lazyload.SyncError) as caught:
+        sync()
+    assert 1 in caught.value.ranks, caught.value
+    if server is not None:
+        assert len(caught.value.report.partial) < len(sync.load_plan.targets)
+
+
+def _dying_worker(rank, world, init_file, errors):
+    """gloo's worker for a job one of whose ranks dies: no barrier after the case."""
+    import os
+    import traceback
+
+    from gloo import end_rank
+
+    os.environ["LAZYLOAD_PROGRESS"] = "0"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        _dies(rank)
+    except Exception:
+        errors.put((rank, "dies", traceback.format_exc()))
+        raise
+    end_rank()
+
+
+@pytest.mark.slow
+def test_sync_rank_dies(tmp_path):
+    from gloo import spawn_collecting
+
+    spawn_collecting(_dying_worker, (4, str(tmp_path / "pg")), 4, timeout=300)
