@@ -221,33 +221,34 @@ def _trainer_server(rank, arch="llama", **options):
                                                   **options)
 
 
-def _quantized(rank, directory):
-    """quantize="int8" on the way: each server rank's 8-bit data and scales equal those of
+def _quantized(rank, directory, dtype):
+    """quantize= on the way: each server rank's 8-bit data and scales equal those of
     load_into(quantize=...) from a checkpoint of the trainer's weights."""
     import lazyload
     from safetensors.torch import save_file
 
-    quantize = lazyload.Quantization("int8", group_size=32, torchao=False)
+    quantize = lazyload.Quantization(dtype, group_size=32, torchao=False)
     trainer, server, mesh, (_, second) = _trainer_server(rank, quantize=quantize)
     full = _full(trainer)
     if rank == 0:
-        save_file({n: t.contiguous() for n, t in full.items()}, f"{directory}/model.safetensors")
+        save_file({n: t.contiguous() for n, t in full.items()}, f"{directory}/{dtype}.safetensors")
     dist.barrier()
     if server is None:
         return
     loaded = _meta_server()
-    lazyload.LazyCheckpoint(f"{directory}/model.safetensors").load_into(loaded, mesh=mesh, quantize=quantize)
+    lazyload.LazyCheckpoint(f"{directory}/{dtype}.safetensors").load_into(loaded, mesh=mesh, quantize=quantize)
     got, expected = server.state_dict(), loaded.state_dict()
-    assert sorted(got) == sorted(expected) and any(t.dtype == torch.int8 for t in got.values())
+    assert sorted(got) == sorted(expected) and any(t.element_size() == 1 for t in got.values())
     for name, tensor in expected.items():
-        assert torch.equal(_local(got[name]), _local(tensor)), name
+        assert torch.equal(_local(got[name]).view(torch.uint8) if tensor.element_size() == 1 else _local(got[name]),
+                           _local(tensor).view(torch.uint8) if tensor.element_size() == 1 else _local(tensor)), name
 
 
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     if isinstance(case, tuple):
-        _quantized(rank, case[1])
+        _quantized(rank, case[2], case[1])
     elif case == "trainer-server":
         _trainer_server(rank)
     elif case == "moe-ep":  # Qwen3-MoE, its experts split whole over the server ranks
@@ -266,7 +267,8 @@ def _run_case(case, rank, world):
 
 
 def test_sync(tmp_path):
-    cases = ["trainer-server", "colocated", "2d", "moe-ep", ("quantized", str(tmp_path)), "mismatched", "fault"]
+    cases = ["trainer-server", "colocated", "2d", "moe-ep", ("quantized", "int8", str(tmp_path)),
+             ("quantized", "fp8", str(tmp_path)), "mismatched", "fault"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 
