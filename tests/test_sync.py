@@ -244,6 +244,27 @@ def _quantized(rank, directory, dtype):
                            _local(tensor).view(torch.uint8) if tensor.element_size() == 1 else _local(tensor)), name
 
 
+def _renamed_state_dict(rank, world):
+    """A state dict of plain tensors on rank 0 alone, its keys renamed, mapped back by key_map:
+    every rank's TP-4 slices exact (rank 0 copies its own, the others receive theirs)."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+
+    source = None
+    if rank == 0:
+        torch.manual_seed(1)
+        source = {f"policy.{n}": t for n, t in _model().state_dict().items()}
+    server = _meta_server()
+    sync = lazyload.WeightSync(source=source, target=server, target_mesh=init_device_mesh("cpu", (world,)),
+                               key_map={r"^policy\.": ""})
+    report = sync()
+    full = [{n.removeprefix("policy."): t for n, t in source.items()} if rank == 0 else None]
+    dist.broadcast_object_list(full, src=0)
+    _check_exact(sync, server, full[0])
+    assert report.bytes_received + report.bytes_local == _share(sync, full[0])
+    assert (report.bytes_local > 0) == (rank == 0) and (report.bytes_received > 0) == (rank > 0)
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -258,6 +279,8 @@ def _run_case(case, rank, world):
     elif case == "2d":  # trainer TP 2 x FSDP 2 into server TP 4, colocated
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         _two_syncs(_trainer(mesh["dp"], mesh["tp"]), _meta_server(), init_device_mesh("cpu", (4,)))
+    elif case == "renamed":
+        _renamed_state_dict(rank, world)
     elif case == "mismatched":
         _mismatched(rank, world)
     elif case == "fault":
@@ -268,7 +291,7 @@ def _run_case(case, rank, world):
 
 def test_sync(tmp_path):
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("quantized", "int8", str(tmp_path)),
-             ("quantized", "fp8", str(tmp_path)), "mismatched", "fault"]
+             ("quantized", "fp8", str(tmp_path)), "renamed", "mismatched", "fault"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 

@@ -23,6 +23,7 @@ from ..planner import LoadOptions, LoadPlan, plan_load
 from ..quant.onload import Quantization
 from ..stored import StoredCheckpoint
 from .gather import Gather
+from ..targets import local_tensor
 from .layout import source_layout, source_tensors
 from .routes import Request, Routes, requests_of, routes_for
 from .source_index import source_index
@@ -95,7 +96,7 @@ class WeightSync:
         store = _get_default_store()
         gather = Gather(store, self.rank, self.ranks, rank_timeout)
         self._prefix = gather.prefix
-        layouts = gather.run("layout", lambda: None if source is None else source_layout(source_tensors(source)))
+        layouts = gather.run("layout", self._layout)
         self.index, self.pieces = source_index({r: v for r, v in layouts.items() if v is not None})
         wanted = gather.run("planned", self._plan_target)
         self.routes: Routes = routes_for(self.rank, wanted)
@@ -106,6 +107,28 @@ class WeightSync:
         # NCCL sends device memory; gloo host memory
         self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
                       else torch.device("cpu"))
+
+    def _layout(self) -> list | None:
+        """This rank's source boxes (None: no source here); the local shapes are kept, to
+        check at each sync that the source still holds the shards the plan was made for."""
+        if self.source is None:
+            self._local_shapes: dict = {}
+            return None
+        tensors = source_tensors(self.source)
+        self._local_shapes = {name: tuple(local_tensor(t).shape) for name, t in tensors.items()}
+        return source_layout(tensors)
+
+    def _source_now(self) -> dict:
+        """The source's tensors now, each still the shard the plan was made for."""
+        tensors = source_tensors(self.source)
+        for name, shape in self._local_shapes.items():
+            now = tuple(local_tensor(tensors[name]).shape) if name in tensors else None
+            if now != shape:
+                raise ArgumentError(f"WeightSync: source tensor {name!r} is now {'gone' if now is None else list(now)}"
+                                    f" on rank {self.rank}, planned as a shard of {list(shape)} (a module unsharded "
+                                    "after its forward? sync after the optimizer step); construct a new WeightSync for "
+                                    "another layout.")
+        return tensors
 
     @property
     def plan_digest(self) -> str:
@@ -166,7 +189,7 @@ class WeightSync:
             dests = with_whole(self._dests, plan.targets, plan.mapping.exprs, plan.items, plan.index.shape_of)
             for item in self.items:
                 moved.left[item.target] = moved.left.get(item.target, 0) + 1
-        ends = Ends(source_tensors(self.source), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
+        ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
                     dests, self.group, self._tag * 1024 + self._syncs % 1024, self._wire, self.timeout,
                     self._aborted, self._abandoned)
         transfer(self.routes, ends, moved)
