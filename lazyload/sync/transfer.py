@@ -68,18 +68,20 @@ def transfer(routes: Routes, ends: Ends, moved: Moved) -> None:
 def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     import torch.distributed as dist
 
-    works, inbox, outbox = [], [], []
+    ops, inbox, outbox = [], [], []
     for target, requests in routes.sends.get(step, {}).items():
         buffer = _pack(requests, ends)
         outbox.append(buffer)
-        works.append(dist.isend(buffer, dst=target, group=ends.group, tag=ends.tag))
+        ops.append(dist.P2POp(dist.isend, buffer, target, ends.group, ends.tag))
         moved.sent += sum(box_numel(r.box) * ends.dtypes[r.key].itemsize for r in requests)
     for source, positions in routes.receives.get(step, {}).items():
         specs = [(ends.items[p].entry.dtype, ends.items[p].src_box) for p in positions]
         offsets, nbytes = packed_offsets(specs)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device)
         inbox.append((positions, offsets, buffer))
-        works.append(dist.irecv(buffer, src=source, group=ends.group, tag=ends.tag))
+        ops.append(dist.P2POp(dist.irecv, buffer, source, ends.group, ends.tag))
+    # one batch: NCCL runs it as one group (a pair sending both ways cannot deadlock); gloo op by op
+    works = dist.batch_isend_irecv(ops) if ops else []
     for position in routes.local.get(step, ()):
         item = ends.items[position]
         piece = ends.pieces[item.entry.key]
