@@ -263,6 +263,19 @@ def _renamed_state_dict(rank, world):
     _check_exact(sync, server, full[0])
     assert report.bytes_received + report.bytes_local == _share(sync, full[0])
     assert (report.bytes_local > 0) == (rank == 0) and (report.bytes_received > 0) == (rank > 0)
+    # into a target that is real already (the first sync's): filled in place
+    ptrs = _ptrs(server)
+    if rank == 0:
+        with torch.no_grad():
+            for tensor in source.values():
+                tensor.mul_(-1)
+        full[0] = {n.removeprefix("policy."): t for n, t in source.items()}
+    again = lazyload.WeightSync(source=source, target=server, target_mesh=init_device_mesh("cpu", (world,)),
+                                key_map={r"^policy\.": ""})
+    again()
+    dist.broadcast_object_list(full, src=0)
+    _check_exact(again, server, full[0])
+    assert _ptrs(server) == ptrs
 
 
 def _run_case(case, rank, world):
