@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoints import make_config, randomize_
+from checkpoints import make_config, randomize_, write_checkpoint
 from gloo import spawn_cases
 
 
@@ -278,10 +278,36 @@ def _renamed_state_dict(rank, world):
     assert _ptrs(server) == ptrs
 
 
+def _converted(rank, world, directory):
+    """A source in the checkpoint's names (Qwen3-MoE's per-expert tensors, as save_pretrained
+    writes them) into transformers' fused experts by its conversion mapping: every rank's
+    tensors equal load_into's from that checkpoint."""
+    import glob
+
+    import lazyload
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    source = {k: v for f in sorted(glob.glob(f"{directory}/*.safetensors")) for k, v in load_file(f).items()}
+    assert not any("gate_up_proj" in k for k in source)  # per-expert names: the mapping fuses them
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        server, loaded = _model(config=config), _model(config=config)
+    lazyload.WeightSync(source=source if rank < 2 else None, target=server, target_mesh=mesh, plan="ep")()
+    lazyload.LazyCheckpoint(directory).load_into(loaded, mesh=mesh, plan="ep")
+    expected = loaded.state_dict()
+    for name, tensor in server.state_dict().items():
+        assert torch.equal(_local(tensor), _local(expected[name])), name
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    if isinstance(case, tuple):
+    if isinstance(case, tuple) and case[0] == "converted":
+        _converted(rank, world, case[1])
+    elif isinstance(case, tuple):
         _quantized(rank, case[2], case[1])
     elif case == "trainer-server":
         _trainer_server(rank)
@@ -303,7 +329,8 @@ def _run_case(case, rank, world):
 
 
 def test_sync(tmp_path):
-    cases = ["trainer-server", "colocated", "2d", "moe-ep", ("quantized", "int8", str(tmp_path)),
+    moe, _ = write_checkpoint("qwen3_moe", torch.float32, tmp_path / "moe", num_hidden_layers=2)
+    cases = [("converted", str(moe)), "trainer-server", "colocated", "2d", "moe-ep", ("quantized", "int8", str(tmp_path)),
              ("quantized", "fp8", str(tmp_path)), "renamed", "mismatched", "fault"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
