@@ -330,7 +330,7 @@ def _run_case(case, rank, world):
 
 def test_sync(tmp_path):
     moe, _ = write_checkpoint("qwen3_moe", torch.float32, tmp_path / "moe", num_hidden_layers=2)
-    cases = [("converted", str(moe)), "trainer-server", "colocated", "2d", "moe-ep", ("quantized", "int8", str(tmp_path)),
+    cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)), ("quantized", "int8", str(tmp_path)),
              ("quantized", "fp8", str(tmp_path)), "renamed", "mismatched", "fault"]
     spawn_cases(4, cases, tmp_path, _run_case)
 

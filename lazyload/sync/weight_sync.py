@@ -164,11 +164,12 @@ class WeightSync:
         except BaseException as exc:
             self._store.set(self._abort_key(), f"rank {self.rank} failed ({type(exc).__name__}: {exc})")
             agree.failed(exc)
-            report = self._report(moved, started, planned, tuple(moved.done))
+            new = tuple(moved.done) if self._assigned else ()  # a first sync's tensors are assigned only when complete
+            report = self._report(moved, started, planned, new)
             raise SyncError(f"rank {self.rank}: the weight sync did not complete ({type(exc).__name__}: {exc}); "
-                            f"{len(moved.done)} of {len(self.load_plan.targets) if self.load_plan else 0} target "
-                            "tensors on this rank hold the new version (report.partial). Call the sync again on every "
-                            "rank to complete it.", getattr(exc, "ranks", None), report) from exc
+                            f"{len(new)} of {len(self.load_plan.targets) if self.load_plan else 0} target tensors on "
+                            "this rank hold the new version (report.partial; the others may be partly written). Call "
+                            "the sync again on every rank to complete it.", getattr(exc, "ranks", None), report) from exc
         return self._report(moved, started, planned)
 
     def _abort_key(self) -> str:
