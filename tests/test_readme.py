@@ -127,6 +127,7 @@ def _run_sync_script(name: str, ranks: int, directory, tmp_path):
     return proc.stdout
 
 
+@pytest.mark.slow  # a torchrun job of its own; tests/test_sync.py's "colocated" case runs the same path by default
 def test_the_readme_colocated_sync_runs_under_torchrun(checkpoint, tmp_path):
     """README's colocated WeightSync script, as written there, at 2 ranks on CPU (gloo):
     each rank copies its slices from its own FSDP2 shard and receives the rest."""
@@ -136,7 +137,7 @@ def test_the_readme_colocated_sync_runs_under_torchrun(checkpoint, tmp_path):
     assert sorted(r for r, _, _ in found) == ["0", "1"] and all(int(a) > 0 and int(b) > 0 for _, a, b in found), out
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a 4-rank torchrun job; tests/test_sync.py's "trainer-server" case runs the same path by default
 def test_the_readme_trainer_server_sync_runs_under_torchrun(checkpoint, tmp_path):
     """README's trainer/server WeightSync script at 4 ranks: trainers send, servers receive,
     twice, and the server runs."""
