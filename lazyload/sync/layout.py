@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import ArgumentError
-from ..expr import Box, box_numel, box_shape, full_box
+from ..expr import Box, box_numel, full_box
 from ..plan import box_regions
 from ..targets import is_dtensor, local_tensor
 from ..tp.placements import dtensor_placement
@@ -78,7 +78,3 @@ def local_piece(tensor: torch.Tensor, held: Held, src_box: Box) -> torch.Tensor:
     relative to the piece)."""
     local = local_tensor(tensor).detach()
     return local[tuple(slice(s + a, s + b) for s, (a, b) in zip(held.local_start, src_box))]
-
-
-def piece_shape(held: Held) -> tuple[int, ...]:
-    return box_shape(held.box)
