@@ -15,8 +15,12 @@ from checkpoints import make_config, randomize_, write_checkpoint
 from gloo import spawn_cases
 
 
+# Linear layers of whole 128 x 128 blocks, split over 2 ranks into whole blocks: FP8 block targets
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1)
+
+
 def _config(arch="llama"):
-    return make_config(arch, num_hidden_layers=2)
+    return make_config("llama", **WIDE) if arch == "llama-wide" else make_config(arch, num_hidden_layers=2)
 
 
 def _model(arch="llama", config=None):
@@ -229,18 +233,22 @@ def _quantized(rank, directory, dtype):
     import lazyload
     from safetensors.torch import save_file
 
-    quantize = lazyload.Quantization(dtype, group_size=32, torchao=False)
-    trainer, server, mesh, (_, second) = _trainer_server(rank, quantize=quantize)
+    block = dtype == "fp8-block"  # transformers' FP8Linear, a float32 scale per 128 x 128 block
+    quantize = (lazyload.Quantization("fp8", format="transformers") if block else
+                lazyload.Quantization(dtype, group_size=32, torchao=False))
+    arch = "llama-wide" if block else "llama"
+    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, quantize=quantize)
     full = _full(trainer)
     if rank == 0:
         save_file({n: t.contiguous() for n, t in full.items()}, f"{directory}/{dtype}.safetensors")
     dist.barrier()
     if server is None:
         return
-    loaded = _meta_server()
+    loaded = _meta_server(arch)
     lazyload.LazyCheckpoint(f"{directory}/{dtype}.safetensors").load_into(loaded, mesh=mesh, quantize=quantize)
     got, expected = server.state_dict(), loaded.state_dict()
     assert sorted(got) == sorted(expected) and any(t.element_size() == 1 for t in got.values())
+    assert not block or any(type(m).__name__ == "FP8Linear" for m in server.modules())
     for name, tensor in expected.items():
         assert torch.equal(_local(got[name]).view(torch.uint8) if tensor.element_size() == 1 else _local(got[name]),
                            _local(tensor).view(torch.uint8) if tensor.element_size() == 1 else _local(tensor)), name
@@ -341,7 +349,7 @@ def _run_case(case, rank, world):
 def test_sync(tmp_path):
     moe, _ = write_checkpoint("qwen3_moe", torch.float32, tmp_path / "moe", num_hidden_layers=2)
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)), ("quantized", "int8", str(tmp_path)),
-             ("quantized", "fp8", str(tmp_path)), "renamed", "mismatched", "fault"]
+             ("quantized", "fp8", str(tmp_path)), ("quantized", "fp8-block", str(tmp_path)), "renamed", "mismatched", "fault"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 
