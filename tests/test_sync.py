@@ -320,6 +320,25 @@ def _converted(rank, world, directory):
         assert torch.equal(_local(tensor), _local(expected[name])), name
 
 
+def _uneven(rank, world):
+    """FSDP2 shards of uneven sizes (3 rows over 4 ranks: one rank holds none) into a plain
+    module every rank holds whole (plan={}): every rank gets every byte once."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    trainer = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 6))
+    full = {n: t.detach().clone() for n, t in trainer.state_dict().items()}
+    fully_shard(trainer, mesh=mesh)
+    with torch.device("meta"):
+        server = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 6))
+    report = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh, plan={})()
+    assert all(torch.equal(t, full[n]) for n, t in server.state_dict().items())
+    assert report.bytes_received + report.bytes_local == sum(t.nbytes for t in full.values())
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -336,6 +355,8 @@ def _run_case(case, rank, world):
     elif case == "2d":  # trainer TP 2 x FSDP 2 into server TP 4, colocated
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         _two_syncs(_trainer(mesh["dp"], mesh["tp"]), _meta_server(), init_device_mesh("cpu", (4,)))
+    elif case == "uneven":
+        _uneven(rank, world)
     elif case == "renamed":
         _renamed_state_dict(rank, world)
     elif case == "mismatched":
@@ -348,8 +369,9 @@ def _run_case(case, rank, world):
 
 def test_sync(tmp_path):
     moe, _ = write_checkpoint("qwen3_moe", torch.float32, tmp_path / "moe", num_hidden_layers=2)
-    cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)), ("quantized", "int8", str(tmp_path)),
-             ("quantized", "fp8", str(tmp_path)), ("quantized", "fp8-block", str(tmp_path)), "renamed", "mismatched", "fault"]
+    cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
+             *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
+             "uneven", "renamed", "mismatched", "fault"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 
