@@ -123,6 +123,8 @@ def wait_polling(works: list, ends: Ends, what: str) -> None:
     wait, and a timed wait that expires closes its pair), while this one watches: done,
     failed (CollectiveError), another rank's failure announced, or `ends.timeout` seconds
     passed (CollectiveError; the helper is left waiting on what will never come)."""
+    if not works:
+        return
     done, failure = threading.Event(), []
 
     def wait() -> None:
