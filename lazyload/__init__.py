@@ -12,10 +12,11 @@ __version__ = "0.1.0"
 
 _ERRORS = ("LazyLoadError", "ArgumentError", "CheckpointError", "MappingError", "MissingKeysError",
            "UnexpectedKeysError", "ShapeMismatchError", "DtypeError", "OutputError", "PlanError", "RankFailedError",
-           "ReadError", "MetaBufferError", "DeviceError", "ExchangeError", "RemoteError", "ObjectNotFoundError",
-           "AccessDeniedError", "ObjectChangedError", "RequestRefusedError")
+           "ReadError", "MetaBufferError", "DeviceError", "ExchangeError", "SyncError", "RemoteError",
+           "ObjectNotFoundError", "AccessDeniedError", "ObjectChangedError", "RequestRefusedError")
 _WHERE = {"LazyCheckpoint": ".checkpoint", "load_model": ".auto", "save_sharded": ".writers", "LoadReport": ".report",
           "Placement": ".plan", "Quantization": ".quant.onload", "TensorEntry": ".headers",
+          "WeightSync": ".sync", "SyncReport": ".sync",
           **{name: ".errors" for name in _ERRORS}}
 __all__ = list(_WHERE)
 
@@ -38,9 +39,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .errors import (AccessDeniedError, ArgumentError, CheckpointError, DeviceError, DtypeError, ExchangeError,
                          LazyLoadError, MappingError, MetaBufferError, MissingKeysError, ObjectChangedError,
                          ObjectNotFoundError, OutputError, PlanError, RankFailedError, ReadError, RemoteError,
-                         RequestRefusedError, ShapeMismatchError, UnexpectedKeysError)
+                         RequestRefusedError, ShapeMismatchError, SyncError, UnexpectedKeysError)
     from .headers import TensorEntry
     from .plan import Placement
     from .quant.onload import Quantization
     from .report import LoadReport
+    from .sync import SyncReport, WeightSync
     from .writers import save_sharded

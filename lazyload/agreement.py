@@ -55,16 +55,19 @@ class CollectiveError(RankFailedError):
 class Agreement:
     """The points of one load at which ranks agree; `NoAgreement` outside a process group."""
 
-    def __init__(self, store: Any, rank: int, world: int, timeout: float, ranks: list[int] | None = None):
+    def __init__(self, store: Any, rank: int, world: int, timeout: float, ranks: list[int] | None = None,
+                 points: tuple[str, ...] = POINTS, prefix: str | None = None):
         """`ranks`: the global ranks of the load (a device mesh's), `rank` being this process's;
-        default all `world` ranks of the process group."""
+        default all `world` ranks of the process group. `points`: where they agree (a weight
+        sync: none but the "exchanged" of its `collectives`); `prefix`: its store keys'
+        (default: numbered per load)."""
         self.store, self.rank, self.timeout = store, rank, timeout
         self.ranks = list(range(world)) if ranks is None else ranks
         self.world = len(self.ranks)
         self.pos = self.ranks.index(rank)
         # a mesh's loads are numbered apart from other meshes' (disjoint groups of one job)
-        self.prefix = f"lazyload/{next(_loads)}" + ("" if ranks is None else f"@{self.ranks[0]}")
-        self.points = list(POINTS)
+        self.prefix = prefix or f"lazyload/{next(_loads)}" + ("" if ranks is None else f"@{self.ranks[0]}")
+        self.points = list(points)
         self.passed = 0  # points passed
         self.settled = False  # a point already told everyone the outcome
 

@@ -4,8 +4,6 @@
 """
 from __future__ import annotations
 
-import difflib
-import inspect
 import os
 import time
 from typing import Any
@@ -15,9 +13,10 @@ from torch import nn
 
 from .agreement import agreement
 from .digest import load_facts
-from .errors import ArgumentError, LazyLoadError
+from .errors import LazyLoadError
 from .executor import execute
 from .hints import explain
+from .keywords import check_keywords, keywords_of  # noqa: F401 (keywords_of: imported from here by auto.py)
 from .mapping import KeyMap
 from .mesh import ranks_of
 from .planner import LoadOptions, plan_load
@@ -152,21 +151,3 @@ class LazyCheckpoint(StoredCheckpoint):
         except BaseException as exc:
             agree.failed(exc)  # the other ranks hear of it at the next point, instead of waiting forever
             raise
-
-
-def keywords_of(function: Any) -> list[str]:
-    """The keywords `function` takes by name (not self, not its **catch-all)."""
-    return [name for name, p in inspect.signature(function).parameters.items()
-            if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-
-def check_keywords(caller: str, unknown: dict, *takers: Any) -> None:
-    """A keyword nobody takes is an ArgumentError naming the nearest one, not Python's
-    TypeError naming an internal function."""
-    if not unknown:
-        return
-    known = [name for taker in takers for name in keywords_of(taker)]
-    name = next(iter(unknown))
-    near = difflib.get_close_matches(name, known, n=1)
-    raise ArgumentError(f"{caller} got an unknown keyword {name!r}" + (f"; did you mean {near[0]!r}?" if near else ".")
-                        + f" It takes {', '.join(known)}.")

@@ -129,3 +129,14 @@ class RequestRefusedError(RemoteError):
 class ExchangeError(LazyLoadError):
     """Replicas exchanging what they read (a cooperative load over a device mesh): the
     exchange failed on this rank (the other ranks get a RankFailedError naming it)."""
+
+
+class SyncError(RankFailedError):
+    """A weight sync (`lazyload.WeightSync`) that did not complete on every rank: this rank's
+    error, or another rank's that failed or stopped. `report`: this rank's `SyncReport`, whose
+    `partial` names the target tensors that hold the new version; calling the sync again
+    completes it."""
+
+    def __init__(self, message: str, ranks: dict[int, str] | None = None, report: object = None):
+        super().__init__(message, ranks)
+        self.report = report

@@ -132,3 +132,35 @@ def test_the_readme_load_model_scripts_run(checkpoint, tmp_path, call):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "lazyload: rank 0/1" in proc.stdout
     assert ("quantized" in proc.stdout) == ("quantize=" in call), proc.stdout
+
+
+def _run_sync_script(name: str, ranks: int, directory, tmp_path):
+    script = tmp_path / name
+    script.write_text(_readme_block(f"# {name}\n"))
+    env = dict(os.environ, LAZYLOAD_PROGRESS="0", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                    str(script), str(directory)], env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.slow  # a torchrun job of its own; tests/test_sync.py's "colocated" case runs the same path by default
+def test_the_readme_colocated_sync_runs_under_torchrun(checkpoint, tmp_path):
+    """README's colocated WeightSync script, as written there, at 2 ranks on CPU (gloo):
+    each rank copies its slices from its own FSDP2 shard and receives the rest."""
+    directory, _ = checkpoint("llama")
+    out = _run_sync_script("colocated_sync.py", 2, directory, tmp_path)
+    found = re.findall(r"^rank (\d): (\d+) B copied here, (\d+) B received$", out, re.M)
+    assert sorted(r for r, _, _ in found) == ["0", "1"] and all(int(a) > 0 and int(b) > 0 for _, a, b in found), out
+
+
+@pytest.mark.slow  # a 4-rank torchrun job; tests/test_sync.py's "trainer-server" case runs the same path by default
+def test_the_readme_trainer_server_sync_runs_under_torchrun(checkpoint, tmp_path):
+    """README's trainer/server WeightSync script at 4 ranks: trainers send, servers receive,
+    twice, and the server runs."""
+    directory, _ = checkpoint("llama")
+    out = _run_sync_script("weight_sync.py", 4, directory, tmp_path)
+    sent = re.findall(r"^rank ([01]) step \d: sent (\d+) B, received 0 B", out, re.M)
+    received = re.findall(r"^rank ([23]) step \d: sent 0 B, received (\d+) B", out, re.M)
+    assert len(sent) == 4 and len(received) == 4 and all(int(n) > 0 for _, n in sent + received), out
+    assert len(re.findall(r"^rank [23]: next token \d+$", out, re.M)) == 2, out

@@ -1,0 +1,12 @@
+"""Live weight sync: a load whose source is other ranks' memory (`WeightSync`).
+
+    layout (each source rank's boxes) -> index (a checkpoint of those boxes) -> plan_load on the target
+    -> routes (per source/target pair, per step) -> transfer (point-to-point, every sync)
+
+The target's side is planned by the same planner as `load_into` (mapping rules, TP plan,
+`quantize=`); only its index comes from the source ranks' tensors instead of file headers."""
+from __future__ import annotations
+
+from .weight_sync import SyncReport, WeightSync
+
+__all__ = ["SyncReport", "WeightSync"]

@@ -1,0 +1,64 @@
+"""Metadata every rank of a sync shares once, at construction: through the default process
+group's key-value store (no collective, so a rank that failed cannot block it), each wait
+bounded by `rank_timeout`. A rank that fails publishes its error instead of its data, and
+every rank then raises: the rank itself its own error, the others a RankFailedError naming it."""
+from __future__ import annotations
+
+import itertools
+import pickle
+from datetime import timedelta
+from typing import Any, Callable
+
+from ..errors import RankFailedError
+
+_syncs = itertools.count()  # constructions are numbered per process: every rank constructs in the same order
+
+
+class Gather:
+    """All-gathers of small Python values over `ranks` (global ranks, this one `rank`)."""
+
+    def __init__(self, store: Any, rank: int, ranks: list[int], timeout: float):
+        self.store, self.rank, self.ranks, self.timeout = store, rank, ranks, timeout
+        self.prefix = f"lazyload/sync/{next(_syncs)}@{ranks[0]}"
+
+    def run(self, stage: str, compute: Callable[[], Any]) -> dict[int, Any]:
+        """`compute()` on this rank, then every rank's value (global rank -> value). An
+        exception of `compute` is told to the others, then raised here; another rank's
+        failure (or silence past the timeout) is a RankFailedError naming it."""
+        try:
+            value, error = compute(), None
+        except Exception as exc:
+            value, error = None, exc
+        self.store.set(self._key(stage, self.rank), pickle.dumps(
+            ("ok", value) if error is None else ("error", f"{type(error).__name__}: {error}")))
+        if error is not None:
+            raise error
+        values = self._collect(stage)
+        failed = {r: v[1] for r, v in values.items() if v[0] == "error"}
+        if failed:
+            listed = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+            raise RankFailedError(f"rank {self.rank}: WeightSync failed at '{stage}' on {len(failed)} rank(s) "
+                                  f"({listed}); no byte moved. Fix that rank's error and construct again on every "
+                                  "rank.", failed)
+        return {r: v[1] for r, v in values.items()}
+
+    def _key(self, stage: str, rank: int) -> str:
+        return f"{self.prefix}/{stage}/{rank}"
+
+    def _collect(self, stage: str) -> dict[int, tuple]:
+        keys = [self._key(stage, r) for r in self.ranks]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception as exc:
+            missing = [r for r, k in zip(self.ranks, keys) if not self._has(k)]
+            raise RankFailedError(f"rank {self.rank}: WeightSync waited {self.timeout:g} s at '{stage}' for rank(s) "
+                                  f"{', '.join(map(str, missing))}, which did not report (stopped, or not constructing "
+                                  "the same WeightSync); no byte moved.",
+                                  {r: "did not report" for r in missing}) from exc
+        return {r: pickle.loads(self.store.get(k)) for r, k in zip(self.ranks, keys)}
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:
+            return False

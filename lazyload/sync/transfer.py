@@ -1,0 +1,147 @@
+"""The transfer of one sync: the routes carried out, step by step (`routes.py`). A source
+packs each target's boxes of a step into one message (the boxes' bytes as the source holds
+them: exact for every dtype) and sends it point-to-point; a target receives one message per
+source and step and places each box into its destination (cast, quantized, converted as the
+load plan says); boxes a colocated rank holds itself are copied without the wire.
+
+Every wait is bounded by `rank_timeout` and watched (`wait_polling`): a rank that fails
+announces it in the store, and the others stop waiting at once, leaving their sends and
+receives of that sync pending (kept alive, never waited for with a timeout: gloo closes a
+pair whose wait timed out, which would fail every later sync). Each sync has its own tag,
+so that a retry's messages never match a failed sync's."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..agreement import CollectiveError
+from ..expr import box_numel
+from .layout import local_piece
+from .routes import Request, Routes, packed_offsets, slot
+from .source_index import Piece
+
+
+@dataclass
+class Moved:
+    """What one sync moved so far on this rank, and which targets got all their items."""
+
+    sent: int = 0
+    received: int = 0
+    local: int = 0
+    left: dict[str, int] = field(default_factory=dict)  # target -> its items not placed yet
+    done: list[str] = field(default_factory=list)  # targets that hold the new version
+
+    def placed(self, target: str) -> None:
+        self.left[target] -= 1
+        if not self.left[target]:
+            self.done.append(target)
+
+
+@dataclass(frozen=True)
+class Ends:
+    """This rank's ends of the transfer: its source tensors, the pieces the index names,
+    its target's items (in request order) and destinations, the process group and tag."""
+
+    tensors: dict[str, torch.Tensor]
+    pieces: dict[str, Piece]
+    dtypes: dict[str, torch.dtype]  # stored key -> its dtype
+    items: list
+    dests: dict[str, Any]
+    group: Any
+    tag: int
+    device: torch.device  # where messages are staged: the host for gloo, the GPU for NCCL
+    timeout: float
+    aborted: Callable[[], str | None]  # another rank's failure, announced, or None
+    abandoned: list  # works (and their buffers) of failed syncs, kept alive
+
+
+def transfer(routes: Routes, ends: Ends, moved: Moved) -> None:
+    """Every step of the routes; `moved` counts as it goes (what a failure leaves done)."""
+    for step in range(routes.steps):
+        _step(routes, ends, moved, step)
+
+
+def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
+    import torch.distributed as dist
+
+    ops, inbox, outbox = [], [], []
+    for target, requests in routes.sends.get(step, {}).items():
+        buffer = _pack(requests, ends)
+        outbox.append(buffer)
+        ops.append(dist.P2POp(dist.isend, buffer, target, ends.group, ends.tag))
+        moved.sent += sum(box_numel(r.box) * ends.dtypes[r.key].itemsize for r in requests)
+    for source, positions in routes.receives.get(step, {}).items():
+        specs = [(ends.items[p].entry.dtype, ends.items[p].src_box) for p in positions]
+        offsets, nbytes = packed_offsets(specs)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device)
+        inbox.append((positions, offsets, buffer))
+        ops.append(dist.P2POp(dist.irecv, buffer, source, ends.group, ends.tag))
+    # one batch: NCCL runs it as one group (a pair sending both ways cannot deadlock); gloo op by op
+    works = dist.batch_isend_irecv(ops) if ops else []
+    for position in routes.local.get(step, ()):
+        item = ends.items[position]
+        piece = ends.pieces[item.entry.key]
+        _place(ends, moved, item, local_piece(ends.tensors[piece.name], piece.held, item.src_box))
+        moved.local += item.nbytes
+    try:
+        wait_polling(works, ends, f"step {step} of the weight sync's sends and receives")
+    except CollectiveError:
+        ends.abandoned.append((works, outbox, inbox))
+        raise
+    for positions, offsets, buffer in inbox:
+        for position, offset in zip(positions, offsets):
+            item = ends.items[position]
+            _place(ends, moved, item, slot(buffer, offset, item.entry.dtype, item.src_box))
+            moved.received += item.nbytes
+
+
+def _pack(requests: tuple[Request, ...], ends: Ends) -> torch.Tensor:
+    """A target's boxes of one step, packed into one message (bytes copied as they are)."""
+    offsets, nbytes = packed_offsets([(ends.dtypes[r.key], r.box) for r in requests])
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device)
+    for request, offset in zip(requests, offsets):
+        piece = ends.pieces[request.key]
+        values = local_piece(ends.tensors[piece.name], piece.held, request.box)
+        slot(buffer, offset, values.dtype, request.box).copy_(values)
+    return buffer
+
+
+def _place(ends: Ends, moved: Moved, item: Any, values: torch.Tensor) -> None:
+    dest = ends.dests[item.target]
+    values = values.to(dest.device) if values.device != dest.device else values
+    with torch.no_grad():
+        dest.place(item, values)
+    moved.placed(item.target)
+
+
+def wait_polling(works: list, ends: Ends, what: str) -> None:
+    """Wait for `works` in a helper thread (gloo completes a send or receive only inside a
+    wait, and a timed wait that expires closes its pair), while this one watches: done,
+    failed (CollectiveError), another rank's failure announced, or `ends.timeout` seconds
+    passed (CollectiveError; the helper is left waiting on what will never come)."""
+    if not works:
+        return
+    done, failure = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            for work in works:
+                work.wait()
+        except Exception as exc:
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="lazyload-sync-wait", daemon=True).start()
+    deadline = time.monotonic() + ends.timeout
+    while not done.wait(0.02):
+        if time.monotonic() > deadline:
+            raise CollectiveError(f"{what} did not finish within {ends.timeout:g} s")
+        if (reason := ends.aborted()) is not None:
+            raise CollectiveError(f"{what} stopped: {reason}")
+    if failure:
+        raise CollectiveError(f"{what} failed ({type(failure[0]).__name__}: {failure[0]})") from failure[0]

@@ -1,0 +1,214 @@
+"""`WeightSync`: a trainer's (sharded) weights into a server's tensor-parallel model, only
+the slices each server rank holds moving, with one plan made at construction and reused by
+every sync. See the package docstring for the stages."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..agreement import Agreement
+from ..buffers import fill_meta_buffers
+from ..keywords import check_keywords
+from ..errors import ArgumentError, SyncError
+from ..executor import allocate_destinations, assign_loaded, make_parallel, swap_quantized_layers
+from ..mapping import KeyMap
+from ..mesh import ranks_of
+from ..placer import with_whole
+from ..planner import LoadOptions, LoadPlan, plan_load
+from ..quant.onload import Quantization
+from ..stored import StoredCheckpoint
+from .gather import Gather
+from ..targets import local_tensor
+from .layout import source_layout, source_tensors
+from .routes import Request, Routes, requests_of, routes_for
+from .source_index import source_index
+from .transfer import Ends, Moved, transfer
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one `sync()` did on this rank. `bytes_received` came over the wire, `bytes_local`
+    from this rank's own source tensors (colocated); `planned`: this call planned (the first
+    only: the plan is made at construction, and the first sync makes a meta target real);
+    `partial`: when the sync failed, the target tensors that hold the new version."""
+
+    bytes_sent: int
+    bytes_received: int
+    bytes_local: int
+    seconds: float
+    plan_digest: str
+    plan_seconds: float
+    planned: bool
+    partial: tuple[str, ...] = ()
+    tensors: int = 0
+
+
+_tags = itertools.count(1)
+
+
+def own_holders(quantize: Any) -> Quantization | None:
+    """`quantize=` kept in lazyload's quantized layers: torchao's holders would be new tensors,
+    which later syncs could not update in place."""
+    return None if quantize is None else replace(Quantization.of(quantize), torchao=False)
+
+
+class WeightSync:
+    """Moves a source's weights into a target model, on every rank of `group` (default: the
+    default process group); every rank constructs it, and calls it, together.
+
+    - `source`: on trainer ranks, an `nn.Module` (plain, DTensor TP, FSDP2 `fully_shard`, or
+      both over a 2-D mesh) or a state dict of such tensors, in the target's names or mapped
+      by the same rules as a checkpoint (`key_map`, transformers' conversion mapping).
+    - `target`: on server ranks, a model built on the meta device (the first sync makes it
+      real and tensor-parallel over `target_mesh`, exactly as `load_into(mesh=...)` does) or
+      one loaded already; later syncs copy into its tensors in place (same storage).
+    - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel); `quantize`,
+      `dtype`, `plan`, `key_map`, `device`, `max_host_bytes`: as `load_into`'s.
+    - `rank_timeout`: seconds any rank waits for another, at construction and in each sync.
+
+    The plan is made here, from metadata alone: every input error (a tensor the target needs
+    that no source holds, shapes that differ, a target mesh that does not split the model)
+    fails on every rank before any byte moves."""
+
+    def __init__(self, source: Any = None, target: nn.Module | None = None, *, target_mesh: Any = None,
+                 group: Any = None, rank_timeout: float = 60.0, quantize: Any = None, key_map: KeyMap | None = None,
+                 dtype: Any = None, plan: Any = None, device: Any = None, max_host_bytes: int | None = None,
+                 **unknown: Any):
+        check_keywords("WeightSync", unknown, WeightSync.__init__)
+        started = time.perf_counter()
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ArgumentError("WeightSync runs over torch.distributed: call init_process_group first (every trainer "
+                                "and server rank constructs it).")
+        self.group, self.rank, self.timeout = group, dist.get_rank(), rank_timeout
+        self.ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+        self.source, self.target, self.target_mesh = source, target, target_mesh
+        self._options = LoadOptions(device=device, dtype=dtype, key_map=key_map, progress=False, plan=plan,
+                                    reader="pread", max_host_bytes=max_host_bytes, quantize=own_holders(quantize),
+                                    rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False)
+        store = _get_default_store()
+        gather = Gather(store, self.rank, self.ranks, rank_timeout)
+        self._prefix = gather.prefix
+        layouts = gather.run("layout", self._layout)
+        self.index, self.pieces = source_index({r: v for r, v in layouts.items() if v is not None})
+        wanted = gather.run("planned", self._plan_target)
+        self.routes: Routes = routes_for(self.rank, wanted)
+        self.plan_seconds = time.perf_counter() - started
+        self._store, self._syncs, self._dests, self._slots, self._assigned = store, 0, None, None, False
+        self._abandoned: list = []
+        self._tag = next(_tags)
+        # NCCL sends device memory; gloo host memory
+        self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                      else torch.device("cpu"))
+
+    def _layout(self) -> list | None:
+        """This rank's source boxes (None: no source here); the local shapes are kept, to
+        check at each sync that the source still holds the shards the plan was made for."""
+        if self.source is None:
+            self._local_shapes: dict = {}
+            return None
+        tensors = source_tensors(self.source)
+        self._local_shapes = {name: tuple(local_tensor(t).shape) for name, t in tensors.items()}
+        return source_layout(tensors)
+
+    def _source_now(self) -> dict:
+        """The source's tensors now, each still the shard the plan was made for."""
+        tensors = source_tensors(self.source)
+        for name, shape in self._local_shapes.items():
+            now = tuple(local_tensor(tensors[name]).shape) if name in tensors else None
+            if now != shape:
+                raise ArgumentError(f"WeightSync: source tensor {name!r} is now {'gone' if now is None else list(now)}"
+                                    f" on rank {self.rank}, planned as a shard of {list(shape)} (a module unsharded "
+                                    "after its forward? sync after the optimizer step); construct a new WeightSync for "
+                                    "another layout.")
+        return tensors
+
+    @property
+    def plan_digest(self) -> str:
+        return self.routes.digest
+
+    def _plan_target(self) -> list[Request] | None:
+        """This rank's load plan of the target from the sources' index, and its requests."""
+        if self.target is None:
+            self.load_plan: LoadPlan | None = None
+            self.items: list = []
+            return None
+        if self.target_mesh is None:
+            raise ArgumentError("WeightSync(target=...) needs target_mesh=, the server ranks' DeviceMesh (1-D, "
+                                "tensor parallel), e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)) over "
+                                "them.")
+        rank, world = ranks_of(self.target_mesh, 0, 1)
+        self.load_plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world, self._options)
+        self.items = [item for group in self.load_plan.groups for item in group.items]
+        return requests_of(self.items, self.pieces, self.load_plan.budget)
+
+    def __call__(self) -> SyncReport:
+        """One sync: every rank of the group calls it together. Returns this rank's report; a
+        failure on any rank is a SyncError on every rank (within about `rank_timeout`), whose
+        `report.partial` names the targets already new; calling again completes the sync."""
+        started, planned = time.perf_counter(), self._syncs == 0
+        self._syncs += 1
+        agree = Agreement(self._store, self.rank, len(self.ranks), self.timeout, self.ranks, points=(),
+                          prefix=f"{self._prefix}/sync{self._syncs}")
+        moved = Moved(left={})
+        try:
+            with agree.collectives():
+                self._sync(moved)
+        except BaseException as exc:
+            self._store.set(self._abort_key(), f"rank {self.rank} failed ({type(exc).__name__}: {exc})")
+            agree.failed(exc)
+            new = tuple(moved.done) if self._assigned else ()  # a first sync's tensors are assigned only when complete
+            report = self._report(moved, started, planned, new)
+            raise SyncError(f"rank {self.rank}: the weight sync did not complete ({type(exc).__name__}: {exc}); "
+                            f"{len(new)} of {len(self.load_plan.targets) if self.load_plan else 0} target tensors on "
+                            "this rank hold the new version (report.partial; the others may be partly written). Call "
+                            "the sync again on every rank to complete it.", getattr(exc, "ranks", None), report) from exc
+        return self._report(moved, started, planned)
+
+    def _abort_key(self) -> str:
+        return f"{self._prefix}/sync{self._syncs}/aborted"
+
+    def _aborted(self) -> str | None:
+        """Another rank's failure in this sync, as it announced it (None: none yet)."""
+        key = self._abort_key()
+        return self._store.get(key).decode() if self._store.check([key]) else None
+
+    def _sync(self, moved: Moved) -> None:
+        first = not self._assigned and self.load_plan is not None
+        if self._dests is None and self.load_plan is not None:
+            self._materialize()
+        dests = {}
+        if self.load_plan is not None:
+            plan = self.load_plan
+            dests = with_whole(self._dests, plan.targets, plan.mapping.exprs, plan.items, plan.index.shape_of)
+            for item in self.items:
+                moved.left[item.target] = moved.left.get(item.target, 0) + 1
+        ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
+                    dests, self.group, self._tag * 1024 + self._syncs % 1024, self._wire, self.timeout,
+                    self._aborted, self._abandoned)
+        transfer(self.routes, ends, moved)
+        if first:  # only now does the model hold its tensors: a failed first sync left it unassigned
+            assign_loaded(self.load_plan, self._slots, self._dests)
+            fill_meta_buffers(self.load_plan.recompute)
+            self._assigned = True
+
+    def _materialize(self) -> None:
+        """The first sync into the target: quantized layers swapped, made parallel over the
+        target mesh, destinations allocated (the model's own tensors when already real)."""
+        plan = self.load_plan
+        slots = swap_quantized_layers(plan, self.target)
+        make_parallel(plan, self.target, slots)
+        self._slots, self._dests = slots, allocate_destinations(plan, slots, None)
+
+    def _report(self, moved: Moved, started: float, planned: bool, partial: tuple[str, ...] = ()) -> SyncReport:
+        return SyncReport(bytes_sent=moved.sent, bytes_received=moved.received, bytes_local=moved.local,
+                          seconds=time.perf_counter() - started, plan_digest=self.plan_digest,
+                          plan_seconds=self.plan_seconds, planned=planned, partial=partial,
+                          tensors=len(self.load_plan.targets) if self.load_plan is not None else 0)

@@ -1,0 +1,431 @@
+"""WeightSync (live weight sync) over real gloo process groups, spawned: a trainer's FSDP2 (or
+TP x FSDP2) Llama into a server's tensor-parallel one built on meta, two syncs with an
+optimizer step between. Every server rank's tensors are compared bit for bit with the
+trainer's full weights (gathered only here, to compare), and every server rank receives
+exactly its share."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpoints import make_config, randomize_, write_checkpoint
+from gloo import spawn_cases
+
+
+# Linear layers of whole 128 x 128 blocks, split over 2 ranks into whole blocks: FP8 block targets
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1)
+
+
+def _config(arch="llama"):
+    return make_config("llama", **WIDE) if arch == "llama-wide" else make_config(arch, num_hidden_layers=2)
+
+
+def _model(arch="llama", config=None):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config or _config(arch), attn_implementation="eager")
+
+
+def _trainer(dp_mesh, tp_mesh=None, arch="llama"):
+    """A model trained by FSDP2 over `dp_mesh` (TP over `tp_mesh` first, when given)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _model(arch)
+    randomize_(model)
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for layer in model.model.layers:
+            parallelize_module(layer, tp_mesh, {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                                                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                                                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                                                "mlp.down_proj": RowwiseParallel()})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _step(model, optimizer):
+    ids = torch.arange(16).reshape(2, 8) % 200
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _full(model) -> dict:
+    """The trainer's full weights (a collective over its ranks); None elsewhere."""
+    if model is None:
+        return None
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+            for n, t in model.state_dict().items()}
+
+
+def _shared_full(model, group=None) -> dict:
+    """The trainer's full weights on every rank of `group` (its first rank is a trainer in every case)."""
+    full = [_full(model)]
+    dist.broadcast_object_list(full, group=group, group_src=0)
+    return full[0]
+
+
+def _check_exact(sync, server, full: dict) -> None:
+    """Each server tensor is bit-equal to its planned slices of the trainer's full weight,
+    and the server runs: its logits are those of a plain model holding the full weights."""
+    state = server.state_dict()
+    for target in sync.load_plan.targets:
+        local = _local(state[target.name])
+        assert tuple(local.shape) == target.local_shape, target.name
+        expected = torch.empty_like(local)
+        for region in target.regions:
+            at = tuple(slice(s, s + b - a) for (a, b), s in zip(region.global_box, region.local_start))
+            expected[at] = full[target.name][tuple(slice(a, b) for a, b in region.global_box)]
+        assert torch.equal(local, expected), target.name
+    if next(server.parameters()).dtype != torch.float32:
+        return  # cast on arrival: the slices compared above; logits in another precision differ
+    plain = _model(config=server.config)
+    plain.load_state_dict(full)
+    ids = torch.arange(12).reshape(2, 6) % 200
+    with torch.no_grad():
+        torch.testing.assert_close(server(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def _local(tensor):
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def _share(sync, full) -> int:
+    """The bytes of this server rank's share of the trainer's tensors, as the trainer holds them."""
+    return sum(math.prod(t.local_shape) * full[t.name].element_size() for t in sync.load_plan.targets)
+
+
+def _ptrs(server) -> dict:
+    return {n: _local(t).data_ptr() for n, t in server.state_dict().items()}
+
+
+def _meta_server(arch="llama"):
+    with torch.device("meta"):
+        return _model(arch)
+
+
+def _two_syncs(trainer, server, server_mesh, group=None, **options):
+    """Construct, sync, step, sync: exact after each, the target's storage kept, bytes as planned."""
+    import lazyload
+
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=server_mesh, group=group, rank_timeout=60,
+                               **options)
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1) if trainer is not None else None
+    first = sync()
+    _check_exact_all(sync, trainer, server, first)
+    ptrs = _ptrs(server) if server is not None else None
+    if trainer is not None:
+        _step(trainer, optimizer)
+    second = sync()
+    _check_exact_all(sync, trainer, server, second)
+    assert first.planned and not second.planned and first.plan_digest == second.plan_digest
+    if server is not None:
+        assert _ptrs(server) == ptrs
+    return first, second
+
+
+def _check_exact_all(sync, trainer, server, report) -> None:
+    full = _shared_full(trainer, sync.group)
+    if server is not None:
+        if not sync.load_plan.quantized:  # quantized: compared with load_into's
+            _check_exact(sync, server, full)
+        assert report.bytes_received + report.bytes_local == _share(sync, full)
+    totals = [None] * len(sync.ranks)
+    dist.all_gather_object(totals, (report.bytes_sent, report.bytes_received), group=sync.group)
+    assert sum(s for s, _ in totals) == sum(r for _, r in totals)  # every byte sent is received once
+
+
+def _colocated(rank):
+    """FSDP2 and TP 2 over the same ranks: ranks 0-1 and ranks 2-3 each sync over their own
+    group, at the same time."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("half", "x"))
+    half = mesh["x"]
+    _two_syncs(_trainer(half), _meta_server(), half, group=half.get_group())
+
+
+def _mismatched(rank, world):
+    """A source missing a tensor, one of another shape, a target mesh that does not split the
+    heads: every rank fails at construction, the server still on meta, no byte moved."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaForCausalLM
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(_config()).state_dict()
+    missing = {n: t for n, t in plain.items() if n != "model.norm.weight"}
+    reshaped = {**plain, "model.norm.weight": torch.ones(32)}
+    odd = _config()
+    odd.num_attention_heads = odd.num_key_value_heads = 2  # 2 heads over 4 ranks
+    for source, config, wanted in ((missing, _config(), lazyload.MissingKeysError),
+                                   (reshaped, _config(), lazyload.ShapeMismatchError),
+                                   (LlamaForCausalLM(odd).state_dict(), odd, lazyload.PlanError)):
+        with torch.device("meta"):
+            server = LlamaForCausalLM(config)
+        with pytest.raises(lazyload.LazyLoadError) as caught:
+            lazyload.WeightSync(source=source if rank == 0 else None, target=server if rank > 0 else None,
+                                target_mesh=mesh if rank > 0 else None, rank_timeout=30)
+        if rank > 0:
+            assert isinstance(caught.value, wanted), caught.value
+        else:
+            assert isinstance(caught.value, lazyload.RankFailedError) and sorted(caught.value.ranks) == [1, 2, 3]
+        assert all(t.is_meta for t in server.state_dict().values())
+
+
+def _fault(rank):
+    """Trainer rank 0 raises in the middle of a sync: every rank raises a SyncError, each server
+    rank's report names the tensors already new, and the next sync completes it, exact."""
+    import lazyload
+    import lazyload.sync.transfer as transfer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = _trainer(mesh["x"]) if rank < 2 else None
+    server = _meta_server() if rank >= 2 else None
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server else None,
+                               rank_timeout=5, max_host_bytes=40_000)
+    assert sync.routes.steps > 2
+    sync()
+    if trainer is not None:
+        _step(trainer, torch.optim.SGD(trainer.parameters(), lr=0.1))
+    pack, calls = transfer._pack, []
+    if rank == 0:
+        def failing(requests, ends):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected: the trainer fails mid-sync")
+            return pack(requests, ends)
+        transfer._pack = failing
+    with pytest.raises(lazyload.SyncError) as caught:
+        sync()
+    transfer._pack = pack
+    partial = caught.value.report.partial
+    if server is not None:
+        assert 0 < len(partial) < len(sync.load_plan.targets)
+    report = sync()
+    assert report.partial == ()
+    _check_exact_all(sync, trainer, server, report)
+
+
+def _trainer_server(rank, arch="llama", **options):
+    """FSDP2 over ranks 0-1, the server (TP 2, or `plan="ep"`) over ranks 2-3."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = _trainer(mesh["x"], arch=arch) if rank < 2 else None
+    server = _meta_server(arch) if rank >= 2 else None
+    return trainer, server, mesh["x"], _two_syncs(trainer, server, mesh["x"] if server is not None else None,
+                                                  **options)
+
+
+def _quantized(rank, directory, dtype):
+    """quantize= on the way: each server rank's 8-bit data and scales equal those of
+    load_into(quantize=...) from a checkpoint of the trainer's weights."""
+    import lazyload
+    from safetensors.torch import save_file
+
+    block = dtype == "fp8-block"  # transformers' FP8Linear, a float32 scale per 128 x 128 block
+    quantize = (lazyload.Quantization("fp8", format="transformers") if block else
+                lazyload.Quantization(dtype, group_size=32, torchao=False))
+    arch = "llama-wide" if block else "llama"
+    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, quantize=quantize)
+    full = _full(trainer)
+    if rank == 0:
+        save_file({n: t.contiguous() for n, t in full.items()}, f"{directory}/{dtype}.safetensors")
+    dist.barrier()
+    if server is None:
+        return
+    loaded = _meta_server(arch)
+    lazyload.LazyCheckpoint(f"{directory}/{dtype}.safetensors").load_into(loaded, mesh=mesh, quantize=quantize)
+    got, expected = server.state_dict(), loaded.state_dict()
+    assert sorted(got) == sorted(expected) and any(t.element_size() == 1 for t in got.values())
+    assert not block or any(type(m).__name__ == "FP8Linear" for m in server.modules())
+    for name, tensor in expected.items():
+        assert torch.equal(_local(got[name]).view(torch.uint8) if tensor.element_size() == 1 else _local(got[name]),
+                           _local(tensor).view(torch.uint8) if tensor.element_size() == 1 else _local(tensor)), name
+
+
+def _renamed_state_dict(rank, world):
+    """A state dict of plain tensors on rank 0 alone, its keys renamed, mapped back by key_map:
+    every rank's TP-4 slices exact (rank 0 copies its own, the others receive theirs)."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+
+    source = None
+    if rank == 0:
+        torch.manual_seed(1)
+        source = {f"policy.{n}": t for n, t in _model().state_dict().items()}
+    server = _meta_server()
+    sync = lazyload.WeightSync(source=source, target=server, target_mesh=init_device_mesh("cpu", (world,)),
+                               key_map={r"^policy\.": ""})
+    report = sync()
+    full = [{n.removeprefix("policy."): t for n, t in source.items()} if rank == 0 else None]
+    dist.broadcast_object_list(full, src=0)
+    _check_exact(sync, server, full[0])
+    assert report.bytes_received + report.bytes_local == _share(sync, full[0])
+    assert (report.bytes_local > 0) == (rank == 0) and (report.bytes_received > 0) == (rank > 0)
+    # into a target that is real already (the first sync's): filled in place
+    ptrs = _ptrs(server)
+    if rank == 0:
+        with torch.no_grad():
+            for tensor in source.values():
+                tensor.mul_(-1)
+        full[0] = {n.removeprefix("policy."): t for n, t in source.items()}
+    again = lazyload.WeightSync(source=source, target=server, target_mesh=init_device_mesh("cpu", (world,)),
+                                key_map={r"^policy\.": ""})
+    again()
+    dist.broadcast_object_list(full, src=0)
+    _check_exact(again, server, full[0])
+    assert _ptrs(server) == ptrs
+    # float32 trainer weights into a bfloat16 server: sent as held, cast on arrival
+    bf16 = _meta_server()
+    cast = lazyload.WeightSync(source=source, target=bf16, target_mesh=init_device_mesh("cpu", (world,)),
+                               key_map={r"^policy\.": ""}, dtype=torch.bfloat16)
+    report = cast()
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+    _check_exact(cast, bf16, full[0])
+    assert report.bytes_received + report.bytes_local == _share(cast, full[0])
+
+
+def _converted(rank, world, directory):
+    """A source in the checkpoint's names (Qwen3-MoE's per-expert tensors, as save_pretrained
+    writes them) into transformers' fused experts by its conversion mapping: every rank's
+    tensors equal load_into's from that checkpoint."""
+    import glob
+
+    import lazyload
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    source = {k: v for f in sorted(glob.glob(f"{directory}/*.safetensors")) for k, v in load_file(f).items()}
+    assert not any("gate_up_proj" in k for k in source)  # per-expert names: the mapping fuses them
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        server, loaded = _model(config=config), _model(config=config)
+    lazyload.WeightSync(source=source if rank < 2 else None, target=server, target_mesh=mesh, plan="ep")()
+    lazyload.LazyCheckpoint(directory).load_into(loaded, mesh=mesh, plan="ep")
+    expected = loaded.state_dict()
+    for name, tensor in server.state_dict().items():
+        assert torch.equal(_local(tensor), _local(expected[name])), name
+
+
+def _uneven(rank, world):
+    """FSDP2 shards of uneven sizes (3 rows over 4 ranks: one rank holds none) into a plain
+    module every rank holds whole (plan={}): every rank gets every byte once."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    trainer = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 6))
+    full = {n: t.detach().clone() for n, t in trainer.state_dict().items()}
+    fully_shard(trainer, mesh=mesh)
+    with torch.device("meta"):
+        server = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 6))
+    report = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh, plan={})()
+    assert all(torch.equal(t, full[n]) for n, t in server.state_dict().items())
+    assert report.bytes_received + report.bytes_local == sum(t.nbytes for t in full.values())
+
+
+def _run_case(case, rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if isinstance(case, tuple) and case[0] == "converted":
+        _converted(rank, world, case[1])
+    elif isinstance(case, tuple):
+        _quantized(rank, case[2], case[1])
+    elif case == "trainer-server":
+        _trainer_server(rank)
+    elif case == "moe-ep":  # Qwen3-MoE, its experts split whole over the server ranks
+        _trainer_server(rank, "qwen3_moe", plan="ep")
+    elif case == "colocated":
+        _colocated(rank)
+    elif case == "2d":  # trainer TP 2 x FSDP 2 into server TP 4, colocated
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _two_syncs(_trainer(mesh["dp"], mesh["tp"]), _meta_server(), init_device_mesh("cpu", (4,)))
+    elif case == "uneven":
+        _uneven(rank, world)
+    elif case == "renamed":
+        _renamed_state_dict(rank, world)
+    elif case == "mismatched":
+        _mismatched(rank, world)
+    elif case == "fault":
+        _fault(rank)
+    else:
+        raise AssertionError(case)
+
+
+def test_sync(tmp_path):
+    moe, _ = write_checkpoint("qwen3_moe", torch.float32, tmp_path / "moe", num_hidden_layers=2)
+    cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
+             *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
+             "uneven", "renamed", "mismatched", "fault"]
+    spawn_cases(4, cases, tmp_path, _run_case)
+
+
+def _dies(rank):
+    """Trainer rank 1 dies in the middle of a sync: every other rank raises a SyncError
+    naming it (within about rank_timeout), each server rank's report saying what is new."""
+    import os
+
+    import lazyload
+    import lazyload.sync.transfer as transfer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = _trainer(mesh["x"]) if rank < 2 else None
+    server = _meta_server() if rank >= 2 else None
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server else None,
+                               rank_timeout=5, max_host_bytes=40_000)
+    sync()
+    if rank == 1:
+        pack, calls = transfer._pack, []
+
+        def dying(requests, ends):
+            calls.append(1)
+            if len(calls) == 3:
+                os._exit(0)  # no error, no goodbye: the process is gone
+            return pack(requests, ends)
+        transfer._pack = dying
+    with pytest.raises(lazyload.SyncError) as caught:
+        sync()
+    assert 1 in caught.value.ranks, caught.value
+    if server is not None:
+        assert len(caught.value.report.partial) < len(sync.load_plan.targets)
+
+
+def _dying_worker(rank, world, init_file, errors):
+    """gloo's worker for a job one of whose ranks dies: no barrier after the case."""
+    import os
+    import traceback
+
+    from gloo import end_rank
+
+    os.environ["LAZYLOAD_PROGRESS"] = "0"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        _dies(rank)
+    except Exception:
+        errors.put((rank, "dies", traceback.format_exc()))
+        raise
+    end_rank()
+
+
+@pytest.mark.slow
+def test_sync_rank_dies(tmp_path):
+    from gloo import spawn_collecting
+
+    spawn_collecting(_dying_worker, (4, str(tmp_path / "pg")), 4, timeout=300)
