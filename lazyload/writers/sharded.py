@@ -169,6 +169,8 @@ def _index_of(src: Any) -> CheckpointIndex:
 
 def _meta_model(config: Any, src: Any) -> nn.Module:
     """The model whose placements define the split, built on meta from its config."""
+    if config is None and isinstance(src, StoredCheckpoint) and src.config_json() is not None:
+        return meta_model(transformers_config(src))  # the config.json beside its files
     if config is None or isinstance(config, (str, os.PathLike)):
         where = config or (src if isinstance(src, (str, os.PathLike)) and os.path.isdir(src) else None)
         if where is None or not os.path.exists(os.path.join(where, "config.json") if os.path.isdir(where) else where):

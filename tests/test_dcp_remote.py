@@ -1,0 +1,148 @@
+"""torch DCP checkpoints read where they are stored: a checkpoint written by `dcp.save` (a
+Llama state dict beside its AdamW state) served by a local HTTP server and by moto's S3
+server loads bit for bit as the same files load from disk, at world 1 and at world 2 under
+gloo, each rank fetching less than 0.75x the checkpoint's tensor bytes. Indexing fetches
+`.metadata` and the chunks' zip headers only (no tensor byte), the headers of neighbouring
+chunks by one GET; a server that answers short or with the wrong range is an error naming
+the URL (never its signature) and the tensor."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from checkpoints import build_model
+from dcp_checkpoints import llama, save_plain
+from gloo import spawn_cases
+from no_secrets import SECRET, SIGNATURE, no_secret_shown  # noqa: F401 (autouse: no planted secret shows)
+from remote_servers import RangeServer, moto_server
+
+QUERY = f"sig={SIGNATURE}"  # a presigned URL's: sent with every request, shown nowhere
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dcp_remote")
+    save_plain(root / "plain")
+    return root
+
+
+@pytest.fixture(scope="module")
+def http(saved):
+    with RangeServer(str(saved)) as server:
+        server.query = QUERY
+        yield server
+
+
+@pytest.fixture(scope="module")
+def s3(saved):
+    """The checkpoint uploaded to moto's S3 server, throwaway credentials in the environment."""
+    pytest.importorskip("obstore", reason="the remote extra: pip install -e '.[remote,test]'")
+    pytest.importorskip("moto", reason="the test extra: pip install -e '.[remote,test]'")
+    import boto3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    environ = dict(os.environ)
+    os.environ.update(AWS_ACCESS_KEY_ID="testing-key-id", AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1")
+    server, endpoint = moto_server()
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="train")
+        for path in sorted((saved / "plain").iterdir()):
+            client.upload_file(str(path), "train", f"step-10/{path.name}")
+        yield "s3://train/step-10/"
+    finally:
+        server.stop()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def _url(http) -> str:
+    return f"{http.url}/plain/?{QUERY}"
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+
+
+def _load(path, rank=0, world=1):
+    from lazyload import LazyCheckpoint
+
+    model = build_model("llama", llama()[1], torch.float32)
+    checkpoint = LazyCheckpoint(path)
+    report = checkpoint.load_into(model, rank, world, progress=False)
+    assert report.ok
+    return _state(model), report, checkpoint
+
+
+def _assert_same(got, want, label):
+    assert sorted(got) == sorted(want), label
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), f"{label}: {key} differs"
+
+
+def test_http_and_s3_load_as_the_local_files(saved, http, s3):
+    want, _, local = _load(str(saved / "plain"))
+    for url in (_url(http), s3):
+        got, report, checkpoint = _load(url)
+        _assert_same(got, want, url)
+        assert report.reader == "remote" and report.bytes_served == report.bytes_read < 1.05 * local.total_bytes
+        assert not [n for n in checkpoint.index.names() if n.startswith("optimizer.")]
+
+
+def test_indexing_fetches_headers_only_and_neighbours_together(saved, http):
+    """No indexing GET touches a tensor's bytes; the tail of a chunk and the head of the next
+    come in one GET: one GET per chunk and file, not two per chunk."""
+    from lazyload import LazyCheckpoint
+
+    http.log.clear()
+    index = LazyCheckpoint(_url(http)).index
+    gets = [e for e in http.log if e.method == "GET" and e.path.split("?")[0].endswith(".distcp")]
+    entries = list(index.entries())
+    overlapping = [(e.path, e.start) for e in gets for t in entries
+                   if t.file.split("?")[0].endswith(e.path.split("?")[0]) and e.start < t.end and t.start < e.start + e.sent]
+    assert gets and not overlapping
+    assert len(gets) <= len(entries) + len(index.files) < 2 * len(entries)
+    assert index.header_bytes_read < 0.25 * os.path.getsize(saved / "plain" / "__0_0.distcp")
+
+
+def _case_world2(case, rank, world):
+    url, local = case
+    got, report, checkpoint = _load(url, rank, world)
+    want, _, _ = _load(local, rank, world)
+    _assert_same(got, want, f"{url} rank {rank}")
+    assert report.bytes_served < 0.75 * checkpoint.total_bytes, (report.bytes_served, checkpoint.total_bytes)
+
+
+def test_world_2_each_rank_fetches_its_share(saved, http, s3, tmp_path):
+    local = str(saved / "plain")
+    spawn_cases(2, [(_url(http), local), (s3, local)], tmp_path, _case_world2)
+
+
+@pytest.mark.parametrize("hostile", ["short", "wrong_range"])
+def test_a_hostile_answer_to_a_chunk_header_names_the_url_and_tensor(http, hostile):
+    """Once `.metadata` is read, every answer is short (a Content-Length below the range) or
+    for another range: the index fails naming the data file (its signature redacted) and
+    the tensor whose chunk header it was."""
+    from lazyload import CheckpointError, LazyCheckpoint
+    from lazyload.remote import RemoteOptions
+
+    checkpoint = LazyCheckpoint(_url(http), remote=RemoteOptions(retries=0))  # .metadata read (and kept)
+    try:
+        if hostile == "short":
+            http.length = 10
+        else:
+            http.content_range = lambda start, last, size: f"bytes {start + 1}-{last + 1}/{size}"
+        with pytest.raises(CheckpointError) as failure:
+            checkpoint.index
+    finally:
+        http.length = None
+        http.content_range = lambda start, last, size: f"bytes {start}-{last}/{size}"
+    message = str(failure.value)
+    assert "/plain/__0_0.distcp" in message and "tensor 'model." in message, message
+    assert SIGNATURE not in message
