@@ -10,6 +10,7 @@ from typing import Any
 
 
 from .digest import plan_data
+from .formats import format_named
 from .errors import ArgumentError, MappingError, PlanError
 from .hints import one_of_several, worlds_that_plan
 from .mapping import prefix_hint
@@ -30,8 +31,9 @@ def _check_whole(path: str, single_file: bool) -> None:
 
 
 def inspect_checkpoint(path: str, iteration: int | None = None) -> str:
-    index = StoredCheckpoint(path, iteration=iteration).index  # local or remote, as LazyCheckpoint reads it
-    lines = [f"{path}: {len(index)} tensors in {len(index.files)} file(s), {size(index.total_bytes)} "
+    stored = StoredCheckpoint(path, iteration=iteration)
+    index = stored.index  # local or remote, as LazyCheckpoint reads it
+    lines = [f"{path}{_iteration_read(stored, path)}: {len(index)} tensors in {len(index.files)} file(s), {size(index.total_bytes)} "
              f"(headers read: {index.header_bytes_read} bytes)", "", "tensors:"]
     names = sorted(index.keys(), key=lambda k: (layer_of(k) != "", k))
     for pattern, count in group_layers(names):
@@ -52,6 +54,12 @@ def inspect_checkpoint(path: str, iteration: int | None = None) -> str:
     lines += [f"  {layer:<40} {size(n)}" for layer, n in per_layer.items()]
     lines += ["", f"total: {size(index.total_bytes)} ({index.total_bytes} bytes)"]
     return "\n".join(lines)
+
+
+def _iteration_read(stored: StoredCheckpoint, path: str) -> str:
+    """' (.../iter_0000200)' where a save directory was given: the iteration that was read."""
+    source = stored.source
+    return f" ({source.description})" if format_named(source.kind).iterations and source.description != path else ""
 
 
 def _matches(pattern: str, name: str) -> bool:

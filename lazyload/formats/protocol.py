@@ -30,14 +30,18 @@ Extension points, and what each promises:
   format, from names and small metadata reads only. Formats are asked in registration
   order (`formats()`), the first answer wins; `register(..., before=name)` places a new
   one. The built-ins, in order: `sharded` (lazyload_sharded.json), `deepspeed` (DeepSpeed's
-  json), `megatron` (mp_rank_XX/ directories), `torch` (.bin/.pt state dicts),
-  `safetensors` (files, a directory, an index json: the catch-all, last). A local glob is
+  json), the training checkpoints `megatron_dist`, `dcp_safetensors` and `dcp`, `megatron`
+  (mp_rank_XX/ directories), `torch` (.bin/.pt state dicts), `safetensors` (files, a
+  directory, an index json: the catch-all, last). A local glob is
   expanded to its list of files before any format is asked.
   A detect that recognises its format but finds it broken raises a `CheckpointError`.
 - `Format.open_index(source, storage, options) -> CheckpointIndex`: the Index, without
   reading a tensor byte. `options` is an `OpenOptions` (`trust_pickle`). Each file's
   identity (`FileIdentity` locally, `ObjectIdentity` for a URL) goes into the index, so that
   the readers refuse a file that changed after indexing.
+- `Format.iterations`: a save directory of this format holds `iter_NNNNNNN/` folders; with
+  `iteration=` (`resolve_in`) `detect` is asked for that folder, and a checkpoint of a
+  format without iterations is an ArgumentError.
 - `Format.remote`: whether the format reads through a URL's storage. A URL is offered
   only to those (each probe costs a request); one that needs local files (torch's
   unpickler maps them) is not asked, so a URL of its files reaches the safetensors
