@@ -24,8 +24,15 @@ QUERY = f"sig={SIGNATURE}"  # a presigned URL's: sent with every request, shown 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    """`plain/`: dcp.save of a Llama and its AdamW state; `hf/`: the Llama by DCP's
+    HuggingFaceStorageWriter (per-rank safetensors files, here one rank's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
     root = tmp_path_factory.mktemp("dcp_remote")
     save_plain(root / "plain")
+    writer = HuggingFaceStorageWriter(str(root / "hf"), save_distributed=True)
+    dcp.save(llama(torch.float32)[0].state_dict(), storage_writer=writer, no_dist=True)
     return root
 
 
@@ -53,6 +60,8 @@ def s3(saved):
         client.create_bucket(Bucket="train")
         for path in sorted((saved / "plain").iterdir()):
             client.upload_file(str(path), "train", f"step-10/{path.name}")
+        for path in sorted((saved / "hf").iterdir()):
+            client.upload_file(str(path), "train", f"hf/{path.name}")
         yield "s3://train/step-10/"
     finally:
         server.stop()
@@ -93,6 +102,19 @@ def test_http_and_s3_load_as_the_local_files(saved, http, s3):
         _assert_same(got, want, url)
         assert report.reader == "remote" and report.bytes_served == report.bytes_read < 1.05 * local.total_bytes
         assert not [n for n in checkpoint.index.names() if n.startswith("optimizer.")]
+
+
+def test_dcp_safetensors_flavour_over_s3(saved, s3):
+    """Its per-rank files found by listing the prefix, their headers (DCP_SHARDING_INFO) by
+    ranged GETs: the same tensors as from disk."""
+    from lazyload import LazyCheckpoint
+
+    url = s3.replace("step-10", "hf")
+    assert LazyCheckpoint(url).source.kind == "dcp_safetensors"
+    want, _, _ = _load(str(saved / "hf"))
+    got, report, _ = _load(url)
+    _assert_same(got, want, url)
+    assert report.reader == "remote"
 
 
 def test_indexing_fetches_headers_only_and_neighbours_together(saved, http):
