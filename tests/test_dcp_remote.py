@@ -168,3 +168,23 @@ def test_a_hostile_answer_to_a_chunk_header_names_the_url_and_tensor(http, hosti
     message = str(failure.value)
     assert "/plain/__0_0.distcp" in message and "tensor 'model." in message, message
     assert SIGNATURE not in message
+
+
+def test_a_short_answer_while_loading_names_the_url_and_tensor(http):
+    """Indexed from a good server, then every answer cut short: the load is a ReadError
+    naming the data file (its signature redacted) and the tensor, the model left on meta."""
+    from lazyload import LazyCheckpoint, ReadError
+    from lazyload.remote import RemoteOptions
+
+    checkpoint = LazyCheckpoint(_url(http), remote=RemoteOptions(retries=0))
+    checkpoint.index
+    model = build_model("llama", llama()[1], torch.float32)
+    http.length = 10
+    try:
+        with pytest.raises(ReadError) as failure:
+            checkpoint.load_into(model, progress=False)
+    finally:
+        http.length = None
+    message = str(failure.value)
+    assert "/plain/__0_0.distcp" in message and "model." in message and SIGNATURE not in message, message
+    assert all(t.is_meta for t in model.state_dict().values())

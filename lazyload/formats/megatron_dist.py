@@ -122,13 +122,25 @@ def heads_of(storage: Storage, path: str) -> Heads:
             heads = args.num_attention_heads
             groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
             return Heads(heads, groups, getattr(args, "kv_channels", None) or args.hidden_size // heads)
-    for folder in (path, storage.dirname(path.rstrip("/")), storage.dirname(storage.dirname(path.rstrip("/")))):
+    for folder in _up_to_save_dir(storage, path):
         config = storage.join(folder, "config.json")
         if storage.exists(config):
             return _config_heads(config, storage.read_json(config, "the model's config.json"))
     raise CheckpointError(f"{path}: no Megatron args in common.pt{refused} and no config.json beside the checkpoint; "
                           "lazyload needs the attention heads and query groups to split the fused QKV rows. Put the "
                           "model's config.json in the checkpoint directory.")
+
+
+def _up_to_save_dir(storage: Storage, path: str) -> list[str]:
+    """`path` and up to two folders above it (NeMo's `weights/`, the save directory), not
+    past the root of a URL's store (`s3://bucket`)."""
+    out = [path.rstrip("/") or path]
+    for _ in range(2):
+        parent = storage.dirname(out[-1])
+        if not parent or parent == out[-1] or parent.endswith(":") or parent.endswith(":/"):
+            break
+        out.append(parent)
+    return out
 
 
 def _config_heads(config: str, doc) -> Heads:
