@@ -148,7 +148,8 @@ class RemoteCheckpoint:
         concurrently. A failure is kept for the first read of the file (where the format
         names the tensor); a later GET that failed is fetched again by the read that needs it."""
         gets = {url: merged(list(spans)) or [(0, 1)] for url, spans in windows.items()}
-        with ThreadPoolExecutor(max(1, min(self.options.concurrency, len(gets)))) as pool:
+        windows_count = sum(len(g) for g in gets.values())
+        with ThreadPoolExecutor(max(1, min(self.options.concurrency, windows_count))) as pool:
             firsts = dict(zip(gets, pool.map(self._window, gets, [g[0] for g in gets.values()])))
             later = [(url, window, firsts[url]) for url, g in gets.items() for window in g[1:]
                      if not isinstance(firsts[url], Exception)]
