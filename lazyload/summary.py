@@ -33,7 +33,8 @@ def _check_whole(path: str, single_file: bool) -> None:
 def inspect_checkpoint(path: str, iteration: int | None = None) -> str:
     stored = StoredCheckpoint(path, iteration=iteration)
     index = stored.index  # local or remote, as LazyCheckpoint reads it
-    lines = [f"{path}{_iteration_read(stored, path)}: {len(index)} tensors in {len(index.files)} file(s), {size(index.total_bytes)} "
+    lines = [f"{path}{_iteration_read(stored, path)}: {len(index)} tensors in {len(index.files)} file(s), "
+             f"{size(index.total_bytes)} "
              f"(headers read: {index.header_bytes_read} bytes)", "", "tensors:"]
     names = sorted(index.keys(), key=lambda k: (layer_of(k) != "", k))
     for pattern, count in group_layers(names):

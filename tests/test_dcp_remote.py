@@ -126,9 +126,9 @@ def test_indexing_fetches_headers_only_and_neighbours_together(saved, http):
     index = LazyCheckpoint(_url(http)).index
     gets = [e for e in http.log if e.method == "GET" and e.path.split("?")[0].endswith(".distcp")]
     entries = list(index.entries())
-    overlapping = [(e.path, e.start) for e in gets for t in entries
-                   if t.file.split("?")[0].endswith(e.path.split("?")[0]) and e.start < t.end and t.start < e.start + e.sent]
-    assert gets and not overlapping
+    overlapping = [(e.path, e.start) for e in gets for t in entries if t.file.endswith(e.path.split("?")[0])
+                   and e.start < t.end and t.start < e.start + e.sent]
+    assert {http.url + e.path.split("?")[0] for e in gets} == {t.file for t in entries} and not overlapping
     assert len(gets) <= len(entries) + len(index.files) < 2 * len(entries)
     assert index.header_bytes_read < 0.25 * os.path.getsize(saved / "plain" / "__0_0.distcp")
 

@@ -33,13 +33,12 @@ HEADER_WINDOW = 64 << 10  # read ahead for each file's header (a URL's first GET
 
 def shard_files(storage: Storage, path) -> list[str]:
     """The per-rank files of a directory that holds only them (no index json, no other
-    safetensors); [] for any other directory, and where the storage cannot list (HTTP)."""
-    if not (isinstance(path, str) and storage.is_dir(path)):
+    safetensors); [] for any other directory, and where the storage cannot list (HTTP). The
+    index json is probed first (as the safetensors format does: a URL's probe is kept), so
+    that a folder holding one is never listed."""
+    if not (isinstance(path, str) and storage.is_dir(path)) or storage.exists(storage.join(path, INDEX_JSON)):
         return []
-    names = storage.list(path) or []
-    if INDEX_JSON in names:
-        return []
-    names = [n for n in names if n.endswith(".safetensors")]
+    names = [n for n in storage.list(path) or [] if n.endswith(".safetensors")]
     if not names or not all(SHARD_FILE.match(n) for n in names):
         return []
     return sorted(storage.join(path, n) for n in names)

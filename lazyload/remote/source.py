@@ -159,8 +159,9 @@ class RemoteCheckpoint:
             if isinstance(first, Exception):
                 out[url] = FileRanges.failed(url, first)
                 continue
-            fetched = [span for u, span in spans if u == url and not isinstance(span, Exception)]
-            out[url] = FileRanges(url, first[2], self._fetcher(url, first[2]), dict([first[:2], *(span[:2] for span in fetched)]))
+            fetched = dict(span[:2] for u, span in [(url, first), *spans]
+                           if u == url and not isinstance(span, Exception))
+            out[url] = FileRanges(url, first[2], self._fetcher(url, first[2]), fetched)
         return out
 
     def _window(self, url: str, window: tuple[int, int], first: Any = None) -> tuple | Exception:
