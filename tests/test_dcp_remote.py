@@ -62,6 +62,8 @@ def s3(saved):
             client.upload_file(str(path), "train", f"step-10/{path.name}")
         for path in sorted((saved / "hf").iterdir()):
             client.upload_file(str(path), "train", f"hf/{path.name}")
+        client.upload_file(str(saved / "plain" / ".metadata"), "train", "save/iter_0000100/.metadata")
+        client.put_object(Bucket="train", Key="save/iter_0000100/metadata.json", Body=b'{"sharded_backend": "torch_dist"}')
         yield "s3://train/step-10/"
     finally:
         server.stop()
@@ -115,6 +117,17 @@ def test_dcp_safetensors_flavour_over_s3(saved, s3):
     got, report, _ = _load(url)
     _assert_same(got, want, url)
     assert report.reader == "remote"
+
+
+def test_iterations_of_an_s3_save_directory_are_listed(s3):
+    """iteration= over S3: the iteration's folder is found, a missing one is named with those
+    the prefix lists (found from `.metadata` and `metadata.json` alone: nothing else is read)."""
+    from lazyload import CheckpointError, LazyCheckpoint
+
+    url = s3.replace("step-10", "save")
+    assert LazyCheckpoint(url, iteration=100).source.description.rstrip("/").endswith("/save/iter_0000100")
+    with pytest.raises(CheckpointError, match="no iteration 300 .*the iterations present: 100"):
+        LazyCheckpoint(url, iteration=300)
 
 
 def test_indexing_fetches_headers_only_and_neighbours_together(saved, http):

@@ -214,7 +214,8 @@ def _present(storage: Storage, target: Any) -> str:
         return "the store cannot list the iterations present (HTTP); name one that latest_checkpointed_iteration.txt "\
                "or the training log gives"
     found = sorted(int(m.group(1)) for m in map(_ITERATION.match, listed) if m)
-    return f"the iterations present: {', '.join(map(str, found))}" if found else "it holds no iter_NNNNNNN/ directory"
+    return f"the iterations present: {', '.join(map(str, found))}" if found else (
+        "it holds no iter_NNNNNNN/ directory; iteration= names one of the save directory that holds them")
 
 
 def open_in(source: CheckpointSource, storage: Storage, options: OpenOptions = OpenOptions()) -> CheckpointIndex:
