@@ -6,6 +6,9 @@ several chunks a logical tensor whose parts are its chunks' boxes.
 size and chunks (offsets, sizes), and where each chunk is stored: (file, offset, length).
 There each chunk is a whole `torch.save` zip whose storage's raw bytes are found from the
 zip's directory and local header (`torch_zip`), never by loading the chunk. Everything is
+read through the storage (`protocol.Storage`), so a directory and its URL (`s3://`,
+`https://`) index alike: the zip headers of all chunks through `Storage.ranges`, the
+windows torch's layout puts them in (a URL's neighbours by one GET, concurrently). Everything is
 checked before any tensor byte is read: chunks that do not cover their tensor or overlap, a
 chunk with no storage entry, transformed (e.g. compressed) bytes, a zip whose record is
 compressed or not aligned, a chunk whose pickled dtype or shape is not the metadata's.

@@ -15,6 +15,10 @@ split in two; norms (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weig
 `embedding.word_embeddings`, `output_layer` and `decoder.final_layernorm` are renamed. So a
 rank's box pushed down reads only the heads and rows it holds, at any TP.
 
+A save directory is read at the iteration its tracker names, or at `iteration=` (the
+format has iterations: `protocol.resolve_in`); everything is read through the storage, so
+its URL loads too (NeMo 2's `weights/` is then named by the URL itself).
+
 The head counts come from Megatron's `args` in `common.pt` (read by torch's restricted
 unpickler, `argparse.Namespace` allowed) or else the `config.json` beside the checkpoint.
 Optimizer state, RNG state and `_extra_state` byte items are not read.
