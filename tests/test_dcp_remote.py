@@ -201,3 +201,20 @@ def test_a_short_answer_while_loading_names_the_url_and_tensor(http):
     message = str(failure.value)
     assert "/plain/__0_0.distcp" in message and "model." in message and SIGNATURE not in message, message
     assert all(t.is_meta for t in model.state_dict().values())
+
+
+def test_reshard_from_a_url(saved, http, tmp_path):
+    """`lazyload reshard URL OUT --world 2`: the chunks read by ranged GETs; each rank's file of
+    the copy holds that rank's shards of the local checkpoint, bit for bit."""
+    from lazyload import LazyCheckpoint
+    from lazyload.cli import main
+
+    llama()[1].save_pretrained(tmp_path / "config")
+    out = tmp_path / "resharded"
+    assert main(["reshard", _url(http), str(out), "--world", "2", "--config", str(tmp_path / "config")]) == 0
+    for rank in range(2):
+        want = build_model("llama", llama()[1], torch.float32)
+        LazyCheckpoint(str(saved / "plain")).load_into(want, rank, 2, shards_only=True, progress=False)
+        got = build_model("llama", llama()[1], torch.float32)
+        LazyCheckpoint(str(out)).load_into(got, rank, 2, shards_only=True, progress=False)
+        _assert_same(_state(got), _state(want), f"rank {rank}")
