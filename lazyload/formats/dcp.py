@@ -8,10 +8,11 @@ There each chunk is a whole `torch.save` zip whose storage's raw bytes are found
 zip's directory and local header (`torch_zip`), never by loading the chunk. Everything is
 read through the storage (`protocol.Storage`), so a directory and its URL (`s3://`,
 `https://`) index alike: the zip headers of all chunks through `Storage.ranges`, the
-windows torch's layout puts them in (a URL's neighbours by one GET, concurrently). Everything is
-checked before any tensor byte is read: chunks that do not cover their tensor or overlap, a
-chunk with no storage entry, transformed (e.g. compressed) bytes, a zip whose record is
-compressed or not aligned, a chunk whose pickled dtype or shape is not the metadata's.
+windows torch's layout puts them in (a URL's neighbours by one GET, concurrently).
+Everything is checked before any tensor byte is read: chunks that do not cover their
+tensor or overlap, a chunk with no storage entry, transformed (e.g. compressed) bytes, a zip
+whose record is compressed or not aligned, a chunk whose pickled dtype or shape is not the
+metadata's.
 Non-tensor (bytes) items and training state (optimizer, schedulers, dataloader, RNG) are
 not model weights and are left out; keys are the state dict's fqns (transformers' names
 when an HF model's state dict was saved; a leading `model.` wrapper the mapping removes).
@@ -19,7 +20,6 @@ when an HF model's state dict was saved; a leading `model.` wrapper the mapping 
 from __future__ import annotations
 
 import os
-
 from typing import Any
 
 from ..errors import CheckpointError
