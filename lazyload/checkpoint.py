@@ -43,12 +43,17 @@ class LazyCheckpoint(StoredCheckpoint):
     A URL reads the checkpoint from where it is stored, each rank fetching only its byte
     ranges (`lazyload.remote`): `s3://bucket/prefix/`, `https://host/path/`,
     `hf://org/repo[@revision]`; `remote`: a `RemoteOptions` (requests in flight, merge
-    gap, retries, timeout)."""
+    gap, retries, timeout).
+
+    `iteration`: with a Megatron save directory (local or a URL), the iteration to load
+    (`iter_NNNNNNN/`) instead of the latest one its `latest_checkpointed_iteration.txt`
+    names; one that is not there is a CheckpointError listing those present, and a
+    checkpoint without iterations an ArgumentError."""
 
     def __init__(self, paths: str | os.PathLike | list, *, trust_pickle: bool = False,
-                 remote: RemoteOptions | None = None, **unknown: Any):
+                 remote: RemoteOptions | None = None, iteration: int | None = None, **unknown: Any):
         check_keywords("LazyCheckpoint", unknown, LazyCheckpoint.__init__)
-        super().__init__(paths, trust_pickle=trust_pickle, remote=remote)
+        super().__init__(paths, trust_pickle=trust_pickle, remote=remote, iteration=iteration)
 
     def load_into(self, model: nn.Module, rank: int = 0, world: int = 1, *,
                   device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,

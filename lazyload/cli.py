@@ -49,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan = "'tp', 'ep', or a JSON object of glob -> transformers TP style"
     p = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes per file and per layer (headers only)")
     p.add_argument("path", help=PATH_HELP)
+    _iteration_option(p)
     p = sub.add_parser("plan", help="per rank bytes to read, tensors and warnings for a TP world (headers only)")
     p.add_argument("path", help=PATH_HELP)
+    _iteration_option(p)
     p.add_argument("--world", type=int, required=True, help=world)
     p.add_argument("--config", default=None, help=config + "; for a URL, the one its store holds")
     p.add_argument("--single-file", action="store_true",
@@ -66,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reshard", help="write SRC pre-sharded for a TP world: one safetensors file per rank")
     p.add_argument("src", help="the checkpoint to read: " + PATH_HELP.removeprefix("the checkpoint: "))
     p.add_argument("out", help="a new or empty directory to write to (never SRC; see --overwrite)")
+    _iteration_option(p)
     p.add_argument("--world", type=int, required=True, help=world + " to write for")
     p.add_argument("--plan", default=None, help=plan)
     p.add_argument("--config", default=None, help=config)
@@ -83,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --quantize: keep the Linear layers whose names match REGEX in full precision "
                         "(repeatable), beside lm_head and MoE routers")
     return parser
+
+
+def _iteration_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--iteration", type=int, default=None, metavar="N",
+                   help="of a Megatron save directory, the iteration iter_NNNNNNN/ to read (default: the latest, "
+                        "as latest_checkpointed_iteration.txt names it)")
 
 
 def _group_size(text: str) -> int:
@@ -136,18 +145,20 @@ def _run(args: argparse.Namespace) -> str:
     if args.command == "reshard":
         from .errors import ArgumentError
         from .quant.onload import Quantization
+        from .stored import StoredCheckpoint
         from .writers import save_sharded
 
         if args.quantize is None and (args.skip or args.group_size is not None):
             raise ArgumentError("--group-size and --skip describe the quantization: pass --quantize int8|fp8 too.")
         group = 128 if args.group_size is None else args.group_size or None
         quantize = args.quantize and Quantization(args.quantize, group_size=group, skip=tuple(args.skip))
-        return save_sharded(args.src, args.out, args.world, plan, config=args.config,
+        src = args.src if args.iteration is None else StoredCheckpoint(args.src, iteration=args.iteration)
+        return save_sharded(src, args.out, args.world, plan, config=args.config,
                             max_file_bytes=args.max_file_bytes, overwrite=args.overwrite, quantize=quantize)
     if args.command == "plan":
         return format_plan(args.path, args.world, args.config, single_file=args.single_file, plan=plan,
-                           quantize=args.quantize, dtype=args.dtype, as_json=args.json)
-    return inspect_checkpoint(args.path)
+                           quantize=args.quantize, dtype=args.dtype, as_json=args.json, iteration=args.iteration)
+    return inspect_checkpoint(args.path, args.iteration)
 
 
 def main(argv: list[str] | None = None) -> int:

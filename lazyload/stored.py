@@ -22,15 +22,15 @@ class StoredCheckpoint:
     """See `LazyCheckpoint` for the arguments."""
 
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *, trust_pickle: bool = False,
-                 remote: RemoteOptions | None = None):
+                 remote: RemoteOptions | None = None, iteration: int | None = None):
         check_paths(paths)
         self._paths = paths
         self.trust_pickle = trust_pickle
         self._index: CheckpointIndex | None = None
         self._quantization: PreQuantized | None = None
         self._config: dict | None = None
-        self.remote = RemoteCheckpoint(paths, remote) if is_remote(paths) else None
-        self.source: CheckpointSource = self.remote.source if self.remote else resolve(local_path(paths))
+        self.remote = RemoteCheckpoint(paths, remote, iteration) if is_remote(paths) else None
+        self.source: CheckpointSource = self.remote.source if self.remote else resolve(local_path(paths), iteration)
         self.files = self.source.files
 
     @classmethod

@@ -10,6 +10,7 @@ from typing import Any
 
 
 from .digest import plan_data
+from .formats import format_named
 from .errors import ArgumentError, MappingError, PlanError
 from .hints import one_of_several, worlds_that_plan
 from .mapping import prefix_hint
@@ -29,9 +30,11 @@ def _check_whole(path: str, single_file: bool) -> None:
                             "directory to plan the whole checkpoint, or --single-file to plan this file alone.")
 
 
-def inspect_checkpoint(path: str) -> str:
-    index = StoredCheckpoint(path).index  # local or remote, as LazyCheckpoint reads it
-    lines = [f"{path}: {len(index)} tensors in {len(index.files)} file(s), {size(index.total_bytes)} "
+def inspect_checkpoint(path: str, iteration: int | None = None) -> str:
+    stored = StoredCheckpoint(path, iteration=iteration)
+    index = stored.index  # local or remote, as LazyCheckpoint reads it
+    lines = [f"{path}{_iteration_read(stored, path)}: {len(index)} tensors in {len(index.files)} file(s), "
+             f"{size(index.total_bytes)} "
              f"(headers read: {index.header_bytes_read} bytes)", "", "tensors:"]
     names = sorted(index.keys(), key=lambda k: (layer_of(k) != "", k))
     for pattern, count in group_layers(names):
@@ -54,6 +57,12 @@ def inspect_checkpoint(path: str) -> str:
     return "\n".join(lines)
 
 
+def _iteration_read(stored: StoredCheckpoint, path: str) -> str:
+    """' (.../iter_0000200)' where a save directory was given: the iteration that was read."""
+    source = stored.source
+    return f" ({source.description})" if format_named(source.kind).iterations and source.description != path else ""
+
+
 def _matches(pattern: str, name: str) -> bool:
     if "{" not in pattern:
         return pattern == name
@@ -63,15 +72,15 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None, *, quantize: Any = None,
-               dtype: Any = None) -> tuple[list[LoadPlan], list[str]]:
+               dtype: Any = None, iteration: int | None = None) -> tuple[list[LoadPlan], list[str]]:
     """Every rank's LoadPlan (`bytes_to_read`, `tensors`, `sharded`), as `load_into` plans
     it, from the checkpoint headers and a meta model of `config` (a transformers config, or
     a directory/file holding config.json; default: the one beside the checkpoint, for a URL
-    its store's). Returns (plans, warnings). A world that cannot be planned is a PlanError
-    naming the worlds that can, a checkpoint none of whose keys fit the model a MappingError,
+    its store's); `iteration`: that one of a Megatron save directory. Returns (plans,
+    warnings). A world that cannot be planned is a PlanError naming the worlds that can, a checkpoint none of whose keys fit the model a MappingError,
     meta buffers the model's init cannot compute a MetaBufferError (as `load_into` says)."""
     check_rank(0, world)
-    stored = StoredCheckpoint(path)
+    stored = StoredCheckpoint(path, iteration=iteration)
     model = meta_model(transformers_config(stored, config, "--config"))
     options = LoadOptions(plan=plan, quantize=quantize, dtype=dtype, strict=False, missing="keep")
     first = plan_load(stored, model, 0, 1, options, preview=True)
@@ -104,11 +113,11 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None, *, q
 
 
 def format_plan(path: str, world: int, config: Any = None, *, single_file: bool = False, plan: Any = None,
-                quantize: Any = None, dtype: Any = None, as_json: bool = False) -> str:
+                quantize: Any = None, dtype: Any = None, as_json: bool = False, iteration: int | None = None) -> str:
     """Each rank's bytes, tensors and sharded tensors, and the warnings; `as_json`: every
     rank's whole plan and its digest (`digest.plan_data`) as one JSON object instead."""
     _check_whole(path, single_file)
-    ranks, warnings = plan_ranks(path, world, config, plan, quantize=quantize, dtype=dtype)
+    ranks, warnings = plan_ranks(path, world, config, plan, quantize=quantize, dtype=dtype, iteration=iteration)
     if as_json:
         return json.dumps({"path": path, "world": world, "warnings": warnings, "ranks": [plan_data(r) for r in ranks]},
                           indent=1, ensure_ascii=False)

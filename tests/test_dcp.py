@@ -57,7 +57,7 @@ def test_dcp_loads_exactly_as_dcp_load(saved, name):
 def test_fsdp_tp_chunks_are_boxes_of_global_tensors(saved, monkeypatch):
     """FSDP2's _StridedShard under TP: q_proj's 4 row chunks are listed interleaved (rank
     order), and each is a box of the global tensor; indexing reads no byte of any tensor."""
-    from lazyload.formats import torch_zip
+    from lazyload.formats import ranges
 
     reads, real = [], os.pread
 
@@ -65,7 +65,7 @@ def test_fsdp_tp_chunks_are_boxes_of_global_tensors(saved, monkeypatch):
         reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, offset + length))
         return real(fd, length, offset)
 
-    monkeypatch.setattr(torch_zip.os, "pread", pread)
+    monkeypatch.setattr(ranges.os, "pread", pread)
     index = LazyCheckpoint(saved["fsdp_tp"][0]).index
     monkeypatch.undo()
     assert reads and not [(f, a, b) for f, a, b in reads for e in index.entries()

@@ -199,3 +199,65 @@ def test_a_megatron_key_lazyload_does_not_know_is_named(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"decoder\.layers\.mlp\.experts\.experts\.0\.linear_fc2\.weight.*expected"):
         LazyCheckpoint(str(directory)).load_into(model, progress=False)
     assert all(t.is_meta for t in model.state_dict().values())
+
+
+# ----------------------------------------------------------------------------- iterations, URLs
+
+
+@pytest.fixture(scope="module")
+def two_iterations(saved, tmp_path_factory):
+    """A save directory holding iterations 100 and 200 (its tracker naming 100), the config
+    beside them."""
+    root = tmp_path_factory.mktemp("iterations") / "save"
+    for tag in ("0000100", "0000200"):
+        shutil.copytree(saved / "iter_0000100", root / f"iter_{tag}")
+    (root / "latest_checkpointed_iteration.txt").write_text("100")
+    return root
+
+
+def test_iteration_picks_one_of_the_save_directory(two_iterations, capsys):
+    from lazyload.cli import main
+
+    for iteration, name in ((None, "iter_0000100"), (100, "iter_0000100"), (200, "iter_0000200")):
+        checkpoint = LazyCheckpoint(str(two_iterations), iteration=iteration)
+        assert checkpoint.source.description == str(two_iterations / name)
+    with pytest.raises(CheckpointError, match=r"no iteration 300 .*the iterations present: 100, 200"):
+        LazyCheckpoint(str(two_iterations), iteration=300)
+    assert main(["inspect", str(two_iterations), "--iteration", "200"]) == 0
+    assert "iter_0000200" in capsys.readouterr().out
+    assert main(["inspect", str(two_iterations), "--iteration", "300"]) == 2
+    assert "the iterations present: 100, 200" in capsys.readouterr().err
+
+
+def test_iteration_of_a_checkpoint_without_iterations_is_an_argument_error(saved, tmp_path):
+    from lazyload import ArgumentError
+
+    dcp_dir = tmp_path / "dcp"
+    shutil.copytree(saved / "iter_0000100", dcp_dir)
+    os.remove(dcp_dir / "metadata.json")  # a plain DCP directory now
+    with pytest.raises(ArgumentError, match=r"iteration=100: .* is a dcp checkpoint, which has no iterations"):
+        LazyCheckpoint(str(dcp_dir), iteration=100)
+
+
+def test_a_megatron_save_directory_over_http(two_iterations):
+    """The save directory's URL (its tracker followed, or iteration=) loads as the local
+    files do; a missing iteration over HTTP says the store cannot list them."""
+    from remote_servers import RangeServer
+
+    want = _loaded(two_iterations)[0].state_dict()
+    with RangeServer(str(two_iterations.parent)) as server:
+        for iteration in (None, 200):
+            url = f"{server.url}/save/"
+            model, report = _loaded_url(url, iteration)
+            assert report.reader == "remote"
+            got = model.state_dict()
+            assert all(torch.equal(got[k], want[k]) for k in want), iteration
+        with pytest.raises(CheckpointError, match="no iteration 300 .*cannot list"):
+            LazyCheckpoint(f"{server.url}/save/", iteration=300)
+
+
+def _loaded_url(url, iteration):
+    model = _meta_llama()
+    report = LazyCheckpoint(url, iteration=iteration).load_into(model, progress=False)
+    assert report.ok
+    return model, report

@@ -20,12 +20,11 @@ from typing import Sequence
 from ..index import CheckpointIndex
 from . import dcp, dcp_safetensors, deepspeed, megatron, megatron_dist, safetensors, sharded, torch_files
 from .local import LocalStorage
-from .protocol import (CheckpointSource, Format, OpenOptions, Storage, format_named, formats, open_in, path_format,
-                       register, resolve_in, unregister)
+from .protocol import (CheckpointSource, Format, OpenOptions, Storage, format_named, formats, open_in, register,
+                       resolve_in, unregister)
 
 # Training checkpoints are asked before Megatron-LM's per-rank files, whose tracker file they share.
-_TRAINING = [path_format(m.__name__.rsplit(".", 1)[1], m.found, m.open_found)
-             for m in (megatron_dist, dcp_safetensors, dcp)]
+_TRAINING = (megatron_dist.FORMAT_MEGATRON_DIST, dcp_safetensors.FORMAT_DCP_SAFETENSORS, dcp.FORMAT_DCP)
 for _builtin in (sharded.FORMAT_SHARDED, deepspeed.FORMAT_DEEPSPEED, *_TRAINING, megatron.FORMAT_MEGATRON,
                  torch_files.FORMAT_TORCH, safetensors.FORMAT_SAFETENSORS):
     register(_builtin)
@@ -36,16 +35,17 @@ __all__ = ["CheckpointSource", "Format", "LocalStorage", "OpenOptions", "Storage
            "open_index", "register", "resolve", "unregister"]
 
 
-def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> CheckpointSource:
+def resolve(paths: str | os.PathLike | Sequence[str | os.PathLike], iteration: int | None = None) -> CheckpointSource:
     """A local directory, a file, a description json, a glob or a list of files -> its
-    format and files (the first registered format that claims it)."""
+    format and files (the first registered format that claims it); `iteration`: that
+    `iter_NNNNNNN/` of a save directory (`protocol.resolve_in`)."""
     if isinstance(paths, (str, os.PathLike)):
         target = os.fspath(paths)
         if not os.path.exists(target):
             target = sorted(glob.glob(target)) or target  # a glob that matches nothing is named as given
     else:
         target = [os.fspath(p) for p in paths]
-    return resolve_in(LOCAL, target)
+    return resolve_in(LOCAL, target, iteration)
 
 
 def open_index(source: CheckpointSource, trust_pickle: bool = False) -> CheckpointIndex:

@@ -6,9 +6,13 @@ several chunks a logical tensor whose parts are its chunks' boxes.
 size and chunks (offsets, sizes), and where each chunk is stored: (file, offset, length).
 There each chunk is a whole `torch.save` zip whose storage's raw bytes are found from the
 zip's directory and local header (`torch_zip`), never by loading the chunk. Everything is
-checked before any tensor byte is read: chunks that do not cover their tensor or overlap, a
-chunk with no storage entry, transformed (e.g. compressed) bytes, a zip whose record is
-compressed or not aligned, a chunk whose pickled dtype or shape is not the metadata's.
+read through the storage (`protocol.Storage`), so a directory and its URL (`s3://`,
+`https://`) index alike: the zip headers of all chunks through `Storage.ranges`, the
+windows torch's layout puts them in (a URL's neighbours by one GET, concurrently).
+Everything is checked before any tensor byte is read: chunks that do not cover their
+tensor or overlap, a chunk with no storage entry, transformed (e.g. compressed) bytes, a zip
+whose record is compressed or not aligned, a chunk whose pickled dtype or shape is not the
+metadata's.
 Non-tensor (bytes) items and training state (optimizer, schedulers, dataloader, RNG) are
 not model weights and are left out; keys are the state dict's fqns (transformers' names
 when an HF model's state dict was saved; a leading `model.` wrapper the mapping removes).
@@ -16,53 +20,67 @@ when an HF model's state dict was saved; a leading `model.` wrapper the mapping 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..errors import CheckpointError
 from ..expr import Source, Transpose, box_numel
-from ..headers import FileIdentity, TensorEntry
+from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from . import torch_zip
-from .dcp_metadata import METADATA, Chunk, DcpMetadata, StorageInfo, TensorMeta, read_metadata  # noqa: F401
+from .dcp_metadata import MAX_METADATA, METADATA, Chunk, DcpMetadata, StorageInfo, TensorMeta, parse_metadata
 from .logical import Layout, Part
+from .protocol import CheckpointSource, Format, OpenOptions, Storage
+from .ranges import FileRanges
 
 # Top-level state-dict groups of training checkpoints that are not model weights.
 TRAINING_STATE = ("optimizer", "optim", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
                   "dataloader", "train_state", "rng", "rng_state", "rng_tracker", "optimizer_state")
 
 
-def is_dcp_dir(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(metadata_path(path))
+def metadata_path(storage: Storage, directory: str) -> str:
+    return storage.join(directory, METADATA)
 
 
-def metadata_path(directory: str) -> str:
-    return os.path.join(directory, METADATA)
+def is_dcp_dir(storage: Storage, path) -> bool:
+    return isinstance(path, str) and storage.is_dir(path) and storage.exists(metadata_path(storage, path))
 
 
-def found(path: str) -> tuple[list[str], str] | None:
-    """(data files, the directory) when `path` is a DCP directory, else None (the format's
-    detect; `open_found` its open_index)."""
-    return (data_files(path, read_metadata(metadata_path(path))), path) if is_dcp_dir(path) else None
+def read_dcp_metadata(storage: Storage, directory: str) -> tuple[DcpMetadata, int]:
+    """The directory's `.metadata`, checked, and its size in bytes."""
+    path = metadata_path(storage, directory)
+    raw = storage.read(path, "a DCP .metadata", MAX_METADATA)
+    return parse_metadata(raw, path), len(raw)
 
 
-def open_found(files: list[str], description: str) -> CheckpointIndex:
-    return open_index(description)
+def detect(storage: Storage, target) -> CheckpointSource | None:
+    """A DCP directory (its `.metadata`): its data files, the directory as description."""
+    if not is_dcp_dir(storage, target):
+        return None
+    return CheckpointSource("dcp", data_files(storage, target, read_dcp_metadata(storage, target)[0]), target)
 
 
-def data_files(directory: str, metadata: DcpMetadata) -> list[str]:
-    """The files the metadata's chunks lie in, each inside `directory`."""
+def data_files(storage: Storage, directory: str, metadata: DcpMetadata) -> list[str]:
+    """The files the metadata's chunks lie in, each inside `directory` (locally checked to
+    exist; a URL's first GET says so, naming the tensor that needed it)."""
     names = sorted({info.relative_path for info in metadata.storage.values()})
-    root = os.path.realpath(directory)
     out = []
     for name in names:
-        path = os.path.join(directory, name)
-        if os.path.isabs(name) or os.path.commonpath([root, os.path.realpath(path)]) != root:
-            raise CheckpointError(f"{directory}/{METADATA}: names the data file {name!r}, outside the checkpoint "
-                                  "directory; refused.")
-        if not os.path.isfile(path):
+        path = storage.join(directory, name)
+        if _outside(storage, directory, name, path):
+            raise CheckpointError(f"{metadata_path(storage, directory)}: names the data file {name!r}, outside the "
+                                  "checkpoint directory; refused.")
+        if not storage.remote and not os.path.isfile(path):
             raise CheckpointError(f"{path}: missing; the DCP metadata stores chunks in it. Copy the whole "
                                   "checkpoint directory.")
         out.append(path)
     return out
+
+
+def _outside(storage: Storage, directory: str, name: str, path: str) -> bool:
+    if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or "://" in name:
+        return True
+    root = os.path.realpath(directory)
+    return not storage.remote and os.path.commonpath([root, os.path.realpath(path)]) != root
 
 
 def is_training_state(fqn: str) -> bool:
@@ -132,41 +150,47 @@ def _storage_of(where: str, metadata: DcpMetadata, fqn: str, chunk: Chunk) -> St
 Planned = list[tuple[str, Chunk, StorageInfo]]  # (fqn, chunk, where its zip is) of every model chunk
 
 
-def planned_chunks(directory: str, metadata: DcpMetadata) -> Planned:
+def planned_chunks(where: str, metadata: DcpMetadata) -> Planned:
     """Every model tensor's non-empty chunks and their storage, every metadata check done
-    (before any zip is opened)."""
-    where = metadata_path(directory)
+    (before any zip is opened); `where`: the `.metadata`, named in errors."""
     return [(fqn, chunk, _storage_of(where, metadata, fqn, chunk))
             for fqn, meta in model_tensors(metadata).items() for chunk in check_chunks(where, fqn, meta)]
 
 
-def locate_chunks(directory: str, metadata: DcpMetadata,
-                  planned: Planned) -> tuple[list[torch_zip.StoredTensor], int, dict[str, FileIdentity]]:
+def locate_chunks(storage: Storage, directory: str, metadata: DcpMetadata,
+                  planned: Planned) -> tuple[list[torch_zip.StoredTensor], int, dict[str, Any]]:
     """Where each planned chunk's elements lie (from its zip's directory and pickle), the
-    header bytes read, and the identity of each file as indexed."""
-    stored, header, identities, fds = [], 0, {}, {}
+    header bytes read, and the identity of each file as indexed. The zip headers are read
+    through `storage.ranges`: for a URL every chunk's windows at once, neighbours by one GET."""
+    paths = [storage.join(directory, info.relative_path) for _, _, info in planned]
+    windows: dict[str, list] = {}
+    for path, (_, _, info) in zip(paths, planned):
+        windows.setdefault(path, []).extend(torch_zip.windows(info.offset, info.length))
+    files = storage.ranges(windows)
+    stored, identities = [], {}
     try:
-        for fqn, chunk, info in planned:
-            path = os.path.join(directory, info.relative_path)
-            if path not in fds:
-                fds[path] = os.open(path, os.O_RDONLY)
-                identities[path] = FileIdentity.of(os.fstat(fds[path]))
-            if info.offset + info.length > identities[path].size:
-                raise CheckpointError(f"{path}: tensor {fqn!r}'s chunk at byte {info.offset} runs past the end of "
-                                      "the file; it is truncated.")
-            try:
-                found = torch_zip.locate(fds[path], path, info.offset, info.length)
-            except CheckpointError as exc:  # named by the tensor too
-                raise CheckpointError(f"tensor {fqn!r}, chunk at {list(chunk.offsets)}: {exc}") from None
-            _check_stored(path, fqn, chunk, metadata.tensors[fqn], found)
-            header += found.header_bytes
-            stored.append(found)
-    except OSError as exc:
-        raise CheckpointError(f"{exc.filename or directory}: cannot read ({exc.strerror or exc}).") from exc
+        for path, (fqn, chunk, info) in zip(paths, planned):
+            stored.append(_locate(files[path], fqn, chunk, metadata.tensors[fqn], info))
+            identities[path] = files[path].identity
     finally:
-        for fd in fds.values():
-            os.close(fd)
-    return stored, header, identities
+        for file in files.values():
+            file.close()
+    return stored, sum(found.header_bytes for found in stored), identities
+
+
+def _locate(src: FileRanges, fqn: str, chunk: Chunk, meta: TensorMeta, info: StorageInfo) -> torch_zip.StoredTensor:
+    """One chunk's stored tensor; a failure names the tensor and chunk too."""
+    try:
+        if info.offset + info.length > src.identity.size:
+            raise CheckpointError(f"{src.path}: the chunk at byte {info.offset} runs past the end of the file; it "
+                                  "is truncated.")
+        found = torch_zip.locate(src, info.offset, info.length)
+    except CheckpointError as exc:  # remote ones too (RemoteError): the same kind, named by the tensor
+        raise type(exc)(f"tensor {fqn!r}, chunk at {list(chunk.offsets)}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{src.path}: cannot read tensor {fqn!r}'s chunk ({exc.strerror or exc}).") from exc
+    _check_stored(src.path, fqn, chunk, meta, found)
+    return found
 
 
 def _transposed(found: torch_zip.StoredTensor) -> bool:
@@ -204,7 +228,8 @@ def layouts_of(tensors: dict[str, TensorMeta], tiles: dict[str, list[Part]]) -> 
     return layouts
 
 
-def entries_and_layouts(metadata: DcpMetadata, planned: Planned, stored: list[torch_zip.StoredTensor],
+def entries_and_layouts(storage: Storage, metadata: DcpMetadata, planned: Planned,
+                        stored: list[torch_zip.StoredTensor],
                         directory: str) -> tuple[dict[str, TensorEntry], dict[str, Layout]]:
     """A stored entry per chunk (its own row-major layout), and a Layout for every tensor
     of several chunks or saved transposed."""
@@ -214,20 +239,27 @@ def entries_and_layouts(metadata: DcpMetadata, planned: Planned, stored: list[to
         transposed = _transposed(found)
         key += "@T" if transposed else ""
         shape = found.shape[::-1] if transposed else found.shape
-        entries[key] = TensorEntry(os.path.join(directory, info.relative_path), key, found.dtype, shape,
+        entries[key] = TensorEntry(storage.join(directory, info.relative_path), key, found.dtype, shape,
                                    found.start, found.end)
         if key != fqn:
             tiles.setdefault(fqn, []).append(Part(Transpose(Source(key)) if transposed else Source(key), box_of(chunk)))
     return entries, layouts_of(metadata.tensors, tiles)
 
 
-def open_index(directory: str) -> CheckpointIndex:
+def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     """The index of the DCP checkpoint in `directory`, from `.metadata` and the chunks' zip
     headers alone."""
-    metadata = read_metadata(metadata_path(directory))
-    files = data_files(directory, metadata)
-    planned = planned_chunks(directory, metadata)
-    stored, header, identities = locate_chunks(directory, metadata, planned)
-    entries, layouts = entries_and_layouts(metadata, planned, stored, directory)
-    header += os.path.getsize(metadata_path(directory))
-    return CheckpointIndex.of(files, entries.items(), layouts, header, metadata_path(directory), identities)
+    metadata, header = read_dcp_metadata(storage, directory)
+    files = data_files(storage, directory, metadata)
+    planned = planned_chunks(metadata_path(storage, directory), metadata)
+    stored, zips, identities = locate_chunks(storage, directory, metadata, planned)
+    entries, layouts = entries_and_layouts(storage, metadata, planned, stored, directory)
+    return CheckpointIndex.of(files, entries.items(), layouts, header + zips, metadata_path(storage, directory),
+                              identities)
+
+
+def _open(source: CheckpointSource, storage: Storage, options: OpenOptions) -> CheckpointIndex:
+    return index_of(storage, source.description)
+
+
+FORMAT_DCP = Format("dcp", detect, _open, remote=True)

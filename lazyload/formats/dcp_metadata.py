@@ -30,7 +30,7 @@ _RECORDS = {
     # Megatron-Core keeps every rank's save plan beside the metadata (`all_local_plans`)
     (_PLANNER, "SavePlan"), (_PLANNER, "WriteItem"), (_PLANNER, "TensorWriteData"),
 }
-_MAX_METADATA = 1 << 30
+MAX_METADATA = 1 << 30  # far above a real checkpoint's metadata (megabytes)
 
 
 @dataclass(frozen=True)
@@ -109,15 +109,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                               "The file is not a DCP .metadata, or a writer lazyload does not know put it there.")
 
 
-def read_metadata(path: str) -> DcpMetadata:
-    """The `.metadata` file at `path`, checked."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_METADATA + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc}).") from exc
-    if len(raw) > _MAX_METADATA:
-        raise CheckpointError(f"{path}: over {_MAX_METADATA} bytes, far more than a checkpoint's metadata; refused.")
+def parse_metadata(raw: bytes, path: str) -> DcpMetadata:
+    """The `.metadata` bytes read from `path` (a file or a URL), checked."""
     try:
         root = _MetadataUnpickler(raw, path).load()
     except CheckpointError:

@@ -13,41 +13,54 @@ is a logical tensor over them, as for DCP's own format. The consolidated copy
 from __future__ import annotations
 
 import json
-import os
 import re
 
 from ..errors import CheckpointError
 from ..expr import Source
-from ..headers import entries_of_header, read_header
+from ..headers import entries_of_header, header_length, load_json
 from ..index import INDEX_JSON, CheckpointIndex
 from .dcp import box_of, check_chunks, chunk_keys, layouts_of
 from .dcp_metadata import Chunk, TensorMeta
 from .logical import Part
+from .protocol import CheckpointSource, Format, OpenOptions, Storage
+from .ranges import FileRanges
 
 SHARD_FILE = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
 SHARDING_INFO = "DCP_SHARDING_INFO"
 SHARDED_DIR = "sharded"
+HEADER_WINDOW = 64 << 10  # read ahead for each file's header (a URL's first GET): a longer one costs a GET more
 
 
-def shard_files(path: str) -> list[str]:
+def shard_files(storage: Storage, path) -> list[str]:
     """The per-rank files of a directory that holds only them (no index json, no other
-    safetensors); [] for any other directory."""
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, INDEX_JSON)):
+    safetensors); [] for any other directory, and where the storage cannot list (HTTP). The
+    index json is probed first (as the safetensors format does: a URL's probe is kept), so
+    that a folder holding one is never listed."""
+    if not (isinstance(path, str) and storage.is_dir(path)) or storage.exists(storage.join(path, INDEX_JSON)):
         return []
-    names = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    names = [n for n in storage.list(path) or [] if n.endswith(".safetensors")]
     if not names or not all(SHARD_FILE.match(n) for n in names):
         return []
-    return sorted(os.path.join(path, n) for n in names)
+    return sorted(storage.join(path, n) for n in names)
 
 
-def found(path: str) -> tuple[list[str], str] | None:
-    """(per-rank files, the directory) of a directory of them, else None."""
-    files = shard_files(path)
-    return (files, path) if files else None
+def detect(storage: Storage, target) -> CheckpointSource | None:
+    """The directory of per-rank files (its files; the directory as description), else None."""
+    files = shard_files(storage, target)
+    return CheckpointSource("dcp_safetensors", files, target) if files else None
 
 
-def open_found(files: list[str], description: str) -> CheckpointIndex:
-    return open_index(files)
+def _open(source: CheckpointSource, storage: Storage, options: OpenOptions) -> CheckpointIndex:
+    return index_of(storage, source.files, source.description)
+
+
+def _header(file: FileRanges) -> tuple[dict, int]:
+    """(header dict, data start) of a safetensors file, read through its ranges."""
+    length = header_length(file.path, file.read(0, 8, "the header length"), file.identity.size)
+    header = load_json(file.path, file.read(8, length, "the header"), "header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file.path}: the header is no JSON object; the file is corrupt or not safetensors.")
+    return header, 8 + length
 
 
 def _offsets(path: str, header: dict) -> dict[str, tuple[int, ...]]:
@@ -68,12 +81,17 @@ def _offsets(path: str, header: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def open_index(files: list[str]) -> CheckpointIndex:
+def index_of(storage: Storage, files: list[str], directory: str) -> CheckpointIndex:
     """The logical tensors of the per-rank files `files`, from their headers alone."""
     chunks: dict[str, list] = {}
     header_bytes, identities = 0, {}
-    for path in files:
-        header, data_start, identities[path] = read_header(path)
+    ranges = storage.ranges({path: [(0, HEADER_WINDOW)] for path in files})
+    try:
+        headers = [(path, *_header(ranges[path]), ranges[path].identity) for path in files]
+    finally:
+        for file in ranges.values():
+            file.close()
+    for path, header, data_start, identities[path] in headers:
         header_bytes += data_start
         offsets = _offsets(path, header)
         for entry in entries_of_header(path, header, data_start, identities[path].size):
@@ -82,28 +100,30 @@ def open_index(files: list[str]) -> CheckpointIndex:
                 raise CheckpointError(f"{path}: tensor {entry.key!r} has no saved_offsets of its rank "
                                       f"({len(entry.shape)}) in {SHARDING_INFO}; corrupt header.")
             chunks.setdefault(entry.key, []).append((Chunk(where, entry.shape), entry))
-    tensors = {fqn: _tensor(files[0], fqn, pieces) for fqn, pieces in chunks.items()}
+    tensors = {fqn: _tensor(directory, fqn, pieces) for fqn, pieces in chunks.items()}
     planned = [(fqn, chunk, entry) for fqn, pieces in chunks.items() for chunk, entry in pieces]
     stored, tiles = [], {}
     for (fqn, chunk, entry), key in zip(planned, chunk_keys([(f, c) for f, c, _ in planned])):
         stored.append((key, entry))
         if key != fqn:
             tiles.setdefault(fqn, []).append(Part(Source(key), box_of(chunk)))
-    return CheckpointIndex.of(files, stored, layouts_of(tensors, tiles), header_bytes, os.path.dirname(files[0]),
-                              identities)
+    return CheckpointIndex.of(files, stored, layouts_of(tensors, tiles), header_bytes, directory, identities)
+
+
+FORMAT_DCP_SAFETENSORS = Format("dcp_safetensors", detect, _open, remote=True)
 
 
 def _tensor(where: str, fqn: str, pieces: list) -> TensorMeta:
     """The global tensor its chunks span, once they are checked to tile it."""
     dtypes = {entry.dtype for _, entry in pieces}
     if len(dtypes) != 1:
-        raise CheckpointError(f"{os.path.dirname(where)}: tensor {fqn!r} is stored as {sorted(map(str, dtypes))} "
+        raise CheckpointError(f"{where}: tensor {fqn!r} is stored as {sorted(map(str, dtypes))} "
                               "in different rank files; the checkpoint is inconsistent.")
     ndim = len(pieces[0][0].sizes)
     if any(len(c.sizes) != ndim for c, _ in pieces):
-        raise CheckpointError(f"{os.path.dirname(where)}: tensor {fqn!r} has chunks of different ranks in different "
+        raise CheckpointError(f"{where}: tensor {fqn!r} has chunks of different ranks in different "
                               "rank files; the checkpoint is inconsistent.")
     size = tuple(max(c.offsets[d] + c.sizes[d] for c, _ in pieces) for d in range(ndim))
     meta = TensorMeta(dtypes.pop(), size, tuple(c for c, _ in pieces))
-    check_chunks(os.path.dirname(where), fqn, meta)
+    check_chunks(where, fqn, meta)
     return meta

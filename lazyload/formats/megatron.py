@@ -290,4 +290,4 @@ def _open(source: CheckpointSource, storage: Storage, options: OpenOptions) -> C
     return open_index(source.files, options.trust_pickle)
 
 
-FORMAT_MEGATRON = Format("megatron", detect, _open)
+FORMAT_MEGATRON = Format("megatron", detect, _open, iterations=True)

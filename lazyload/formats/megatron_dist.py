@@ -25,6 +25,10 @@ cuts each expert's gate and up rows (TP) or whole experts (EP). Qwen2-MoE's shar
 split as the dense fc1 and its gate renamed. A layer saved unstacked (`decoder.layers.N.`,
 as Megatron does for layers of several kinds) is read as that layer's.
 
+A save directory is read at the iteration its tracker names, or at `iteration=` (the
+format has iterations: `protocol.resolve_in`); everything is read through the storage, so
+its URL loads too (NeMo 2's `weights/` is then named by the URL itself).
+
 The head counts come from Megatron's `args` in `common.pt` (read by torch's restricted
 unpickler, `argparse.Namespace` allowed) or else the `config.json` beside the checkpoint.
 Optimizer state, RNG state and `_extra_state` byte items are not read.
@@ -32,21 +36,20 @@ Optimizer state, RNG state and `_extra_state` byte items are not read.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import CheckpointError
 from ..expr import Cat, Chunk, Expr, Source
-from ..headers import TensorEntry, read_json
+from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from . import dcp, torch_files
-from .dcp_metadata import read_metadata
 from .logical import Layout, Part
+from .protocol import CheckpointSource, Format, OpenOptions, Storage
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MAX_COMMON = 256 << 20  # common.pt: Megatron's args and small state, kilobytes in practice
 _STACKED = "decoder.layers."
 _PREFIXES = ("module.", "model.module.")  # NeMo 2 / DDP wrappers in front of Megatron's names
 _LAYER = "model.layers.{i}."
@@ -100,38 +103,43 @@ class Derived:
         return self.tree
 
 
-def checkpoint_dir(path: str) -> str | None:
+def checkpoint_dir(storage: Storage, path: str) -> str | None:
     """The torch_dist directory `path` names: itself, its latest iteration (the tracker's),
-    or NeMo 2's `weights/`; None when it names none."""
-    tracker = os.path.join(path, TRACKER)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            tag = f.read().strip()
-        path = os.path.join(path, "release" if tag == "release" else f"iter_{int(tag):07d}" if tag.isdigit() else tag)
-    if os.path.isdir(os.path.join(path, "weights")) and not os.path.isfile(os.path.join(path, "metadata.json")):
-        path = os.path.join(path, "weights")
-    return path if _is_torch_dist(path) else None
+    or NeMo 2's `weights/` (locally: a URL names its `weights/`); None when it names none."""
+    tracker = storage.join(path, TRACKER)
+    if storage.exists(tracker):
+        tag = storage.read(tracker, "Megatron's latest_checkpointed_iteration.txt", 4096).decode("utf-8", "replace")
+        path = storage.join(path, iteration_dir(tag.strip()))
+    if _is_torch_dist(storage, path):
+        return path
+    weights = storage.join(path, "weights")  # NeMo 2; for a URL a probe more per folder, so not asked
+    return weights if not storage.remote and storage.is_dir(weights) and _is_torch_dist(storage, weights) else None
 
 
-def _is_torch_dist(path: str) -> bool:
-    doc = os.path.join(path, "metadata.json")
-    if not (os.path.isfile(doc) and dcp.is_dcp_dir(path)):
+def iteration_dir(tag: str) -> str:
+    """The directory of an iteration as Megatron names it (`iter_0000100`, `release`)."""
+    return f"iter_{int(tag):07d}" if tag.isdigit() else tag
+
+
+def _is_torch_dist(storage: Storage, path: str) -> bool:
+    doc = storage.join(path, "metadata.json")
+    if not (dcp.is_dcp_dir(storage, path) and storage.exists(doc)):  # .metadata first: the probe dcp's detect shares
         return False
     try:
-        with open(doc) as f:
-            return json.load(f).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
+        return storage.read_json(doc, "Megatron's metadata.json").get("sharded_backend") == "torch_dist"
+    except (CheckpointError, AttributeError):
         return False
 
 
-def heads_of(path: str) -> Heads:
+def heads_of(storage: Storage, path: str) -> Heads:
     """Attention heads, query groups and head size from Megatron's args (common.pt) or the
     config.json beside the checkpoint (or its parents, up to the save directory)."""
     refused = ""
-    common = os.path.join(path, "common.pt")
-    if os.path.isfile(common):
+    common = storage.join(path, "common.pt")
+    if storage.exists(common):
         try:
-            tree = torch_files.load_tree(common, False, [argparse.Namespace])
+            raw = storage.read(common, "Megatron's common.pt", MAX_COMMON)
+            tree = torch_files.load_tree(common, False, [argparse.Namespace], data=raw)
         except CheckpointError as exc:  # args holding classes (enums): the config.json is asked instead
             tree, refused = None, f" (common.pt: {exc})"
         args = tree.get("args") if isinstance(tree, dict) else None
@@ -139,17 +147,28 @@ def heads_of(path: str) -> Heads:
             heads = args.num_attention_heads
             groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
             return Heads(heads, groups, getattr(args, "kv_channels", None) or args.hidden_size // heads)
-    for folder in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
-        config = os.path.join(folder, "config.json")
-        if os.path.isfile(config):
-            return _config_heads(config)
+    for folder in _up_to_save_dir(storage, path):
+        config = storage.join(folder, "config.json")
+        if storage.exists(config):
+            return _config_heads(config, storage.read_json(config, "the model's config.json"))
     raise CheckpointError(f"{path}: no Megatron args in common.pt{refused} and no config.json beside the checkpoint; "
                           "lazyload needs the attention heads and query groups to split the fused QKV rows. Put the "
                           "model's config.json in the checkpoint directory.")
 
 
-def _config_heads(config: str) -> Heads:
-    doc = read_json(config, "the model's config.json")
+def _up_to_save_dir(storage: Storage, path: str) -> list[str]:
+    """`path` and up to two folders above it (NeMo's `weights/`, the save directory), not
+    past the root of a URL's store (`s3://bucket`)."""
+    out = [path.rstrip("/") or path]
+    for _ in range(2):
+        parent = storage.dirname(out[-1])
+        if not parent or parent == out[-1] or parent.endswith(":") or parent.endswith(":/"):
+            break
+        out.append(parent)
+    return out
+
+
+def _config_heads(config: str, doc) -> Heads:
     try:
         heads = int(doc["num_attention_heads"])
         return Heads(heads, int(doc.get("num_key_value_heads") or heads),
@@ -235,13 +254,14 @@ def _transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) ->
     return out
 
 
-def open_index(directory: str) -> CheckpointIndex:
+def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     """The index of a torch_dist checkpoint directory under transformers' names."""
-    metadata = read_metadata(dcp.metadata_path(directory))
-    files = dcp.data_files(directory, metadata)
-    planned = [p for p in dcp.planned_chunks(directory, metadata) if is_model_tensor(p[0])]
-    stored, header, identities = dcp.locate_chunks(directory, metadata, planned)
-    entries, _ = dcp.entries_and_layouts(metadata, planned, stored, directory)
+    metadata, header = dcp.read_dcp_metadata(storage, directory)
+    where = dcp.metadata_path(storage, directory)
+    files = dcp.data_files(storage, directory, metadata)
+    planned = [p for p in dcp.planned_chunks(where, metadata) if is_model_tensor(p[0])]
+    stored, zips, identities = dcp.locate_chunks(storage, directory, metadata, planned)
+    entries, _ = dcp.entries_and_layouts(storage, metadata, planned, stored, directory)
     keys = dcp.chunk_keys([(fqn, chunk) for fqn, chunk, _ in planned])
     tiles: dict[str, list[Part]] = {}
     for (fqn, chunk, _), key in zip(planned, keys):
@@ -257,19 +277,21 @@ def open_index(directory: str) -> CheckpointIndex:
         first = entries[parts[0].expr.keys()[0]]
         shape = tuple(max(p.box[d][1] for p in parts) for d in range(len(parts[0].box)))
         layouts[key] = Layout(key, shape, first.dtype, tuple(parts))
-    names = _transformers_names(layouts, heads_of(directory), dcp.metadata_path(directory))
-    header += os.path.getsize(dcp.metadata_path(directory))
-    return CheckpointIndex.of(files, entries.items(), names, header, dcp.metadata_path(directory), identities)
+    names = _transformers_names(layouts, heads_of(storage, directory), where)
+    return CheckpointIndex.of(files, entries.items(), names, header + zips, where, identities)
 
 
-def found(path: str) -> tuple[list[str], str] | None:
-    """(data files, the torch_dist directory) that `path` names, else None."""
-    directory = checkpoint_dir(path) if os.path.isdir(path) else None
+def detect(storage: Storage, target) -> CheckpointSource | None:
+    """(data files, the torch_dist directory) that `target` names, else None."""
+    directory = checkpoint_dir(storage, target) if isinstance(target, str) and storage.is_dir(target) else None
     if directory is None:
         return None
-    return dcp.data_files(directory, read_metadata(dcp.metadata_path(directory))), directory
+    return CheckpointSource("megatron_dist", dcp.data_files(storage, directory,
+                                                            dcp.read_dcp_metadata(storage, directory)[0]), directory)
 
 
-def open_found(files: list[str], description: str) -> CheckpointIndex:
-    return open_index(description)
+def _open(source: CheckpointSource, storage: Storage, options: OpenOptions) -> CheckpointIndex:
+    return index_of(storage, source.description)
 
+
+FORMAT_MEGATRON_DIST = Format("megatron_dist", detect, _open, remote=True, iterations=True)

@@ -40,6 +40,9 @@ Extension points, and what each promises:
   reading a tensor byte. `options` is an `OpenOptions` (`trust_pickle`). Each file's
   identity (`FileIdentity` locally, `ObjectIdentity` for a URL) goes into the index, so that
   the readers refuse a file that changed after indexing.
+- `Format.iterations`: a save directory of this format holds `iter_NNNNNNN/` folders; with
+  `iteration=` (`resolve_in`) `detect` is asked for that folder, and a checkpoint of a
+  format without iterations is an ArgumentError.
 - `Format.remote`: whether the format reads through a URL's storage. A URL is offered
   only to those (each probe costs a request); one that needs local files (torch's
   unpickler maps them) is not asked, so a URL of its files reaches the safetensors
@@ -52,12 +55,14 @@ Extension points, and what each promises:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ..errors import ArgumentError, CheckpointError
 from ..headers import MAX_HEADER, TensorEntry
 from ..index import CheckpointIndex
+from .ranges import FileRanges
 
 
 class Storage(Protocol):
@@ -91,6 +96,11 @@ class Storage(Protocol):
     def headers(self, files: Sequence[str]) -> list[tuple[list[TensorEntry], int, Any]]:
         """Per safetensors file, (entries, bytes of its header, identity)."""
 
+    def ranges(self, windows: Mapping[str, Sequence[tuple[int, int]]]) -> dict[str, FileRanges]:
+        """Per file, its small byte ranges (zip headers of a training checkpoint's chunks):
+        `windows` are fetched ahead where a request costs (a URL: touching windows by one
+        GET, concurrently), and `FileRanges.read` serves any range, with the file's identity."""
+
 
 @dataclass(frozen=True)
 class CheckpointSource:
@@ -118,19 +128,14 @@ class Format:
     detect: Callable[[Storage, Any], CheckpointSource | None]
     open_index: Callable[[CheckpointSource, Storage, OpenOptions], CheckpointIndex]
     remote: bool = False  # reads through a URL's storage too
+    iterations: bool = False  # a save directory holds iterations (`iter_NNNNNNN/`): `resolve_in(iteration=)`
+
+
+ITERATION = "iter_{:07d}"  # Megatron's name of an iteration's directory
+_ITERATION = re.compile(r"^iter_(\d{7})/?$")
 
 
 _FORMATS: list[Format] = []
-
-
-def path_format(name: str, found: Callable[[str], Any], open_found: Callable[[list, Any], CheckpointIndex]) -> Format:
-    """A local format told by one path: `found(path)` answers (files, description) or None,
-    `open_found(files, description)` builds the Index (the training checkpoints' modules)."""
-    def detect(storage: Storage, target: Any) -> CheckpointSource | None:
-        hit = found(target) if isinstance(target, str) else None
-        return None if hit is None else CheckpointSource(name, *hit)
-
-    return Format(name, detect, lambda source, storage, options: open_found(source.files, source.description))
 
 
 def register(fmt: Format, before: str | None = None) -> Format:
@@ -164,16 +169,54 @@ def format_named(name: str) -> Format:
                           f"{', '.join(f.name for f in _FORMATS)}).")
 
 
-def resolve_in(storage: Storage, target: Any) -> CheckpointSource:
+def resolve_in(storage: Storage, target: Any, iteration: int | None = None) -> CheckpointSource:
     """What `target` names in `storage`: the first registered format's answer (for a URL's
-    storage, of the formats that read through one: a probe of another costs a request)."""
+    storage, of the formats that read through one: a probe of another costs a request).
+    `iteration`: the `iter_NNNNNNN/` of the save directory `target`, by a format with iterations."""
     asked = [f for f in _FORMATS if f.remote or not storage.remote]
+    if iteration is not None:
+        return _iteration(storage, target, iteration, asked)
     for fmt in asked:
         source = fmt.detect(storage, target)
         if source is not None:
             return source
     raise CheckpointError(f"{_shown(target)}: no checkpoint format lazyload knows (asked "
                           f"{', '.join(f.name for f in asked)}); pass a directory, files or a description json.")
+
+
+def _iteration(storage: Storage, target: Any, n: int, asked: list[Format]) -> CheckpointSource:
+    """Iteration `n` of the save directory `target`; a missing one is a CheckpointError listing
+    those present; `target` of a format without iterations is an ArgumentError."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ArgumentError(f"iteration={n!r}: an iteration is a number >= 0 (the NNNNNNN of iter_NNNNNNN/).")
+    with_iterations = [f for f in asked if f.iterations]
+    folder = storage.join(target, ITERATION.format(n)) if isinstance(target, str) else None
+    if folder is not None and storage.is_dir(target):
+        for fmt in with_iterations:
+            source = fmt.detect(storage, folder)
+            if source is not None:
+                return source
+    try:
+        kind = resolve_in(storage, target).kind
+    except CheckpointError:
+        kind = None
+    if kind is not None and kind not in [f.name for f in with_iterations]:
+        raise ArgumentError(f"iteration={n}: {_shown(target)} is a {kind} checkpoint, which has no iterations; "
+                            "iteration= picks iter_NNNNNNN/ of a save directory (formats with iterations: "
+                            f"{', '.join(f.name for f in with_iterations)}). Leave it out.")
+    raise CheckpointError(f"{_shown(target)}: no iteration {n} ({folder} holds no checkpoint); "
+                          f"{_present(storage, target)}.")
+
+
+def _present(storage: Storage, target: Any) -> str:
+    """The iterations a save directory holds, as far as the storage can list them."""
+    listed = storage.list(target) if isinstance(target, str) and storage.is_dir(target) else []
+    if listed is None:
+        return "the store cannot list the iterations present (HTTP); name one that latest_checkpointed_iteration.txt "\
+               "or the training log gives"
+    found = sorted(int(m.group(1)) for m in map(_ITERATION.match, listed) if m)
+    return f"the iterations present: {', '.join(map(str, found))}" if found else (
+        "it holds no iter_NNNNNNN/ directory; iteration= names one of the save directory that holds them")
 
 
 def open_in(source: CheckpointSource, storage: Storage, options: OpenOptions = OpenOptions()) -> CheckpointIndex:

@@ -14,6 +14,8 @@ that (Megatron: `argparse.Namespace` for its args, numpy arrays for its RNG stat
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
 import re
@@ -59,20 +61,23 @@ def numpy_arrays() -> list:
     return [np.ndarray, np.dtype, core.multiarray._reconstruct] + [type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFD"]
 
 
-def load_tree(path: str, trust_pickle: bool = False, allowed: Iterable = ()) -> Any:
-    """The file's object tree, every tensor on the meta device (nothing of its data read)."""
-    with open(path, "rb") as f:
+def load_tree(path: str, trust_pickle: bool = False, allowed: Iterable = (), data: bytes | None = None) -> Any:
+    """The file's object tree, every tensor on the meta device (nothing of its data read);
+    `data`: the file's bytes, already read (from a URL), `path` then only names it."""
+    source = path if data is None else io.BytesIO(data)
+    with open(path, "rb") if data is None else contextlib.nullcontext(io.BytesIO(data)) as f:
         if f.read(4) != ZIP_MAGIC:
             raise CheckpointError(f"{path}: not in torch.save's zip format (torch >= 1.6): a legacy pickle cannot be "
                                   "mapped; load it once with torch.load and save it again with torch.save (or as "
                                   "safetensors).")
     try:
         with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(path, map_location="meta", weights_only=not trust_pickle)
+            return torch.load(source, map_location="meta", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
         found = re.findall(r"GLOBAL ([\w.]+)", str(exc))
         try:
-            found = torch.serialization.get_unsafe_globals_in_checkpoint(path) or found
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(
+                path if data is None else io.BytesIO(data)) or found
         except Exception:  # the list is a courtesy; the refusal stands without it
             pass
         if not found:

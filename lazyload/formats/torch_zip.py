@@ -15,7 +15,6 @@ with stand-ins, and refuses anything else naming it.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import struct
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
+from .ranges import FileRanges
 
 ALIGNMENT = 64  # torch's zip writer aligns every record's data to 64 bytes from the zip's start
 _EOCD = struct.Struct("<IHHHHIIH")  # end of central directory (22 bytes; torch writes no comment)
@@ -30,6 +30,12 @@ _EOCD64_LOCATOR = struct.Struct("<IIQI")  # 20 bytes, just before the EOCD in a 
 _EOCD64 = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes, then name, extra, comment
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes, then name, extra
+# What torch (2.x) writes around a chunk's storage: data.pkl and three small records before
+# it (data/0's local header ends by byte 640, its data starts at 704), two records, the
+# directory and its end after it (the last 561 bytes hold the directory, 873 no tensor byte):
+# windows that read all of a chunk's structure and none of its tensor (`windows`).
+HEAD = 640
+TAIL = 640
 _MAX_DIRECTORY = 1 << 20  # a saved tensor's zip has a handful of records
 _MAX_PICKLE = 1 << 20  # data.pkl of one tensor is a few hundred bytes
 
@@ -55,6 +61,12 @@ class StoredTensor:
         return all(n == 1 or s == e for n, s, e in zip(self.shape, self.stride, reversed(expected)))
 
 
+def windows(base: int, length: int) -> list[tuple[int, int]]:
+    """The byte ranges of the zip at [base, base + length) that `locate` reads, as torch
+    lays it out: its head and its tail (a zip laid out otherwise costs a read more)."""
+    return [(base, base + min(length, HEAD)), (base + max(0, length - TAIL), base + length)]
+
+
 @dataclass(frozen=True)
 class _Record:
     name: str
@@ -63,33 +75,26 @@ class _Record:
     local: int  # local header offset from the zip's start
 
 
-def _pread(fd: int, length: int, offset: int, path: str, what: str) -> bytes:
-    raw = os.pread(fd, length, offset)
-    if len(raw) != length:
-        raise CheckpointError(f"{path}: the file ends inside {what} (at byte {offset}); it is truncated.")
-    return raw
-
-
-def _directory(fd: int, path: str, base: int, length: int) -> tuple[list[_Record], int]:
+def _directory(src: FileRanges, base: int, length: int) -> tuple[list[_Record], int]:
     """The zip's central directory records, and the bytes read to find them."""
-    where = f"the torch.save zip at byte {base}"
+    path, where = src.path, f"the torch.save zip at byte {base}"
     if length < _EOCD.size:
         raise CheckpointError(f"{path}: {where} is {length} bytes, too short to be a zip; the checkpoint is corrupt.")
-    eocd = _EOCD.unpack(_pread(fd, _EOCD.size, base + length - _EOCD.size, path, where))
+    eocd = _EOCD.unpack(src.read(base + length - _EOCD.size, _EOCD.size, where))
     if eocd[0] != 0x06054B50 or eocd[7] != 0:
         raise CheckpointError(f"{path}: {where} does not end with a zip directory record; its recorded length "
                               f"({length} bytes) is wrong or the bytes are not a torch.save zip.")
     count, size, start, read = eocd[4], eocd[5], eocd[6], _EOCD.size
     if 0xFFFFFFFF in (size, start) or count == 0xFFFF:  # zip64: sizes in the zip64 end record
-        locator = _EOCD64_LOCATOR.unpack(_pread(fd, 20, base + length - 42, path, where))
+        locator = _EOCD64_LOCATOR.unpack(src.read(base + length - 42, 20, where))
         if locator[0] != 0x07064B50 or locator[2] + _EOCD64.size > length:
             raise CheckpointError(f"{path}: {where} has a broken zip64 directory locator; the checkpoint is corrupt.")
-        record = _EOCD64.unpack(_pread(fd, _EOCD64.size, base + locator[2], path, where))
+        record = _EOCD64.unpack(src.read(base + locator[2], _EOCD64.size, where))
         count, size, start, read = record[7], record[8], record[9], read + 20 + _EOCD64.size
     if size > _MAX_DIRECTORY or start + size > length:
         raise CheckpointError(f"{path}: {where} has a zip directory of {size} bytes at {start}, outside the zip "
                               "or far larger than a saved tensor's; the checkpoint is corrupt.")
-    raw = _pread(fd, size, base + start, path, where)
+    raw = src.read(base + start, size, where)
     return _records(raw, count, path, where), read + size
 
 
@@ -125,18 +130,19 @@ def _zip64_values(extra: bytes, sizes: list[int], local: int) -> tuple[list[int]
     return sizes, local
 
 
-def _data_start(fd: int, path: str, base: int, record: _Record) -> int:
+def _data_start(src: FileRanges, base: int, record: _Record) -> int:
     """Where the record's data begins, counted from the zip's start (after its local header)."""
-    f = _LOCAL.unpack(_pread(fd, _LOCAL.size, base + record.local, path, f"the zip record {record.name}"))
+    f = _LOCAL.unpack(src.read(base + record.local, _LOCAL.size, f"the zip record {record.name}"))
     if f[0] != 0x04034B50:
-        raise CheckpointError(f"{path}: the zip record {record.name!r} at byte {base + record.local} has no local "
+        raise CheckpointError(f"{src.path}: the zip record {record.name!r} at byte {base + record.local} has no local "
                               "header; the checkpoint is corrupt.")
     return record.local + _LOCAL.size + f[9] + f[10]
 
 
-def locate(fd: int, path: str, base: int, length: int) -> StoredTensor:
-    """The one tensor of the torch.save zip at [base, base + length) of `path`."""
-    records, read = _directory(fd, path, base, length)
+def locate(src: FileRanges, base: int, length: int) -> StoredTensor:
+    """The one tensor of the torch.save zip at [base, base + length) of `src`'s file."""
+    path = src.path
+    records, read = _directory(src, base, length)
     by_name = {r.name.split("/", 1)[-1]: r for r in records}  # "<archive>/data.pkl" -> "data.pkl"
     pkl, data = by_name.get("data.pkl"), by_name.get("data/0")
     where = f"the torch.save zip at byte {base}"
@@ -150,9 +156,9 @@ def locate(fd: int, path: str, base: int, length: int) -> StoredTensor:
                                   "Save the checkpoint without compression.")
     if pkl.size > _MAX_PICKLE:
         raise CheckpointError(f"{path}: {where}: its data.pkl is {pkl.size} bytes, not one tensor's.")
-    pkl_start = _data_start(fd, path, base, pkl)
-    tensor = _unpickle(_pread(fd, pkl.size, base + pkl_start, path, where), path, where)
-    data_start = _data_start(fd, path, base, data)
+    pkl_start = _data_start(src, base, pkl)
+    tensor = _unpickle(src.read(base + pkl_start, pkl.size, where), path, where)
+    data_start = _data_start(src, base, data)
     if data_start % ALIGNMENT:
         raise CheckpointError(f"{path}: {where}: its storage is not {ALIGNMENT}-byte aligned in the zip (at "
                               f"{data_start}); not torch.save's layout, so lazyload does not guess where its bytes are.")

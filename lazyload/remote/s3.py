@@ -128,7 +128,8 @@ class S3Store(Store):
             raise self.denied(prefix, type(exc).__name__) from None
         except Exception as exc:  # obstore's errors after its (disabled) retries
             raise RemoteError(f"{self.url(prefix)}: cannot list ({self._say(exc)}).") from None
-        return [meta["path"] for meta in listed["objects"]]
+        folders = [p.rstrip("/") + "/" for p in listed.get("common_prefixes", [])]  # a save dir's iter_NNNNNNN/
+        return [meta["path"] for meta in listed["objects"]] + folders
 
     def check_key(self, key: str, prefix: bool = False) -> None:
         why = _key_problem(key.removesuffix("/") if prefix else key)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import AccessDeniedError, CheckpointError, ObjectNotFoundError, RemoteError
 from ..formats import CheckpointSource, OpenOptions, open_in, resolve_in
+from ..formats.ranges import FileRanges, merged
 from ..headers import MAX_HEADER, TensorEntry, entries_of_header, header_length, load_json
 from ..index import CheckpointIndex
 from .store import ObjectIdentity, RemoteOptions, Response, Stats, Store
@@ -71,7 +72,7 @@ class RemoteCheckpoint:
 
     remote = True
 
-    def __init__(self, url: str, options: RemoteOptions | None = None):
+    def __init__(self, url: str, options: RemoteOptions | None = None, iteration: int | None = None):
         self.options = options or RemoteOptions()
         self.store, key = open_store(url, self.options)
         self.stats = Stats()  # indexing's requests
@@ -79,8 +80,10 @@ class RemoteCheckpoint:
         self.config_json: tuple[str, bytes] | None = None  # (URL, bytes) of its config.json, once indexed
         self._first: dict[str, Response] = {}  # key -> its first GET, kept for the read that follows a probe
         self._read: dict[str, bytes] = {}  # key -> a small object read whole
+        self._absent: set[str] = set()  # keys a probe found missing: another format's probe costs no request
+        self._listed: dict[str, list[str] | None] = {}  # prefix -> its listing
         self._root = self.store.url("")
-        self.source: CheckpointSource = resolve_in(self, self.store.url(key))
+        self.source: CheckpointSource = resolve_in(self, self.store.url(key), iteration)
         self.files = self.source.files
 
     # The storage protocol, over URLs.
@@ -104,23 +107,31 @@ class RemoteCheckpoint:
         """On S3 a refused probe counts as absent: S3 answers 403 for a missing key to a
         caller without ListBucket (a real denial is raised by the read that follows). Other
         stores say 404 for a missing object, so their denial is raised here."""
+        key = self.key(path)
+        if key in self._absent:
+            return False
         try:
-            self._first_get(self.key(path))
+            self._first_get(key)
         except ObjectNotFoundError:
+            self._absent.add(key)
             return False
         except AccessDeniedError:
             if not self._root.startswith("s3://"):
                 raise
+            self._absent.add(key)
             return False
         return True
 
     def list(self, folder: str) -> list[str] | None:
         prefix = self.key(folder)
         prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
-        listed = self.store.list(prefix)
+        if prefix not in self._listed:  # formats asked in turn list the same folder
+            self._listed[prefix] = self.store.list(prefix)
+        listed = self._listed[prefix]
         if listed is None:
             return None
-        return sorted(k[len(prefix):] for k in listed if k.startswith(prefix) and "/" not in k[len(prefix):])
+        names = (k[len(prefix):].removesuffix("/") for k in listed if k.startswith(prefix))  # folders end in "/"
+        return sorted(name for name in names if name and "/" not in name)
 
     def read(self, path: str, what: str, limit: int = MAX_HEADER) -> bytes:
         key = self.key(path)
@@ -130,6 +141,43 @@ class RemoteCheckpoint:
 
     def read_json(self, path: str, what: str) -> Any:
         return load_json(path, self.read(path, what), what)
+
+    def ranges(self, windows: Mapping[str, Sequence[tuple[int, int]]]) -> dict[str, FileRanges]:
+        """Each file's windows fetched ahead: touching ones by one GET; its first GET tells
+        its identity (or finds it missing), the others are checked against it; all
+        concurrently. A failure is kept for the first read of the file (where the format
+        names the tensor); a later GET that failed is fetched again by the read that needs it."""
+        gets = {url: merged(list(spans)) or [(0, 1)] for url, spans in windows.items()}
+        windows_count = sum(len(g) for g in gets.values())
+        with ThreadPoolExecutor(max(1, min(self.options.concurrency, windows_count))) as pool:
+            firsts = dict(zip(gets, pool.map(self._window, gets, [g[0] for g in gets.values()])))
+            later = [(url, window, firsts[url]) for url, g in gets.items() for window in g[1:]
+                     if not isinstance(firsts[url], Exception)]
+            spans = list(pool.map(lambda job: (job[0], self._window(*job)), later))
+        out = {}
+        for url, first in firsts.items():
+            if isinstance(first, Exception):
+                out[url] = FileRanges.failed(url, first)
+                continue
+            fetched = dict(span[:2] for u, span in [(url, first), *spans]
+                           if u == url and not isinstance(span, Exception))
+            out[url] = FileRanges(url, first[2], self._fetcher(url, first[2]), fetched)
+        return out
+
+    def _window(self, url: str, window: tuple[int, int], first: Any = None) -> tuple | Exception:
+        """(start, bytes, identity) of one window, or why it failed; `first`: the file's first."""
+        identity = first[2] if first is not None else None
+        try:
+            response = self.store.get(self.keys[url], *window, self.stats, identity)
+        except CheckpointError as exc:  # RemoteError among them
+            return exc
+        return window[0], bytes(response.data), response.identity
+
+    def _fetcher(self, url: str, identity: ObjectIdentity):
+        def fetch(start: int, end: int) -> bytes:
+            return bytes(self.store.get(self.keys[url], start, end, self.stats, identity).data)
+
+        return fetch
 
     def headers(self, files: Sequence[str]) -> list[tuple[list[TensorEntry], int, ObjectIdentity]]:
         with ThreadPoolExecutor(max(1, min(self.options.concurrency, len(files)))) as pool:

@@ -218,7 +218,8 @@ class Store:
         raise NotImplementedError
 
     def list(self, prefix: str) -> list[str]:
-        """Keys directly under `prefix` (a store that cannot list returns None)."""
+        """Keys directly under `prefix`, and the folders there (ending in "/"); a store that
+        cannot list returns None."""
         return None
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,7 +35,8 @@ from ..planner import LoadOptions, byte_budget, map_checkpoint, plan_load
 from ..quant.formats import read_quantization_config
 from ..quant.onload import Quantization
 from ..quant.targets import quantized_targets
-from ..readers import PreadReader
+from ..readers import PreadReader, Reader, RemoteReader
+from ..remote import is_remote
 from ..schedule import layer_of, schedule
 from .compressed import encode, encoded_weights, entries, quantization_config
 from .output import check_output, source_dirs, staged_directory
@@ -75,19 +76,21 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
         raise ArgumentError(f"save_sharded(quantize=Quantization(format={qconfig.format!r})): that format is a holder "
                             "of a load (load_into); a checkpoint is written in compressed-tensors' groups: pass "
                             "quantize='int8', 'fp8' or Quantization(dtype, group_size=...).")
+    src = StoredCheckpoint(src) if is_remote(src) else src  # read by ranged GETs, its config.json from the store
     index = _index_of(src)
-    check_output(out_dir, source_dirs(_local_paths(src) + list(index.files)), overwrite)
+    check_output(out_dir, source_dirs(_local_paths(src) + [f for f in index.files if not is_remote(f)]), overwrite)
+    reader = _reader_of(src, index)
     view = _names_as_tensors(index)
     model = model if model is not None else _meta_model(config, src)
     if qconfig is not None:
-        return _save_compressed(src, out_dir, index, view, model, qconfig, max_file_bytes, max_host_bytes)
+        return _save_compressed(src, out_dir, index, view, model, qconfig, max_file_bytes, max_host_bytes, reader)
     boxes, quant = _rank_boxes(StoredCheckpoint.of_index(view, _quantization_config(src, index)), model, world, plan)
     for name in view:  # tensors no model tensor reads are kept, whole, in rank 0's file
         if name not in boxes:
             boxes[name][0].append(full_box(view[name].shape))
     pieces = _pieces(view, boxes, world, _scale_names(quant))
     with staged_directory(out_dir) as staging:
-        _write_layout(staging, pieces, index, view, world, max_file_bytes, max_host_bytes)
+        _write_layout(staging, pieces, index, view, world, max_file_bytes, max_host_bytes, reader)
         _copy_configs(src, staging)
     return os.path.join(out_dir, LAYOUT_JSON)
 
@@ -111,14 +114,15 @@ def _rank_boxes(view: StoredCheckpoint, model: nn.Module, world: int, plan: dict
 
 
 def _write_layout(out_dir: str, pieces: dict, index: CheckpointIndex, view: CheckpointIndex, world: int,
-                  max_file_bytes: int | None, max_host_bytes: int | None) -> None:
+                  max_file_bytes: int | None, max_host_bytes: int | None, reader: Callable[[], Reader]) -> None:
     """Every rank's files, then `lazyload_sharded.json` that describes them."""
     files, records = [], defaultdict(list)
     for rank in range(world):
         for part, chunk in enumerate(_cut(pieces[rank], view, max_file_bytes)):
             name = f"rank-{rank:05d}-of-{world:05d}" + (f"-{part:05d}" if part else "") + ".safetensors"
             _write_file(os.path.join(out_dir, name), chunk, index.for_rank(rank, world), view,
-                        {"format": "pt", "lazyload_rank": str(rank), "lazyload_world": str(world)}, max_host_bytes)
+                        {"format": "pt", "lazyload_rank": str(rank), "lazyload_world": str(world)}, max_host_bytes,
+                        reader=reader)
             for key, tensor, box in chunk:
                 records[tensor].append({"file": len(files), "key": key, "box": [list(span) for span in box]})
             files.append({"name": name, "rank": rank})
@@ -151,8 +155,18 @@ def _local_paths(src: Any) -> list:
     return [p for p in src if isinstance(p, (str, os.PathLike))] if isinstance(src, (list, tuple)) else []
 
 
+def _reader_of(src: Any, index: CheckpointIndex) -> Callable[[], Reader]:
+    """What reads the source's bytes: ranged GETs for a URL's checkpoint, else pread."""
+    remote = getattr(src, "remote", None)
+    return (lambda: RemoteReader(remote, index.identities)) if remote is not None else PreadReader
+
+
 def _copy_configs(src: Any, out_dir: str | os.PathLike) -> None:
-    """The model's config files beside the rank files, so that the copy builds its model too."""
+    """The model's config files beside the rank files, so that the copy builds its model too
+    (a URL's config.json, fetched from its store while indexing)."""
+    if isinstance(src, StoredCheckpoint) and src.remote is not None and src.config_json() is not None:
+        with open(os.path.join(out_dir, "config.json"), "wb") as f:
+            f.write(src.config_json()[1])
     folder = src if isinstance(src, (str, os.PathLike)) and os.path.isdir(src) else None
     for name in _CONFIGS if folder is not None else ():
         if os.path.isfile(os.path.join(folder, name)):
@@ -169,6 +183,8 @@ def _index_of(src: Any) -> CheckpointIndex:
 
 def _meta_model(config: Any, src: Any) -> nn.Module:
     """The model whose placements define the split, built on meta from its config."""
+    if config is None and isinstance(src, StoredCheckpoint) and src.config_json() is not None:
+        return meta_model(transformers_config(src))  # the config.json beside its files
     if config is None or isinstance(config, (str, os.PathLike)):
         where = config or (src if isinstance(src, (str, os.PathLike)) and os.path.isdir(src) else None)
         if where is None or not os.path.exists(os.path.join(where, "config.json") if os.path.isdir(where) else where):
@@ -241,7 +257,7 @@ def _cut(pieces: list, view: CheckpointIndex, max_bytes: int | None) -> list[lis
 
 def _save_compressed(src: Any, out_dir: str | os.PathLike, index: CheckpointIndex, view: CheckpointIndex,
                      model: nn.Module, qconfig: Quantization, max_file_bytes: int | None,
-                     max_host_bytes: int | None) -> str:
+                     max_host_bytes: int | None, reader: Callable[[], Reader]) -> str:
     """A compressed-tensors checkpoint of `src` in `out_dir`, layer by layer (world 1)."""
     stored = StoredCheckpoint.of_index(view, _quantization_config(src, index))
     mapped = map_checkpoint(stored, stored.index, model, None)
@@ -257,7 +273,7 @@ def _save_compressed(src: Any, out_dir: str | os.PathLike, index: CheckpointInde
     with staged_directory(out_dir) as staging:
         for name, chunk in zip(names, chunks):
             total += _write_file(os.path.join(staging, name), chunk, index.for_rank(0, 1), view, {"format": "pt"},
-                                 max_host_bytes, encoded)
+                                 max_host_bytes, encoded, reader)
             weight_map.update({key: name for k, n, box in chunk
                                for key, _, _ in entries(k, view[n].dtype, box_shape(box), encoded.get(n))})
         if len(chunks) > 1:
@@ -312,7 +328,8 @@ def _layer_reads(pieces: list, index: CheckpointIndex, view: CheckpointIndex) ->
 
 
 def _write_file(path: str, chunk: list, index: CheckpointIndex, view: CheckpointIndex, metadata: dict,
-                max_host_bytes: int | None, encoded: dict | None = None) -> int:
+                max_host_bytes: int | None, encoded: dict | None = None,
+                reader: Callable[[], Reader] = PreadReader) -> int:
     """One safetensors file: the header, then each layer's pieces as soon as they are read
     (those named in `encoded` quantized); returns the bytes of its tensors."""
     encoded = encoded or {}
@@ -320,7 +337,7 @@ def _write_file(path: str, chunk: list, index: CheckpointIndex, view: Checkpoint
     by_layer: dict[str, list] = defaultdict(list)
     for piece in chunk:
         by_layer[layer_of(piece[1])].append(piece)
-    reader = PreadReader()
+    reader = reader()
     try:
         with open(path + ".tmp", "wb") as f:
             f.write(len(raw).to_bytes(8, "little"))
