@@ -20,14 +20,20 @@ from .expr import Box, Whole, apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
 from .quant.onload import Grid, QuantizedDest, scale_shape
+from .quant.packed import PackedDest
 from .readers import byte_runs
 from .targets import Slot, current_tensor, is_dtensor, local_tensor
 
 
-def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device) -> QuantizedDest:
-    """8-bit data and float32 scales for a target quantized on load."""
+def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device, full_dtype: torch.dtype,
+                       items: int) -> QuantizedDest | PackedDest:
+    """8-bit data and float32 scales for a target quantized on load, or 4-bit packed data
+    and scales (`grid.packed`) quantized from `full_dtype` values, filled by `items` reads."""
+    if grid.packed:
+        return PackedDest(grid.packed, target.local_shape, grid.group, full_dtype, device, items)
     scale = torch.empty(scale_shape(target.local_shape, grid.group, grid.axis, grid.rows), dtype=torch.float32, device=device)
-    return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, *grid)
+    return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, grid.group, grid.axis,
+                         grid.keep, grid.rows)
 
 
 def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> TensorDest:

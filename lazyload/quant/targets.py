@@ -10,6 +10,7 @@ from ..plan import REPLICATE
 from .experts import quantizable_experts, swap_experts
 from .linear import quantizable_linears, swap_linears
 from .fp8_modules import swap_to_fp8_linears
+from .packed import swap_packed_linears
 from .onload import BLOCK, Grid, Quantization, grid_for
 
 
@@ -20,7 +21,8 @@ def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict
     if config is None:
         return {}
     axes = {f"{module}.weight": -1 for module in quantizable_linears(model, config)}
-    axes.update(quantizable_experts(model, config))
+    if not config.packed:  # 4 bits: Linear layers only (fused experts stay in full precision)
+        axes.update(quantizable_experts(model, config))
     return {name: grid_for(name, exprs[name], specs[name].shape, placements.get(name, REPLICATE), rank, world,
                            config, axis, lambda key: index[key].dtype, lambda key: index[key].shape)
             for name, axis in axes.items() if name in exprs}  # a tensor not filled is left as it is
@@ -34,10 +36,9 @@ def scale_names(model: nn.Module, grids: dict[str, Grid]) -> dict[str, str]:
 
 
 def saved_bytes(dests: dict, full_dtypes: dict) -> int:
-    """Bytes the quantized targets (name -> QuantizedDest) hold less than they would in their
-    full-precision dtype (name -> torch.dtype), their scales counted."""
-    return sum(dest.data.numel() * full_dtypes[name].itemsize - dest.data.nbytes - dest.scale.nbytes
-               for name, dest in dests.items())
+    """Bytes the quantized targets (name -> QuantizedDest or PackedDest) hold less than they
+    would in their full-precision dtype (name -> torch.dtype), their scales counted."""
+    return sum(dest.bytes_saved(full_dtypes[name]) for name, dest in dests.items())
 
 
 def swap_quantized(model: nn.Module, grids: dict[str, Grid], config: Quantization) -> None:
@@ -45,6 +46,8 @@ def swap_quantized(model: nn.Module, grids: dict[str, Grid], config: Quantizatio
     linears = {name.rpartition(".")[0]: grid for name, grid in grids.items()
                if isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)}
     swap_to_fp8_linears(model, [name for name, grid in linears.items() if grid.rows > 1], BLOCK)
-    swap_linears(model, {name: grid.group for name, grid in linears.items() if grid.rows == 1}, config)
+    swap_packed_linears(model, {name: grid.group for name, grid in linears.items() if grid.packed}, config.packed)
+    swap_linears(model, {name: grid.group for name, grid in linears.items() if grid.rows == 1 and not grid.packed},
+                 config)
     swap_experts(model, {name: (grid.group, grid.axis) for name, grid in grids.items()
                          if name.rpartition(".")[0] not in linears}, config)
