@@ -183,3 +183,58 @@ def test_tensor_parallel_4bit_equals_world1(checkpoint, tmp_path):
     64 columns per rank are whole groups)."""
     directory = str(checkpoint("llama")[0])
     spawn_cases(2, [(directory, "mxfp4"), (directory, "int4:g32")], tmp_path, _run_case)
+
+
+# --------------------------------------------------------------- quantize="keep"
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    from checkpoints import write_checkpoint
+    from quant_checkpoints import write_mxfp4_checkpoint
+
+    src, config = write_checkpoint("gpt_oss", "bf16", tmp_path_factory.mktemp("gpt_oss"), hidden_size=64,
+                                   intermediate_size=64)
+    return write_mxfp4_checkpoint(src, tmp_path_factory.mktemp("mxfp4")), config
+
+
+def test_keep_holds_gpt_oss_experts_as_stored(gpt_oss_mxfp4):
+    """quantize="keep": the experts hold the checkpoint's `_blocks` / `_scales` bytes (0.53
+    bytes per parameter), dequantize per call to what the dequantized load holds (bit-exact
+    against transformers' Mxfp4Config(dequantize=True): tests/test_mxfp4.py), and the model
+    computes the same logits."""
+    from safetensors.torch import load_file
+
+    from lazyload.quant.kept4 import Mxfp4Experts
+
+    directory, config = gpt_oss_mxfp4
+    stored = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+    full = build_model("gpt_oss", config, torch.bfloat16)
+    LazyCheckpoint(str(directory)).load_into(full, progress=False)
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    report = LazyCheckpoint(str(directory)).load_into(model, quantize="keep", progress=False)
+    assert report.ok and not report.unexpected and "Mxfp4Experts" in report.quantized_to
+    held = params = 0
+    for i in range(config.num_hidden_layers):
+        experts = model.model.layers[i].mlp.experts
+        assert isinstance(experts, Mxfp4Experts)
+        for attr in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{attr}"
+            for suffix in ("_blocks", "_scales"):
+                assert torch.equal(getattr(experts, attr + suffix), stored[name + suffix]), name + suffix
+                held += stored[name + suffix].nbytes
+            want = full.get_parameter(name)
+            params += want.numel()
+            assert torch.equal(experts.dequantized(attr), want), name
+    assert held / params == 0.5 + 1 / 32 and report.bytes_saved == params * 2 - held
+    ids = fixed_input(config)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, full(input_ids=ids).logits)
+
+
+def test_keep_under_tp_is_refused_before_anything_changes(gpt_oss_mxfp4):
+    directory, config = gpt_oss_mxfp4
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    with pytest.raises(PlanError, match="world 1 only"):
+        LazyCheckpoint(str(directory)).load_into(model, 0, 2, quantize="keep", plan="ep", progress=False)
+    assert all(p.is_meta for p in model.parameters()) and hasattr(model.model.layers[0].mlp.experts, "gate_up_proj")

@@ -28,6 +28,7 @@ from .pack4 import FIXED_GROUP, PER_WORD, STORED
 
 QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PACKED = ("nvfp4", "mxfp4", "int4")  # 4-bit, kept packed (quant.packed)
+KEEP = "keep"  # a 4-bit checkpoint's packed bytes held as stored (quant.kept4)
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # Kept in full precision unless asked: the output head and MoE routers (embeddings and
 # norms are no Linear layers, so never quantized).
@@ -70,8 +71,11 @@ class Quantization:
     format: str = "lazyload"
 
     def __post_init__(self) -> None:
+        if self.dtype == KEEP:
+            return object.__setattr__(self, "torchao", False)
         if self.dtype not in QDTYPES and self.dtype not in PACKED:
-            raise ArgumentError(f"Quantization dtype={self.dtype!r}: use 'int8', 'fp8', 'nvfp4', 'mxfp4' or 'int4'.")
+            raise ArgumentError(f"Quantization dtype={self.dtype!r}: use 'int8', 'fp8', 'nvfp4', 'mxfp4', 'int4' or "
+                                "'keep'.")
         if self.dtype in PACKED:
             return self._check_packed()
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
@@ -114,24 +118,27 @@ class Quantization:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return STORED[self.dtype] if self.packed else QDTYPES[self.dtype]
+        return STORED[self.dtype] if self.packed else torch.uint8 if self.dtype == KEEP else QDTYPES[self.dtype]
 
     @classmethod
     def of(cls, quantize: "str | Quantization | None") -> "Quantization | None":
         """The argument of `load_into(quantize=...)`: None, "int8", "fp8", "nvfp4", "mxfp4",
-        "int4" (groups of 128) or "int4:gN" (groups of N), or a Quantization."""
+        "int4" (groups of 128) or "int4:gN" (groups of N), "keep" (a 4-bit checkpoint held packed),
+        or a Quantization."""
         if quantize is None or isinstance(quantize, Quantization):
             return quantize
-        if isinstance(quantize, str) and (quantize in QDTYPES or quantize in PACKED):
+        if isinstance(quantize, str) and (quantize in QDTYPES or quantize in PACKED or quantize == KEEP):
             return cls(quantize)
         if isinstance(quantize, str) and (m := re.fullmatch(r"int4:g(\d+)", quantize)):
             return cls("int4", group_size=int(m.group(1)))
         raise ArgumentError(f"quantize={quantize!r}: use None, 'int8', 'fp8', 'nvfp4', 'mxfp4', 'int4', 'int4:g32' "
-                            "(a group size) or lazyload.Quantization(...).")
+                            "(a group size), 'keep' or lazyload.Quantization(...).")
 
     def describe(self, torchao_layers: int = 0) -> str:
         """What the quantized weights hold, in words (for the LoadReport), with the number
         of layers held by torchao's tensors."""
+        if self.dtype == KEEP:
+            return "MXFP4 experts kept packed as stored (E2M1 blocks, an E8M0 scale per 32) in lazyload's Mxfp4Experts"
         if self.packed:
             scale = {"nvfp4": "a float8_e4m3fn scale per 16 input columns and a float32 global scale",
                      "mxfp4": "an E8M0 scale per 32 input columns"}.get(self.dtype, f"a scale per {self.group_size} "

@@ -11,7 +11,8 @@ from .experts import quantizable_experts, swap_experts
 from .linear import quantizable_linears, swap_linears
 from .fp8_modules import swap_to_fp8_linears
 from .packed import swap_packed_linears
-from .onload import BLOCK, Grid, Quantization, grid_for
+from .kept4 import kept_grids, swap_kept_experts
+from .onload import BLOCK, KEEP, Grid, Quantization, grid_for
 
 
 def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict, specs: dict, placements: dict,
@@ -20,6 +21,8 @@ def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict
     a TP split that would cut a scale group is refused here, before the model changes."""
     if config is None:
         return {}
+    if config.dtype == KEEP:
+        return kept_grids(exprs, specs, index, world)
     axes = {f"{module}.weight": -1 for module in quantizable_linears(model, config)}
     if not config.packed:  # 4 bits: Linear layers only (fused experts stay in full precision)
         axes.update(quantizable_experts(model, config))
@@ -43,6 +46,8 @@ def saved_bytes(dests: dict, full_dtypes: dict) -> int:
 
 def swap_quantized(model: nn.Module, grids: dict[str, Grid], config: Quantization) -> None:
     """Swap the modules of the quantized targets (on meta; the load fills them)."""
+    swap_kept_experts(model, [name for name, grid in grids.items() if grid.keep and grid.packed])
+    grids = {name: grid for name, grid in grids.items() if not (grid.keep and grid.packed)}
     linears = {name.rpartition(".")[0]: grid for name, grid in grids.items()
                if isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)}
     swap_to_fp8_linears(model, [name for name, grid in linears.items() if grid.rows > 1], BLOCK)

@@ -1,0 +1,138 @@
+"""4-bit checkpoints kept packed (`quantize="keep"`): MXFP4 experts in gpt-oss's layout held
+as their stored blocks and scales instead of being dequantized on load.
+
+The model's experts module (`GptOssExperts`: `gate_up_proj` [E, K, R] in full precision)
+becomes `Packed<class>` (an `Mxfp4Experts`), holding `X_blocks` uint8 [E, R, K/32, 16] and `X_scales` uint8
+[E, R, K/32] under transformers' names (a `Mxfp4GptOssExperts`' state dict); for the duration
+of each forward call its `_parameters` hold the dequantized [E, K, R] instead (the kernel of
+lazyload's MXFP4 reader), one tensor's experts in full precision at a time. transformers'
+own `Mxfp4GptOssExperts` runs only with triton kernels on a GPU; this holder runs anywhere.
+A load reads the packed bytes as they are stored, whole 32-column groups per rank.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, PlanError
+from ..expr import box_shape
+from ..plan import ReadItem
+from ..targets import local_tensor
+from .dequant import QuantizedBox
+from .fp4 import BLOCKS, E8M0_NAN, SCALES, dequantize_mxfp4_into
+
+MX_GROUP = 32
+
+
+def kept_box(dst_box: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The box of the blocks [E, R, K/32] that a box of the module's [E, K, R] holds."""
+    (e, (k0, k1), r) = dst_box
+    return (e, r, (k0 // MX_GROUP, k1 // MX_GROUP))
+
+
+class KeptMxfp4Dest:
+    """The destination of an MXFP4 experts tensor kept packed: the local blocks and scales,
+    filled with the stored bytes of each read box."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device):
+        e, k, r = shape
+        self.device = device
+        self.blocks = torch.empty((e, r, k // MX_GROUP, MX_GROUP // 2), dtype=torch.uint8, device=device)
+        self.scales = torch.empty((e, r, k // MX_GROUP), dtype=torch.uint8, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def box(self, item: ReadItem) -> None:
+        return None  # a quantized box: blocks and scales, placed by `place`
+
+    def place(self, item: ReadItem, source: QuantizedBox) -> None:
+        if bool((source.scale == E8M0_NAN).any()):
+            raise CheckpointError(f"{item.scales.scale.key} ({item.scales.scale.file}): an MXFP4 scale is "
+                                  f"{E8M0_NAN} (E8M0 NaN); the checkpoint is corrupt, every weight of its group is NaN.")
+        at = tuple(slice(a, b) for a, b in kept_box(item.dst_box))
+        self.blocks[at] = source.weight.reshape(box_shape(kept_box(item.dst_box)) + (MX_GROUP // 2,))
+        self.scales[at] = source.scale.reshape(box_shape(kept_box(item.dst_box)))
+
+    def write(self, box, values: torch.Tensor) -> None:
+        raise TypeError("an MXFP4 tensor kept packed takes stored bytes, not values (a lazyload bug)")
+
+    def scratch_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        return {name + BLOCKS: self.blocks, name + SCALES: self.scales}
+
+    def bytes_saved(self, full_dtype: torch.dtype) -> int:
+        return self.blocks.numel() * 2 * full_dtype.itemsize - self.blocks.nbytes - self.scales.nbytes
+
+
+class Mxfp4Experts(nn.Module):
+    """Mixed into an experts module's class: each kept tensor `X` is held as `X_blocks` and
+    `X_scales`; forward runs the class's own forward with `X` dequantized ([E, K, R])."""
+
+    _lazyload_kept: dict[str, torch.dtype]  # X -> the dtype it computes in
+
+    def dequantized(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        blocks, scales = local_tensor(self._parameters[name + BLOCKS]), local_tensor(self._parameters[name + SCALES])
+        e, r, groups, _ = blocks.shape
+        out = torch.empty((e, groups * MX_GROUP, r), dtype=dtype or self._lazyload_kept[name], device=blocks.device)
+        dequantize_mxfp4_into(out.transpose(-1, -2), blocks, scales)
+        return out
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        try:
+            for name, compute in self._lazyload_kept.items():
+                self._parameters[name] = self.dequantized(name, compute if dtype is None else dtype)
+            return super().forward(*args, **kwargs)
+        finally:
+            for name in self._lazyload_kept:
+                self._parameters.pop(name, None)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def swap_kept_experts(model: nn.Module, names: list[str]) -> None:
+    """Hold the named 3-D expert tensors as MXFP4 blocks and scales (on meta; the load fills
+    them), their modules `Mxfp4Experts`."""
+    for name in names:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        cls = type(module)
+        if not issubclass(cls, Mxfp4Experts):
+            cls = _CLASSES.setdefault(cls, type(f"Packed{cls.__name__}", (Mxfp4Experts, cls), {"__module__": __name__}))
+            module.__class__ = cls
+            module._lazyload_kept = {}
+        old = module._parameters.pop(attr)
+        e, k, r = old.shape
+        module._lazyload_kept[attr] = old.dtype
+        module.register_parameter(attr + BLOCKS, nn.Parameter(torch.empty(
+            (e, r, k // MX_GROUP, MX_GROUP // 2), dtype=torch.uint8, device="meta"), requires_grad=False))
+        module.register_parameter(attr + SCALES, nn.Parameter(torch.empty(
+            (e, r, k // MX_GROUP), dtype=torch.uint8, device="meta"), requires_grad=False))
+
+
+def kept_grids(exprs: dict, specs: dict, index, world: int) -> dict:
+    """Target name -> its grid, for every 3-D tensor the checkpoint stores as MXFP4 blocks
+    and scales (`expr.Mxfp4` pieces, transposed into the module's [E, K, R]); at world 1."""
+    from .onload import Grid
+
+    out = {}
+    for name, expr in exprs.items():
+        shape = tuple(specs[name].shape)
+        if len(shape) != 3:
+            continue
+        pieces = expr.pieces(tuple((0, n) for n in shape), index.shape_of)
+        if pieces and all(p.scales is not None and index[p.key].dtype == torch.uint8 and p.scales.block[-1] == MX_GROUP
+                          and any(op[0] == "transpose" for op in p.ops) for p in pieces):
+            out[name] = Grid(MX_GROUP, -2, True, 1, "mxfp4")
+    if out and world > 1:
+        raise PlanError(f"quantize='keep' holds MXFP4 experts packed at world 1 only ({len(out)} tensors, e.g. "
+                        f"{next(iter(out))}); at world {world} load them dequantized (quantize=None), whose TP/EP "
+                        "shards are whole 32-column groups. Worlds that work: 1.")
+    return out
