@@ -201,7 +201,7 @@ def dequant_into(dest: torch.Tensor, item: ReadItem, source: QuantizedBox) -> No
     `dest` (seen through the inverse of its ops), exactly and without a full-size temporary."""
     view = undo_ops(dest[tuple(slice(a, b) for a, b in item.dst_box)], item.ops)
     start = tuple(a for a, _ in item.src_box)
-    dequantize_into(view, source, start, item.scales.block)
+    dequantize_into(view, source, start, item.scales.block, item.scales.codec)
 
 
 def assign(slot: Slot, tensor: torch.Tensor) -> None:

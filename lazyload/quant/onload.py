@@ -381,7 +381,8 @@ def full_precision(item: ReadItem, source: torch.Tensor | QuantizedBox, device: 
     if item.scales is None:
         return apply_ops(source, item.ops)
     values = torch.empty(box_shape(item.dst_box), dtype=torch.float32, device=device)
-    dequantize_into(undo_ops(values, item.ops), source, tuple(a for a, _ in item.src_box), item.scales.block)
+    dequantize_into(undo_ops(values, item.ops), source, tuple(a for a, _ in item.src_box), item.scales.block,
+                    item.scales.codec)
     return values
 
 

@@ -1,0 +1,182 @@
+"""4-bit checkpoints packed with per-group scales, written by the formats' own code and
+loaded in full precision into a Llama built on the meta device: compressed-tensors'
+`nvfp4-pack-quantized` and `pack-quantized` INT4 (its `ModelCompressor`), ModelOpt's NVFP4
+(`mtq.quantize` + `export_hf_checkpoint`). Bit-exact at world 1 against the formats' own
+dequantization (transformers' `CompressedTensorsConfig(dequantize=True)`; ModelOpt's
+`NVFP4QTensor.dequantize`, transformers having no loader for it), and under TP at worlds 2
+and 4 (gloo) each rank its slice, reading only its rows and whole groups of columns."""
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import assert_same_weights, build_model, copy_checkpoint, reference_model, write_checkpoint
+from quant_checkpoints import modelopt_dequantized, write_ct_packed_checkpoint, write_modelopt_checkpoint
+
+from lazyload import LazyCheckpoint
+from lazyload.errors import PlanError, ReadError, ShapeMismatchError
+
+FORMATS = ("nvfp4", "int4", "modelopt")
+# o_proj's input columns are 4 groups (NVFP4: 64 in groups of 16; INT4: 128 in groups of 32),
+# whole at TP 2 and 4; 8 heads make TP 8 a world that splits the heads but cuts those groups.
+SIZES = {"nvfp4": dict(hidden_size=64, num_attention_heads=8), "int4": dict(hidden_size=128, num_attention_heads=8),
+         "modelopt": dict(hidden_size=64, num_attention_heads=8)}
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Which stored names hold a weight's packed data and its scales, per format.
+PACKED = {"nvfp4": ("weight_packed", "weight_scale"), "int4": ("weight_packed", "weight_scale"),
+          "modelopt": ("weight", "weight_scale")}
+
+
+def _write(fmt: str, root):
+    src, config = write_checkpoint("llama", "bf16", root / "src", **SIZES[fmt])
+    if fmt == "modelopt":
+        return write_modelopt_checkpoint(src, root / fmt), src, config
+    scheme, group = ("NVFP4", None) if fmt == "nvfp4" else ("W4A16", 32)
+    return write_ct_packed_checkpoint(src, root / fmt, scheme, group), src, config
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """fmt -> (checkpoint directory, full-precision source, config), each written once."""
+    cache = {}
+
+    def get(fmt):
+        if fmt not in cache:
+            cache[fmt] = _write(fmt, tmp_path_factory.mktemp(fmt))
+        return cache[fmt]
+    return get
+
+
+def _reference(fmt, directory, src, dtype):
+    if fmt == "modelopt":
+        return modelopt_dequantized(directory, reference_model("llama", src, dtype))
+    from transformers import CompressedTensorsConfig
+
+    return reference_model("llama", directory, dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
+
+
+def _weights(config):
+    return [f"model.layers.{i}.{p}.weight" for i in range(config.num_hidden_layers) for p in PROJECTIONS]
+
+
+@pytest.mark.parametrize("fmt,dtype", [("nvfp4", torch.bfloat16), ("nvfp4", torch.float32),
+                                       ("int4", torch.bfloat16), ("modelopt", torch.bfloat16)])
+def test_world1_is_bit_exact_against_the_formats_own_dequantization(written, fmt, dtype):
+    directory, src, config = written(fmt)
+    reference = _reference(fmt, directory, src, dtype)
+    model = build_model("llama", config, dtype)
+    report = LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    assert report.ok and not report.unexpected and not report.missing
+    assert_same_weights(model, reference)
+    source = reference_model("llama", src, dtype)  # a real check: 4-bit values, not the source's
+    for name in _weights(config):
+        mine = model.get_parameter(name)
+        assert mine.abs().sum() > 0 and not torch.equal(mine, source.get_parameter(name)), name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_world_that_cuts_a_group_is_refused_before_any_byte(written, fmt):
+    """TP 8 by the model's plan splits the 8 heads, but o_proj's 4 groups of input columns
+    only over 1, 2 or 4 ranks."""
+    directory, _, config = written(fmt)
+    model = build_model("llama", config, torch.bfloat16)
+    group = 32 if fmt == "int4" else 16
+    with pytest.raises(PlanError, match=rf"(o|down)_proj.*columns 0:\d+ cut its .* groups of {group}.*one of \[1, 2, 4\]"):
+        LazyCheckpoint(str(directory)).load_into(model, 0, 8, progress=False)
+    assert all(p.is_meta for p in model.parameters())  # untouched
+
+
+def _set_tensor(directory, key: str, value) -> None:
+    """Write `value` into stored tensor `key` of the copy at `directory`."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        if key in tensors:
+            tensors[key] = torch.as_tensor(value, dtype=tensors[key].dtype).reshape(tensors[key].shape)
+            shard.unlink()  # a hard link to the fixture's shard: write a new file
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("fmt,key", [("nvfp4", "weight_global_scale"), ("modelopt", "weight_scale_2")])
+def test_a_zero_global_scale_is_refused_naming_the_tensor(written, fmt, key, tmp_path):
+    directory, _, config = written(fmt)
+    broken = copy_checkpoint(directory, tmp_path / "broken")
+    _set_tensor(broken, f"model.layers.1.mlp.down_proj.{key}", 0.0)
+    model = build_model("llama", config, torch.bfloat16)
+    with pytest.raises(ReadError, match=rf"CheckpointError: an NVFP4 {key} is 0.0.*down_proj") as info:
+        LazyCheckpoint(str(broken)).load_into(model, progress=False)
+    assert "model.layers.1.mlp.down_proj.weight" in info.value.not_loaded
+
+
+def test_a_weight_shape_that_disagrees_with_the_packed_data_is_refused_before_any_byte(written, tmp_path):
+    directory, _, config = written("int4")
+    broken = copy_checkpoint(directory, tmp_path / "broken")
+    _set_tensor(broken, "model.layers.0.mlp.down_proj.weight_shape", [128, 136])
+    model = build_model("llama", config, torch.bfloat16)
+    with pytest.raises(ShapeMismatchError, match=r"down_proj.weight_shape.*\[128, 136\].*\[128, 128\]"):
+        LazyCheckpoint(str(broken)).load_into(model, progress=False)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_inspect_shows_the_format_group_and_pairs(written, capsys):
+    from lazyload.cli import main
+
+    for fmt, label in (("nvfp4", "nvfp4 (group 16)"), ("int4", "int4 (group 32)"),
+                       ("modelopt", "nvfp4-modelopt (group 16)")):
+        directory, _, _ = written(fmt)
+        assert main(["inspect", str(directory)]) == 0
+        out = capsys.readouterr().out
+        packed, scale = PACKED[fmt]
+        assert label in out, out
+        assert f"model.layers.0.mlp.down_proj.{packed} + model.layers.0.mlp.down_proj.{scale}" in out, out
+
+
+def _share(full: torch.Tensor, mine: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The rank's slice of `full` along the dim `mine` is split on (a KV projection over
+    fewer heads than ranks: the slice of its group of ranks)."""
+    split = [d for d in range(full.ndim) if mine.shape[d] != full.shape[d]]
+    if not split:
+        return full
+    shards = full.shape[split[0]] // mine.shape[split[0]]
+    return full.chunk(shards, split[0])[rank // (world // shards)]
+
+
+def _gloo_case(case, rank, world):
+    """TP by the model's plan: each rank its slice of world 1's load (bit-exact against the
+    format's own dequantization in the world-1 test), its report's bytes the plan's, and the
+    plan reading of each packed weight and its scales exactly the rank's share."""
+    fmt, directory = case
+    from checkpoints import make_config
+
+    from lazyload.summary import plan_ranks
+
+    config = make_config("llama", **SIZES[fmt])
+    full = build_model("llama", config, torch.bfloat16)
+    LazyCheckpoint(directory).load_into(full, progress=False)
+    model = build_model("llama", config, torch.bfloat16)
+    report = LazyCheckpoint(directory).load_into(model, rank, world, progress=False)
+    assert report.ok
+    plans, _ = plan_ranks(directory, world)
+    assert report.bytes_read + report.bytes_mapped == plans[rank].bytes_to_read
+    read: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for item in plans[rank].items:
+        for part in item.reads():
+            read[part.entry.key] = read.get(part.entry.key, 0) + part.nbytes
+            sizes[part.entry.key] = part.entry.nbytes
+    for name in _weights(config):
+        want, mine = full.get_parameter(name).detach(), model.get_parameter(name).detach()
+        mine = mine.to_local() if hasattr(mine, "to_local") else mine
+        assert torch.equal(mine, _share(want, mine, rank, world)), f"{fmt} {name} rank {rank}"
+        base = name[:-len("weight")]
+        for stored in PACKED[fmt]:
+            key = base + stored
+            assert read[key] * want.numel() == sizes[key] * mine.numel(), f"{fmt} {key} rank {rank}: {read[key]} bytes"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_under_gloo(written, world, tmp_path):
+    from gloo import spawn_cases
+
+    spawn_cases(world, [(fmt, str(written(fmt)[0])) for fmt in FORMATS], tmp_path, _gloo_case)
