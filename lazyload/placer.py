@@ -20,7 +20,7 @@ from .expr import Box, Whole, apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
 from .quant.onload import Grid, QuantizedDest, scale_shape
-from .quant.kept4 import KeptMxfp4Dest
+from .quant.kept4 import KeptMxfp4Dest, KeptPackedDest
 from .quant.packed import PackedDest
 from .readers import byte_runs
 from .targets import Slot, current_tensor, is_dtensor, local_tensor
@@ -31,7 +31,9 @@ def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device, ful
     """8-bit data and float32 scales for a target quantized on load, or 4-bit packed data
     and scales (`grid.packed`) quantized from `full_dtype` values, filled by `items` reads."""
     if grid.packed and grid.keep:
-        return KeptMxfp4Dest(target.local_shape, device)
+        if len(target.local_shape) == 3:
+            return KeptMxfp4Dest(target.local_shape, device)
+        return KeptPackedDest(grid.packed, target.local_shape, grid.group, full_dtype, device, items)
     if grid.packed:
         return PackedDest(grid.packed, target.local_shape, grid.group, full_dtype, device, items)
     scale = torch.empty(scale_shape(target.local_shape, grid.group, grid.axis, grid.rows), dtype=torch.float32, device=device)

@@ -238,3 +238,44 @@ def test_keep_under_tp_is_refused_before_anything_changes(gpt_oss_mxfp4):
     with pytest.raises(PlanError, match="world 1 only"):
         LazyCheckpoint(str(directory)).load_into(model, 0, 2, quantize="keep", plan="ep", progress=False)
     assert all(p.is_meta for p in model.parameters()) and hasattr(model.model.layers[0].mlp.experts, "gate_up_proj")
+
+
+@pytest.fixture(scope="module")
+def ct_packed(tmp_path_factory, llama_bf16):
+    """preset -> a compressed-tensors checkpoint of the bf16 Llama written by its own code."""
+    from quant_checkpoints import write_ct_packed_checkpoint
+
+    src, config = llama_bf16
+    return {preset: write_ct_packed_checkpoint(src, tmp_path_factory.mktemp(preset), preset, group)
+            for preset, group in (("NVFP4", None), ("W4A16", 32))}
+
+
+@pytest.mark.parametrize("preset", ["NVFP4", "W4A16"])
+def test_keep_holds_compressed_tensors_weights_as_stored(ct_packed, llama_bf16, preset):
+    """quantize="keep" on compressed-tensors NVFP4 / INT4: each Linear layer is a Packed4Linear
+    holding the stored `weight_packed`, `weight_scale` (and `weight_global_scale`) bytes,
+    dequantizing to what the dequantized load holds (bit-exact against transformers'
+    CompressedTensorsConfig(dequantize=True): tests/test_packed4.py), same logits."""
+    from safetensors.torch import load_file
+
+    directory, (_, config) = ct_packed[preset], llama_bf16
+    stored = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+    full = build_model("llama", config, torch.bfloat16)
+    LazyCheckpoint(str(directory)).load_into(full, progress=False)
+    model = build_model("llama", config, torch.bfloat16)
+    report = LazyCheckpoint(str(directory)).load_into(model, quantize="keep", progress=False)
+    holders = {n: m for n, m in model.named_modules() if isinstance(m, Packed4Linear)}
+    assert report.ok and len(holders) == 7 * config.num_hidden_layers and "Packed4Linear" in report.quantized_to
+    held = 0
+    for name, module in holders.items():
+        pairs = [("weight", "weight_packed"), ("weight_scale", "weight_scale")]
+        pairs += [("weight_global_scale", "weight_global_scale")] if preset == "NVFP4" else []
+        for attr, key in pairs:
+            assert torch.equal(_bits(getattr(module, attr)), _bits(stored[f"{name}.{key}"])), f"{name}.{key}"
+            held += getattr(module, attr).nbytes
+        assert torch.equal(module.dequantized_weight(torch.bfloat16), full.get_parameter(name + ".weight")), name
+    params = sum(m.in_features * m.out_features for m in holders.values())
+    assert report.bytes_saved == params * 2 - held
+    ids = fixed_input(config)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, full(input_ids=ids).logits)

@@ -1,5 +1,7 @@
 """4-bit checkpoints kept packed (`quantize="keep"`): MXFP4 experts in gpt-oss's layout held
-as their stored blocks and scales instead of being dequantized on load.
+as their stored blocks and scales instead of being dequantized on load; compressed-tensors'
+NVFP4 / INT4 Linear weights held as stored in lazyload's `Packed4Linear` (compressed-tensors
+0.20 has no `CompressedLinear` any more: it raises "no longer supported").
 
 The model's experts module (`GptOssExperts`: `gate_up_proj` [E, K, R] in full precision)
 becomes `Packed<class>` (an `Mxfp4Experts`), holding `X_blocks` uint8 [E, R, K/32, 16] and `X_scales` uint8
@@ -22,6 +24,8 @@ from ..plan import ReadItem
 from ..targets import local_tensor
 from .dequant import QuantizedBox
 from .fp4 import BLOCKS, E8M0_NAN, SCALES, dequantize_mxfp4_into
+from .pack4 import PER_WORD
+from .packed import PackedDest
 
 MX_GROUP = 32
 
@@ -68,6 +72,32 @@ class KeptMxfp4Dest:
 
     def bytes_saved(self, full_dtype: torch.dtype) -> int:
         return self.blocks.numel() * 2 * full_dtype.itemsize - self.blocks.nbytes - self.scales.nbytes
+
+
+class KeptPackedDest(PackedDest):
+    """The destination of a compressed-tensors NVFP4 / INT4 Linear weight kept as stored:
+    its packed data, its scales (in the checkpoint's dtype, which its dequantization rounds
+    to) and its global scale, copied from each read box."""
+
+    def place(self, item: ReadItem, source: QuantizedBox) -> None:
+        (r0, r1), (c0, c1) = item.dst_box
+        per, g = PER_WORD[self.scheme], self.group
+        with self._lock:
+            if self.scale.dtype != source.scale.dtype:
+                self.scale = torch.empty(self.scale.shape, dtype=source.scale.dtype, device=self.device)
+        self.data[r0:r1, c0 // per:c1 // per] = source.weight.reshape(r1 - r0, (c1 - c0) // per)
+        self.scale[r0:r1, c0 // g:c1 // g] = source.scale.reshape(r1 - r0, (c1 - c0) // g)
+        if self.global_scale is not None:
+            self.global_scale.copy_(checked_global(source.glob, item.scales.glob.key))
+
+
+def checked_global(value: torch.Tensor, key: str) -> torch.Tensor:
+    """An NVFP4 global scale (it divides every scale), refused when zero, NaN or infinite."""
+    scalar = value.reshape(1).float()
+    if not bool(torch.isfinite(scalar).all()) or float(scalar) == 0.0:
+        raise CheckpointError(f"{key}: the NVFP4 global scale is {float(scalar)}; it divides every scale, so the "
+                              "weight would be inf or NaN. The checkpoint is corrupt or was never calibrated.")
+    return scalar
 
 
 class Mxfp4Experts(nn.Module):
@@ -117,22 +147,29 @@ def swap_kept_experts(model: nn.Module, names: list[str]) -> None:
             (e, r, k // MX_GROUP), dtype=torch.uint8, device="meta"), requires_grad=False))
 
 
-def kept_grids(exprs: dict, specs: dict, index, world: int) -> dict:
-    """Target name -> its grid, for every 3-D tensor the checkpoint stores as MXFP4 blocks
-    and scales (`expr.Mxfp4` pieces, transposed into the module's [E, K, R]); at world 1."""
+def kept_grids(exprs: dict, specs: dict, index, world: int, linears: set[str]) -> dict:
+    """Target name -> its grid, for every tensor the checkpoint stores packed in 4 bits that
+    a holder keeps as stored, at world 1: 3-D experts in gpt-oss's MXFP4 layout (`expr.Mxfp4`
+    pieces, transposed into the module's [E, K, R]), and the weights of the Linear layers
+    `linears` in compressed-tensors' NVFP4 / INT4 (`expr.Packed4` pieces, no ops)."""
     from .onload import Grid
 
     out = {}
     for name, expr in exprs.items():
         shape = tuple(specs[name].shape)
-        if len(shape) != 3:
-            continue
         pieces = expr.pieces(tuple((0, n) for n in shape), index.shape_of)
-        if pieces and all(p.scales is not None and index[p.key].dtype == torch.uint8 and p.scales.block[-1] == MX_GROUP
-                          and any(op[0] == "transpose" for op in p.ops) for p in pieces):
+        if not pieces or any(p.scales is None for p in pieces):
+            continue
+        codecs = {p.scales.codec for p in pieces}
+        if len(shape) == 3 and codecs == {None} and all(
+                index[p.key].dtype == torch.uint8 and p.scales.block[-1] == MX_GROUP
+                and any(op[0] == "transpose" for op in p.ops) for p in pieces):
             out[name] = Grid(MX_GROUP, -2, True, 1, "mxfp4")
+        elif name.rpartition(".")[0] in linears and len(codecs) == 1 and codecs <= {"nvfp4", "int4"} and not any(
+                p.ops for p in pieces):
+            out[name] = Grid(pieces[0].scales.block[-1], -1, True, 1, codecs.pop())
     if out and world > 1:
-        raise PlanError(f"quantize='keep' holds MXFP4 experts packed at world 1 only ({len(out)} tensors, e.g. "
+        raise PlanError(f"quantize='keep' holds 4-bit weights packed at world 1 only ({len(out)} tensors, e.g. "
                         f"{next(iter(out))}); at world {world} load them dequantized (quantize=None), whose TP/EP "
-                        "shards are whole 32-column groups. Worlds that work: 1.")
+                        "shards are whole groups. Worlds that work: 1.")
     return out

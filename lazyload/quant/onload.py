@@ -138,7 +138,9 @@ class Quantization:
         """What the quantized weights hold, in words (for the LoadReport), with the number
         of layers held by torchao's tensors."""
         if self.dtype == KEEP:
-            return "MXFP4 experts kept packed as stored (E2M1 blocks, an E8M0 scale per 32) in lazyload's Mxfp4Experts"
+            return ("4-bit weights kept packed as stored: MXFP4 experts (E2M1 blocks, an E8M0 scale per 32) in "
+                    "lazyload's Mxfp4Experts, compressed-tensors NVFP4 / INT4 Linear layers in lazyload's "
+                    "Packed4Linear")
         if self.packed:
             scale = {"nvfp4": "a float8_e4m3fn scale per 16 input columns and a float32 global scale",
                      "mxfp4": "an E8M0 scale per 32 input columns"}.get(self.dtype, f"a scale per {self.group_size} "

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from .fp4 import dequantize_mxfp4_into, dequantize_nvfp4_into
+from .int4 import dequantize_int4_into
+
 FP4_SCHEMES = ("nvfp4", "mxfp4")
 FIXED_GROUP = {"nvfp4": 16, "mxfp4": 32}
 PER_WORD = {"nvfp4": 2, "mxfp4": 2, "int4": 8}  # values per stored element (uint8; int32)
@@ -103,28 +106,15 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (nibbles << shifts).sum(-1, dtype=torch.int32)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 words -> the int8 values they hold (8 per word)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return (((packed.unsqueeze(-1) >> shifts) & 0xF) - 8).to(torch.int8).flatten(-2)
-
-
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 bytes -> the float32 E2M1 values they hold (2 per byte, low nibble first)."""
-    lut = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
-    return torch.stack((lut[(packed & 0x0F).long()], lut[(packed >> 4).long()]), -1).flatten(-2)
-
-
 def dequantize_packed(scheme: str, packed: torch.Tensor, scale: torch.Tensor, group: int,
                       global_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The `dtype` weight the packed bytes and scales hold (compressed-tensors' decompression)."""
+    """The `dtype` weight the packed bytes and scales hold, with the dequantizers of the
+    checkpoints' readers (compressed-tensors' decompression; MXFP4 as transformers')."""
+    out = torch.empty(packed.shape[:-1] + (packed.shape[-1] * PER_WORD[scheme],), dtype=dtype, device=packed.device)
     if scheme == "int4":
-        q = unpack_int4(packed).unflatten(-1, (scale.shape[-1], group))
-        return (q.to(scale.dtype) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
-    values = unpack_e2m1(packed).unflatten(-1, (scale.shape[-1], group))
-    if scheme == "nvfp4":
-        return (values * (scale.to(torch.float32) / global_scale).unsqueeze(-1)).flatten(-2).to(dtype)
-    return torch.ldexp(values, (scale.to(torch.int32) - 127).unsqueeze(-1)).flatten(-2).to(dtype)
+        dequantize_int4_into(out, packed, scale)
+    elif scheme == "nvfp4":
+        dequantize_nvfp4_into(out, packed, scale, global_scale)
+    else:
+        dequantize_mxfp4_into(out, packed.unflatten(-1, (packed.shape[-1] * 2 // group, group // 2)), scale)
+    return out

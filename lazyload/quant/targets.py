@@ -12,7 +12,7 @@ from .linear import quantizable_linears, swap_linears
 from .fp8_modules import swap_to_fp8_linears
 from .packed import swap_packed_linears
 from .kept4 import kept_grids, swap_kept_experts
-from .onload import BLOCK, KEEP, Grid, Quantization, grid_for
+from .onload import BLOCK, KEEP, PACKED, Grid, Quantization, grid_for
 
 
 def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict, specs: dict, placements: dict,
@@ -22,7 +22,7 @@ def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict
     if config is None:
         return {}
     if config.dtype == KEEP:
-        return kept_grids(exprs, specs, index, world)
+        return kept_grids(exprs, specs, index, world, set(quantizable_linears(model, config)))
     axes = {f"{module}.weight": -1 for module in quantizable_linears(model, config)}
     if not config.packed:  # 4 bits: Linear layers only (fused experts stay in full precision)
         axes.update(quantizable_experts(model, config))
@@ -46,12 +46,15 @@ def saved_bytes(dests: dict, full_dtypes: dict) -> int:
 
 def swap_quantized(model: nn.Module, grids: dict[str, Grid], config: Quantization) -> None:
     """Swap the modules of the quantized targets (on meta; the load fills them)."""
-    swap_kept_experts(model, [name for name, grid in grids.items() if grid.keep and grid.packed])
-    grids = {name: grid for name, grid in grids.items() if not (grid.keep and grid.packed)}
     linears = {name.rpartition(".")[0]: grid for name, grid in grids.items()
                if isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)}
+    swap_kept_experts(model, [name for name, grid in grids.items()
+                              if grid.keep and grid.packed and name.rpartition(".")[0] not in linears])
+    grids = {name: grid for name, grid in grids.items() if not (grid.keep and grid.packed)}
     swap_to_fp8_linears(model, [name for name, grid in linears.items() if grid.rows > 1], BLOCK)
-    swap_packed_linears(model, {name: grid.group for name, grid in linears.items() if grid.packed}, config.packed)
+    for scheme in PACKED:
+        swap_packed_linears(model, {name: grid.group for name, grid in linears.items() if grid.packed == scheme},
+                            scheme)
     swap_linears(model, {name: grid.group for name, grid in linears.items() if grid.rows == 1 and not grid.packed},
                  config)
     swap_experts(model, {name: (grid.group, grid.axis) for name, grid in grids.items()
