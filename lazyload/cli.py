@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut a rank's file by layer past this size: bytes, or with a unit (500MB, 1GB = 10^9, "
                         "1GiB = 2^30)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds files (never SRC)")
-    p.add_argument("--quantize", choices=["int8", "fp8"], default=None,
+    p.add_argument("--quantize", choices=["int8", "fp8", "nvfp4", "int4"], default=None,
                    help="write a compressed-tensors checkpoint (with --world 1) whose Linear weights are quantized "
-                        "as load_into(quantize=...) quantizes them, which transformers and vLLM load")
+                        "as load_into(quantize=...) quantizes them, which transformers and vLLM load (nvfp4: "
+                        "nvfp4-pack-quantized; int4: pack-quantized, groups of --group-size)")
     p.add_argument("--group-size", type=_group_size, default=None, metavar="G",
                    help="with --quantize: input columns per scale (default 128; a weight's columns must be whole "
                         "groups), or 'none' for one scale per row")
@@ -140,7 +141,8 @@ def _run(args: argparse.Namespace) -> str:
         from .writers import save_sharded
 
         if args.quantize is None and (args.skip or args.group_size is not None):
-            raise ArgumentError("--group-size and --skip describe the quantization: pass --quantize int8|fp8 too.")
+            raise ArgumentError("--group-size and --skip describe the quantization: pass --quantize "
+                                "int8|fp8|nvfp4|int4 too.")
         group = 128 if args.group_size is None else args.group_size or None
         quantize = args.quantize and Quantization(args.quantize, group_size=group, skip=tuple(args.skip))
         return save_sharded(args.src, args.out, args.world, plan, config=args.config,

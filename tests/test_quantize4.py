@@ -279,3 +279,45 @@ def test_keep_holds_compressed_tensors_weights_as_stored(ct_packed, llama_bf16, 
     ids = fixed_input(config)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, full(input_ids=ids).logits)
+
+
+# --------------------------------------------------------------- reshard --quantize nvfp4|int4
+
+
+@pytest.mark.parametrize("scheme,fmt", [("nvfp4", "nvfp4-pack-quantized"), ("int4:g32", "pack-quantized")])
+def test_reshard_writes_compressed_tensors_4bit(llama_bf16, loaded, tmp_path, scheme, fmt):
+    """`lazyload reshard --quantize`: a compressed-tensors checkpoint that transformers'
+    from_pretrained (CompressedTensorsConfig(dequantize=True)) loads to exactly what
+    lazyload reads from it; lazyload's quantize="keep" holds its bytes, which are
+    quantize-on-load's (NVFP4: q/k/v and gate/up share one global scale, as vLLM fuses them)."""
+    import json
+
+    from checkpoints import reference_model
+    from transformers import CompressedTensorsConfig
+
+    from lazyload.cli import main
+
+    directory, config = llama_bf16
+    out = tmp_path / "ct"
+    group = ["--group-size", "32"] if scheme.startswith("int4") else []
+    assert main(["reshard", str(directory), str(out), "--world", "1", "--quantize", scheme.partition(":")[0]]
+                + group) in (0, None)
+    meta = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert meta["format"] == fmt and meta["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    theirs = reference_model("llama", out, torch.bfloat16,
+                             quantization_config=CompressedTensorsConfig(dequantize=True))
+    ours = build_model("llama", config, torch.bfloat16)
+    assert LazyCheckpoint(str(out)).load_into(ours, progress=False).ok
+    for name, param in theirs.named_parameters():
+        assert torch.equal(param, ours.get_parameter(name)), name
+    kept = build_model("llama", config, torch.bfloat16)
+    LazyCheckpoint(str(out)).load_into(kept, quantize="keep", progress=False)
+    on_load, _ = loaded[scheme]
+    for i in range(config.num_hidden_layers):
+        for name in (f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"):
+            a, b = kept.get_submodule(name), on_load.get_submodule(name)
+            assert torch.equal(a.weight, b.weight) and torch.equal(_bits(a.weight_scale), _bits(b.weight_scale)), name
+        if scheme == "nvfp4":
+            attn, mlp = kept.model.layers[i].self_attn, kept.model.layers[i].mlp
+            assert attn.q_proj.weight_global_scale == attn.k_proj.weight_global_scale == attn.v_proj.weight_global_scale
+            assert mlp.gate_proj.weight_global_scale == mlp.up_proj.weight_global_scale
