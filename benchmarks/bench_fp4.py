@@ -7,6 +7,8 @@ quantized and written by each format's own code, then loaded dequantized to bf16
 
 Rows per format (each in a fresh process, page cache warm, see common.run_isolated):
   lazyload                   LazyCheckpoint(dir).load_into(meta_model)  (bf16)
+  lazyload kept packed       load_into(meta_model, quantize="keep"): compressed-tensors' bytes held as
+                             stored in Packed4Linear (ModelOpt's NVFP4 is not kept: dequantized)
   transformers               from_pretrained(dir, dtype=bf16,
                              quantization_config=CompressedTensorsConfig(dequantize=True));
                              for ModelOpt's NVFP4 transformers has no loader of pre-quantized
@@ -42,6 +44,21 @@ def case_lazyload(args, meter):
     meter.start()
     model = bench_load._meta_model(config, torch.bfloat16)
     LazyCheckpoint(args["ckpt_dir"]).load_into(model, progress=False)
+    meter.loaded(model)
+    return model
+
+
+def case_lazyload_keep(args, meter):
+    import torch
+    from lazyload import LazyCheckpoint
+    from transformers import LlamaForCausalLM  # noqa: F401  imported before the clock
+    if args["format"] == "modelopt":
+        raise CaseSkipped("quantize='keep' holds compressed-tensors' NVFP4 / INT4; ModelOpt's NVFP4 (its "
+                          "weight_scale_2 multiplies) is loaded dequantized")
+    config = bench_load._config(args)
+    meter.start()
+    model = bench_load._meta_model(config, torch.bfloat16)
+    LazyCheckpoint(args["ckpt_dir"]).load_into(model, quantize="keep", progress=False)
     meter.loaded(model)
     return model
 
@@ -95,20 +112,22 @@ def run_format(fmt, directory, repeat):
     args = {"ckpt_dir": directory, "dtype": "bf16", "format": fmt, "checksum_names": list(CHECKED)}
     size = sum(os.path.getsize(f) for f in common.shard_files(directory))
     out, sums = [], {}
-    for loader, case in (("lazyload", "case_lazyload"), ("transformers", "case_transformers")):
+    for loader, case in (("lazyload", "case_lazyload"), ("lazyload kept packed", "case_lazyload_keep"),
+                         ("transformers", "case_transformers")):
         try:
             runs = []
             for _ in range(repeat):
                 common.warm_page_cache(directory)
-                runs.append(common.run_isolated(f"bench_fp4:{case}", args))
+                runs.append(common.run_isolated(f"bench_fp4:{case}", {**args, "checksum_names": []} if "keep" in case
+                                                else args))
         except CaseSkipped as exc:
             print(f"- {FORMATS[fmt][0]}, {loader}: skipped: {exc}")
             continue
         sums[loader] = runs[0]["checksum"]
         out.append((loader, common.median_records(runs)["load"], size))
-    same = "yes" if len(sums) == 2 and sums["lazyload"] == sums["transformers"] else (
-        "-" if len(sums) < 2 else "NO")
-    return [(loader, rec, size, same) for loader, rec, size in out]
+    compared = "lazyload" in sums and "transformers" in sums
+    same = "-" if not compared else "yes" if sums["lazyload"] == sums["transformers"] else "NO"
+    return [(loader, rec, size, same if loader != "lazyload kept packed" else "(packed)") for loader, rec, size in out]
 
 
 def main():

@@ -23,7 +23,6 @@ import torch
 from .fp4 import dequantize_mxfp4_into, dequantize_nvfp4_into
 from .int4 import dequantize_int4_into
 
-FP4_SCHEMES = ("nvfp4", "mxfp4")
 FIXED_GROUP = {"nvfp4": 16, "mxfp4": 32}
 PER_WORD = {"nvfp4": 2, "mxfp4": 2, "int4": 8}  # values per stored element (uint8; int32)
 STORED = {"nvfp4": torch.uint8, "mxfp4": torch.uint8, "int4": torch.int32}
@@ -57,15 +56,18 @@ def quantize_rows(scheme: str, w: torch.Tensor, group: int, global_scale: torch.
     """(packed, scales) of the 2-D `w` (whole groups per row, in the weight's dtype)."""
     groups = w.unflatten(-1, (w.shape[-1] // group, group))
     amax = groups.abs().amax(-1)
+    # Constants as tensors on the device, as compressed-tensors has them: CUDA would divide by
+    # a CPU scalar as `a * (1 / b)`, which may differ in the last bit.
+    const = lambda value, dtype=w.dtype: torch.tensor(value, dtype=dtype, device=w.device)  # noqa: E731
     if scheme == "int4":
-        scale = amax / torch.tensor(7.5, dtype=w.dtype)
-        scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype), scale)
-        q = torch.round(torch.clamp(groups / scale.unsqueeze(-1), torch.tensor(-8.0), torch.tensor(7.0)))
+        scale = amax / const(7.5)
+        scale = torch.where(scale == 0, const(torch.finfo(w.dtype).eps), scale)
+        q = torch.round(torch.clamp(groups / scale.unsqueeze(-1), const(-8.0, torch.float32), const(7.0, torch.float32)))
         return pack_int4(q.to(torch.int8).flatten(-2)), scale
     if scheme == "nvfp4":
-        scale = global_scale * (amax / torch.tensor(FP4_MAX, dtype=w.dtype))
+        scale = global_scale * (amax / const(FP4_MAX))
         scale = torch.clamp(scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-        scale = torch.where(scale == 0, torch.tensor(0.125), scale)
+        scale = torch.where(scale == 0, const(0.125, torch.float32), scale)
         values = groups / (scale / global_scale).unsqueeze(-1)
         return pack_e2m1(e2m1_codes(values.flatten(-2))), scale.to(torch.float8_e4m3fn)
     exponent = mx_exponents(amax)
