@@ -321,3 +321,20 @@ def test_reshard_writes_compressed_tensors_4bit(llama_bf16, loaded, tmp_path, sc
             attn, mlp = kept.model.layers[i].self_attn, kept.model.layers[i].mlp
             assert attn.q_proj.weight_global_scale == attn.k_proj.weight_global_scale == attn.v_proj.weight_global_scale
             assert mlp.gate_proj.weight_global_scale == mlp.up_proj.weight_global_scale
+
+
+def test_nvfp4_of_a_weight_stored_in_pieces_gathers_it_first(llama_bf16, loaded, tmp_path):
+    """A weight read in several boxes (a world-2 resharded copy, loaded at world 1): NVFP4's
+    global scale waits for the whole tensor, and the bytes equal those of the whole read."""
+    from lazyload import save_sharded
+
+    directory, config = llama_bf16
+    save_sharded(str(directory), tmp_path / "w2", 2)
+    model = build_model("llama", config, torch.bfloat16)
+    LazyCheckpoint(str(tmp_path / "w2")).load_into(model, quantize="nvfp4", progress=False)
+    whole, _ = loaded["nvfp4"]
+    for name, module in model.named_modules():
+        if isinstance(module, Packed4Linear):
+            other = whole.get_submodule(name)
+            assert torch.equal(module.weight, other.weight) and torch.equal(
+                module.weight_global_scale, other.weight_global_scale), name

@@ -343,8 +343,9 @@ def packed_grid(name: str, expr: Expr, shape: tuple[int, ...], placement: Placem
     if config.packed == "nvfp4" and tuple(local) != tuple(shape):
         raise PlanError(f"{name}: rank {rank} of {world} holds {list(local)} of {list(shape)}, but NVFP4's global "
                         "scale is the amax of the whole tensor, which a rank reading its slice never sees, so its "
-                        "bytes would differ from world 1's. Quantize to nvfp4 at world 1 (worlds that work: 1), "
-                        "e.g. `lazyload reshard --quantize nvfp4`, or use quantize='mxfp4' / 'int4:gN' under TP.")
+                        "bytes would differ from world 1's. Quantize to nvfp4 at world 1 (worlds that work: 1): "
+                        "`lazyload reshard --quantize nvfp4` writes a checkpoint every rank of any world reads "
+                        "its slice of; or use quantize='mxfp4' / 'int4:gN' under TP.")
     check_groups(name, expr, shape, placement, rank, world, group, shape_of, -1)
     return Grid(group, -1, False, 1, config.packed)
 

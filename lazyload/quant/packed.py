@@ -54,6 +54,11 @@ class PackedDest:
     def write(self, box: tuple[tuple[int, int], ...], values: torch.Tensor) -> None:
         if self.global_scale is None:
             return self._quantize(box, values)
+        whole = tuple(box) == tuple((0, n) for n in self.shape)
+        if whole and self._left == 1:  # NVFP4 read in one box (the usual case): no gathering copy
+            self._left = 0
+            self.global_scale.copy_(nvfp4_global_scale(values.to(self.full_dtype).abs().amax()))
+            return self._quantize(box, values)
         with self._lock:  # NVFP4: gather the whole local tensor first
             if self._gathered is None:
                 self._gathered = torch.empty(self.shape, dtype=self.full_dtype, device=self.device)
