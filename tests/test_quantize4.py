@@ -178,11 +178,14 @@ def _run_case(case, rank, world):
     _case_tp(*case, rank, world)
 
 
-def test_tensor_parallel_4bit_equals_world1(checkpoint, tmp_path):
-    """One gloo job at world 2 for MXFP4 and INT4 (groups of 32: o_proj's 32 and down_proj's
-    64 columns per rank are whole groups)."""
+def test_tensor_parallel_4bit_equals_world1(checkpoint, ct_packed, tmp_path):
+    """One gloo job at world 2: quantized on load to MXFP4 and INT4 (groups of 32: o_proj's 32
+    and down_proj's 64 columns per rank are whole groups), and compressed-tensors NVFP4 / INT4
+    checkpoints kept packed (each rank its share of the stored bytes, the global scale whole)."""
     directory = str(checkpoint("llama")[0])
-    spawn_cases(2, [(directory, "mxfp4"), (directory, "int4:g32")], tmp_path, _run_case)
+    cases = [(directory, "mxfp4"), (directory, "int4:g32")]
+    cases += [(str(ct_packed[preset]), "keep") for preset in ("NVFP4", "W4A16")]
+    spawn_cases(2, cases, tmp_path, _run_case)
 
 
 # --------------------------------------------------------------- quantize="keep"

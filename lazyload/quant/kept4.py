@@ -149,7 +149,7 @@ def swap_kept_experts(model: nn.Module, names: list[str]) -> None:
 
 def kept_grids(exprs: dict, specs: dict, index, world: int, linears: set[str]) -> dict:
     """Target name -> its grid, for every tensor the checkpoint stores packed in 4 bits that
-    a holder keeps as stored, at world 1: 3-D experts in gpt-oss's MXFP4 layout (`expr.Mxfp4`
+    a holder keeps as stored: 3-D experts (world 1 only) in gpt-oss's MXFP4 layout (`expr.Mxfp4`
     pieces, transposed into the module's [E, K, R]), and the weights of the Linear layers
     `linears` in compressed-tensors' NVFP4 / INT4 (`expr.Packed4` pieces, no ops)."""
     from .onload import Grid
@@ -168,8 +168,9 @@ def kept_grids(exprs: dict, specs: dict, index, world: int, linears: set[str]) -
         elif name.rpartition(".")[0] in linears and len(codecs) == 1 and codecs <= {"nvfp4", "int4"} and not any(
                 p.ops for p in pieces):
             out[name] = Grid(pieces[0].scales.block[-1], -1, True, 1, codecs.pop())
-    if out and world > 1:
-        raise PlanError(f"quantize='keep' holds 4-bit weights packed at world 1 only ({len(out)} tensors, e.g. "
-                        f"{next(iter(out))}); at world {world} load them dequantized (quantize=None), whose TP/EP "
+    experts = [name for name, grid in out.items() if grid.axis == -2]
+    if experts and world > 1:
+        raise PlanError(f"quantize='keep' holds MXFP4 experts packed at world 1 only ({len(experts)} tensors, e.g. "
+                        f"{experts[0]}); at world {world} load them dequantized (quantize=None), whose TP/EP "
                         "shards are whole groups. Worlds that work: 1.")
     return out
