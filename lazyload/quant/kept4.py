@@ -62,7 +62,8 @@ class KeptMxfp4Dest:
         self.scales[at] = source.scale.reshape(box_shape(kept_box(item.dst_box)))
 
     def write(self, box, values: torch.Tensor) -> None:
-        raise TypeError("an MXFP4 tensor kept packed takes stored bytes, not values (a lazyload bug)")
+        raise PlanError(f"an MXFP4 tensor kept packed was given computed values for {box}, not its stored bytes "
+                        "(a lazyload bug: please report it).")
 
     def scratch_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype

@@ -1,12 +1,15 @@
 """4-bit weights quantized on load, bit for bit as compressed-tensors quantizes them (its
 `calculate_qparams` / `generate_gparam` on a min-max observer's per-group amax, then its
-compressors' `compress`), and their dequantization for lazyload's 4-bit holder.
+compressors' `compress`); the holder dequantizes with the checkpoint readers' own kernels
+(`dequantize_packed`).
 
 - **NVFP4** (`nvfp4-pack-quantized`): E2M1 values two to a byte (element 2j in the low
   nibble), a float8_e4m3fn scale per 16 input columns and a float32 global scale per tensor:
   `global = 448 * 6 / amax(W)`, `scale = fp8(global * amax_g / 6)`, `q = e2m1(w / (scale /
-  global))`; W = e2m1 * (scale / global), in float32, then cast.
-- **MXFP4** (`mxfp4-pack-quantized`, the bytes of gpt-oss's `_blocks`): the same E2M1 bytes
+  global))`; W = e2m1 * (scale / global), in float32, rounded to bfloat16, then cast.
+- **MXFP4** (compressed-tensors' MXFP4 preset, `mxfp4-pack-quantized`; the byte layout of
+  gpt-oss's `_blocks` / `_scales`, which transformers quantizes only with triton kernels on a
+  GPU, `downcast_to_mxfp`, not checked here): the same E2M1 bytes
   with an E8M0 exponent per 32 columns, `127 + floor(log2(pow2(amax_g))) - 2` (`pow2`:
   amax rounded to a power of two at E2M1's one mantissa bit), `q = e2m1(w / 2^(s - 127))`.
 - **INT4** (`pack-quantized`, W4A16): `scale = amax_g / 7.5` in the weight's dtype,
