@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import assert_same_weights, build_model, copy_checkpoint, reference_model, write_checkpoint
-from quant_checkpoints import modelopt_dequantized, write_ct_packed_checkpoint, write_modelopt_checkpoint
+from quant_checkpoints import (modelopt_dequantized, write_ct_experts_checkpoint, write_ct_packed_checkpoint,
+                               write_modelopt_checkpoint)
 
 from lazyload import LazyCheckpoint
 from lazyload.errors import PlanError, ReadError, ShapeMismatchError
@@ -130,6 +131,44 @@ def test_inspect_shows_the_format_group_and_pairs(written, capsys):
         packed, scale = PACKED[fmt]
         assert label in out, out
         assert f"model.layers.{{0...2}}.mlp.down_proj.{packed} + model.layers.{{0...2}}.mlp.down_proj.{scale}" in out, out
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory):
+    """A Qwen3-MoE whose routed experts are INT4 W4A16 group 32, as Kimi-K2 ships them."""
+    src, config = write_checkpoint("qwen3_moe", "bf16", tmp_path_factory.mktemp("moe"), hidden_size=64,
+                                   moe_intermediate_size=64)
+    return write_ct_experts_checkpoint(src, tmp_path_factory.mktemp("moe_int4")), config
+
+
+def test_int4_routed_experts_load_fused_and_per_expert_under_ep(experts):
+    """Per-expert packed weights become transformers' fused experts, bit-exact; under EP a
+    rank reads only its experts' packed data and scales."""
+    import re
+
+    from transformers import CompressedTensorsConfig
+
+    from lazyload.summary import plan_ranks
+
+    directory, config = experts
+    reference = reference_model("qwen3_moe", directory, torch.bfloat16,
+                                quantization_config=CompressedTensorsConfig(dequantize=True))
+    model = build_model("qwen3_moe", config, torch.bfloat16)
+    assert LazyCheckpoint(str(directory)).load_into(model, progress=False).ok
+    assert_same_weights(model, reference)
+    names = [n for n, _ in reference.named_parameters() if ".mlp.experts." in n]
+    plans, _ = plan_ranks(str(directory), 2, plan="ep")
+    for rank in range(2):
+        model = build_model("qwen3_moe", config, torch.bfloat16)
+        assert LazyCheckpoint(str(directory)).load_into(model, rank, 2, plan="ep", progress=False).ok
+        for name in names:
+            mine, full = model.get_parameter(name).detach(), reference.get_parameter(name).detach()
+            mine = mine.to_local() if hasattr(mine, "to_local") else mine
+            assert torch.equal(mine, full.chunk(2)[rank]), f"{name} rank {rank}"
+        read = {part.entry.key for item in plans[rank].items for part in item.reads()}
+        packed = [k for k in read if k.endswith(("weight_packed", "weight_scale"))]
+        mine = range(rank * config.num_experts // 2, (rank + 1) * config.num_experts // 2)
+        assert packed and all(int(re.search(r"experts\.(\d+)\.", k).group(1)) in mine for k in packed), packed
 
 
 def _share(full: torch.Tensor, mine: torch.Tensor, rank: int, world: int) -> torch.Tensor:
