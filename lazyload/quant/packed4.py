@@ -20,6 +20,7 @@ bytes of each `weight_shape`, which say what the packed data unpacks to).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -98,17 +99,10 @@ def _modelopt(index: CheckpointIndex, tensors: dict, name: str) -> Found:
 
 
 def _check_scales(index: CheckpointIndex, name: str, scale: str, tensors: dict, glob: str) -> None:
-    if tensors[scale][0] != FP8 or len(tensors[glob][1]) > 1 or _numel(tensors[glob][1]) != 1:
+    if tensors[scale][0] != FP8 or len(tensors[glob][1]) > 1 or math.prod(tensors[glob][1]) != 1:
         raise CheckpointError(f"{_file(index, name)}: {scale!r} is {tensors[scale][0]} and {glob!r} "
                               f"{list(tensors[glob][1])}; NVFP4 scales are float8_e4m3fn, one per 16 values, and its "
                               "global scale one float32. lazyload cannot dequantize this weight.")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _leaf(index: CheckpointIndex, packed: str, scale: str, glob: str | None, codec: str, group: int,
