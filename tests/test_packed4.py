@@ -88,6 +88,48 @@ def test_a_world_that_cuts_a_group_is_refused_before_any_byte(written, fmt):
     assert all(p.is_meta for p in model.parameters())  # untouched
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_int4_dequantizer_is_compressed_tensors_own_for_every_scale_dtype(scale_dtype):
+    """Random codes packed by compressed-tensors' `pack_to_int32`, dequantized by its
+    `unpack_from_int32` + `dequantize`, against `dequantize_int4_into` into the scale's dtype
+    and into float32 (a lead dim of experts, a box of rows)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    from lazyload.quant.int4 import dequantize_int4_into
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (3, 40, 96), generator=g, dtype=torch.int8)
+    scale = (torch.rand(3, 40, 3, generator=g) * 2 - 1).to(scale_dtype)
+    packed = pack_to_int32(q, 4)
+    args = QuantizationArgs(num_bits=4, strategy="group", group_size=32)
+    want = torch.stack([dequantize(unpack_from_int32(packed[e], 4, q.shape[1:]), scale[e], args=args) for e in range(3)])
+    for dtype in (scale_dtype, torch.float32):
+        out = torch.empty(3, 30, 96, dtype=dtype)
+        dequantize_int4_into(out, packed[:, 5:35], scale[:, 5:35])
+        assert torch.equal(out, want[:, 5:35].to(dtype)), dtype
+
+
+def test_the_nvfp4_dequantizers_refuse_nan_scales_and_zero_global_scales():
+    from lazyload.errors import CheckpointError
+    from lazyload.quant.fp4 import dequantize_nvfp4_into, dequantize_nvfp4_modelopt_into
+
+    packed = torch.full((2, 16), 0x21, dtype=torch.uint8)
+    scales = torch.ones(2, 2).to(torch.float8_e4m3fn)
+    out = torch.empty(2, 32, dtype=torch.bfloat16)
+    dequantize_nvfp4_into(out, packed, scales, torch.tensor([2.0]))  # 0x21: 0.5 low, 1.0 high; / 2
+    assert out[0, :2].tolist() == [0.25, 0.5]
+    for bad in (0.0, float("nan"), float("inf")):
+        with pytest.raises(CheckpointError, match="weight_global_scale"):
+            dequantize_nvfp4_into(out, packed, scales, torch.tensor([bad]))
+        with pytest.raises(CheckpointError, match="weight_scale_2"):
+            dequantize_nvfp4_modelopt_into(out, packed, scales, torch.tensor(bad))
+    scales[1, 1] = float("nan")
+    with pytest.raises(CheckpointError, match=r"weight_scale is NaN.*\[1, 1\]"):
+        dequantize_nvfp4_into(out, packed, scales, torch.tensor([2.0]))
+
+
 def _set_tensor(directory, key: str, value) -> None:
     """Write `value` into stored tensor `key` of the copy at `directory`."""
     from safetensors.torch import load_file, save_file

@@ -140,7 +140,8 @@ def check_weight_shapes(index: CheckpointIndex, found: list[Found]) -> None:
         for f in found:
             shape_key = index.expr(f.logical + SHAPE)
             entry = index[shape_key.key] if isinstance(shape_key, Source) else None
-            if entry is None or entry.file not in index.identities or "://" in entry.file or entry.dtype.is_floating_point:
+            if (entry is None or entry.file not in index.identities or "://" in entry.file
+                    or entry.dtype.is_floating_point):
                 continue  # in pieces, no file indexed (the writer's view of names), remote or not integers:
                 # the packed shape and the model's decide
             fd = fds.get(entry.file)
