@@ -60,7 +60,8 @@ def inspect_checkpoint(path: str) -> str:
 def _packed_weights(stored: StoredCheckpoint) -> list[str]:
     """The 4-bit packed weights (NVFP4, INT4): per layer pattern, the packed data and its
     scales (and global scale), the format and its group size."""
-    leaves = [leaf for expr in stored.quantization.leaves.values() for leaf in _tiles(expr) if isinstance(leaf, Packed4)]
+    leaves = [leaf for expr in stored.quantization.leaves.values() for leaf in _tiles(expr)
+              if isinstance(leaf, Packed4)]
     if not leaves:
         return []
     by_packed = {leaf.packed: leaf for leaf in leaves}

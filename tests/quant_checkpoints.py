@@ -288,3 +288,32 @@ def modelopt_dequantized(directory, reference: torch.nn.Module) -> torch.nn.Modu
             block_sizes={-1: 16})
         param.data.copy_(values)
     return reference
+
+
+def write_ct_experts_checkpoint(src, dst, group_size: int = 32) -> Path:
+    """The MoE checkpoint at `src` (per-expert `mlp.experts.N.{gate,up,down}_proj.weight`, as
+    save_pretrained writes them) with its routed experts in compressed-tensors' INT4
+    `pack-quantized` W4A16 layout, as Kimi-K2 ships them: each expert's scales from
+    compressed-tensors' own math (`compute_dynamic_scales_and_zp`) and its weight packed by
+    its `PackedQuantizationCompressor` (what ModelCompressor runs per module; transformers'
+    fused experts are no Linear modules for it to find), the config from its
+    `QuantizationConfig` (targets `re:.*mlp\\.experts.*`)."""
+    import compressed_tensors
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    scheme = preset_name_to_scheme("W4A16", [r"re:.*mlp\.experts.*"])
+    scheme.weights.group_size = group_size
+    scheme.format = "pack-quantized"
+
+    def one(key, w):
+        scale, _ = compute_dynamic_scales_and_zp(w, scheme.weights, None)
+        packed = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale.to(w.dtype)}, scheme)
+        return {key[:-len("weight")] + name: t for name, t in packed.items()}
+
+    quant = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                               quantization_status="compressed", ignore=[])
+    config = {"quant_method": "compressed-tensors", "version": compressed_tensors.__version__,
+              **quant.model_dump(exclude=["quant_method"])}
+    return _rewrite(src, dst, one, config, select=lambda key, w: ".mlp.experts." in key and key.endswith(".weight"))

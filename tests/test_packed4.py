@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import assert_same_weights, build_model, copy_checkpoint, reference_model, write_checkpoint
-from quant_checkpoints import modelopt_dequantized, write_ct_packed_checkpoint, write_modelopt_checkpoint
+from quant_checkpoints import (modelopt_dequantized, write_ct_experts_checkpoint, write_ct_packed_checkpoint,
+                               write_modelopt_checkpoint)
 
 from lazyload import LazyCheckpoint
 from lazyload.errors import PlanError, ReadError, ShapeMismatchError
@@ -65,7 +66,8 @@ def test_world1_is_bit_exact_against_the_formats_own_dequantization(written, fmt
     directory, src, config = written(fmt)
     reference = _reference(fmt, directory, src, dtype)
     model = build_model("llama", config, dtype)
-    report = LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    reader = "pread" if fmt == "modelopt" else "auto"  # pread's staging of a 0-dim global scale too
+    report = LazyCheckpoint(str(directory)).load_into(model, reader=reader, progress=False)
     assert report.ok and not report.unexpected and not report.missing
     assert_same_weights(model, reference)
     source = reference_model("llama", src, dtype)  # a real check: 4-bit values, not the source's
@@ -84,6 +86,48 @@ def test_a_world_that_cuts_a_group_is_refused_before_any_byte(written, fmt):
     with pytest.raises(PlanError, match=rf"(o|down)_proj.*columns 0:\d+ cut its .* groups of {group}.*one of \[1, 2, 4\]"):
         LazyCheckpoint(str(directory)).load_into(model, 0, 8, progress=False)
     assert all(p.is_meta for p in model.parameters())  # untouched
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_int4_dequantizer_is_compressed_tensors_own_for_every_scale_dtype(scale_dtype):
+    """Random codes packed by compressed-tensors' `pack_to_int32`, dequantized by its
+    `unpack_from_int32` + `dequantize`, against `dequantize_int4_into` into the scale's dtype
+    and into float32 (a lead dim of experts, a box of rows)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    from lazyload.quant.int4 import dequantize_int4_into
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (3, 40, 96), generator=g, dtype=torch.int8)
+    scale = (torch.rand(3, 40, 3, generator=g) * 2 - 1).to(scale_dtype)
+    packed = pack_to_int32(q, 4)
+    args = QuantizationArgs(num_bits=4, strategy="group", group_size=32)
+    want = torch.stack([dequantize(unpack_from_int32(packed[e], 4, q.shape[1:]), scale[e], args=args) for e in range(3)])
+    for dtype in (scale_dtype, torch.float32):
+        out = torch.empty(3, 30, 96, dtype=dtype)
+        dequantize_int4_into(out, packed[:, 5:35], scale[:, 5:35])
+        assert torch.equal(out, want[:, 5:35].to(dtype)), dtype
+
+
+def test_the_nvfp4_dequantizers_refuse_nan_scales_and_zero_global_scales():
+    from lazyload.errors import CheckpointError
+    from lazyload.quant.fp4 import dequantize_nvfp4_into, dequantize_nvfp4_modelopt_into
+
+    packed = torch.full((2, 16), 0x21, dtype=torch.uint8)
+    scales = torch.ones(2, 2).to(torch.float8_e4m3fn)
+    out = torch.empty(2, 32, dtype=torch.bfloat16)
+    dequantize_nvfp4_into(out, packed, scales, torch.tensor([2.0]))  # 0x21: 0.5 low, 1.0 high; / 2
+    assert out[0, :2].tolist() == [0.25, 0.5]
+    for bad in (0.0, float("nan"), float("inf")):
+        with pytest.raises(CheckpointError, match="weight_global_scale"):
+            dequantize_nvfp4_into(out, packed, scales, torch.tensor([bad]))
+        with pytest.raises(CheckpointError, match="weight_scale_2"):
+            dequantize_nvfp4_modelopt_into(out, packed, scales, torch.tensor(bad))
+    scales[1, 1] = float("nan")
+    with pytest.raises(CheckpointError, match=r"weight_scale is NaN.*\[1, 1\]"):
+        dequantize_nvfp4_into(out, packed, scales, torch.tensor([2.0]))
 
 
 def _set_tensor(directory, key: str, value) -> None:
@@ -130,6 +174,64 @@ def test_inspect_shows_the_format_group_and_pairs(written, capsys):
         packed, scale = PACKED[fmt]
         assert label in out, out
         assert f"model.layers.{{0...2}}.mlp.down_proj.{packed} + model.layers.{{0...2}}.mlp.down_proj.{scale}" in out, out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_resharded_copy_loads_back_bit_exact(written, fmt, tmp_path):
+    """save_sharded at TP 2 writes each rank's rows and whole groups of packed data and
+    scales, and the global scale in every rank's file; the copy loads as the original does,
+    at world 1 and per rank."""
+    import lazyload
+
+    directory, _, config = written(fmt)
+    lazyload.save_sharded(str(directory), str(tmp_path / "tp2"), 2)
+    for rank, world in ((0, 1), (1, 2)):
+        want = build_model("llama", config, torch.bfloat16)
+        assert LazyCheckpoint(str(directory)).load_into(want, rank, world, progress=False).ok
+        model = build_model("llama", config, torch.bfloat16)
+        assert LazyCheckpoint(str(tmp_path / "tp2")).load_into(model, rank, world, progress=False).ok
+        for name, value in want.state_dict().items():
+            mine = model.state_dict()[name]
+            mine, value = (t.to_local() if hasattr(t, "to_local") else t for t in (mine, value))
+            assert torch.equal(mine, value), f"{fmt} {name} rank {rank} of {world}"
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory):
+    """A Qwen3-MoE whose routed experts are INT4 W4A16 group 32, as Kimi-K2 ships them."""
+    src, config = write_checkpoint("qwen3_moe", "bf16", tmp_path_factory.mktemp("moe"), hidden_size=64,
+                                   moe_intermediate_size=64)
+    return write_ct_experts_checkpoint(src, tmp_path_factory.mktemp("moe_int4")), config
+
+
+def test_int4_routed_experts_load_fused_and_per_expert_under_ep(experts):
+    """Per-expert packed weights become transformers' fused experts, bit-exact; under EP a
+    rank reads only its experts' packed data and scales."""
+    import re
+
+    from transformers import CompressedTensorsConfig
+
+    from lazyload.summary import plan_ranks
+
+    directory, config = experts
+    reference = reference_model("qwen3_moe", directory, torch.bfloat16,
+                                quantization_config=CompressedTensorsConfig(dequantize=True))
+    model = build_model("qwen3_moe", config, torch.bfloat16)
+    assert LazyCheckpoint(str(directory)).load_into(model, progress=False).ok
+    assert_same_weights(model, reference)
+    names = [n for n, _ in reference.named_parameters() if ".mlp.experts." in n]
+    plans, _ = plan_ranks(str(directory), 2, plan="ep")
+    for rank in range(2):
+        model = build_model("qwen3_moe", config, torch.bfloat16)
+        assert LazyCheckpoint(str(directory)).load_into(model, rank, 2, plan="ep", progress=False).ok
+        for name in names:
+            mine, full = model.get_parameter(name).detach(), reference.get_parameter(name).detach()
+            mine = mine.to_local() if hasattr(mine, "to_local") else mine
+            assert torch.equal(mine, full.chunk(2)[rank]), f"{name} rank {rank}"
+        read = {part.entry.key for item in plans[rank].items for part in item.reads()}
+        packed = [k for k in read if k.endswith(("weight_packed", "weight_scale"))]
+        mine = range(rank * config.num_experts // 2, (rank + 1) * config.num_experts // 2)
+        assert packed and all(int(re.search(r"experts\.(\d+)\.", k).group(1)) in mine for k in packed), packed
 
 
 def _share(full: torch.Tensor, mine: torch.Tensor, rank: int, world: int) -> torch.Tensor:

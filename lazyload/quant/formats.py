@@ -160,6 +160,9 @@ def detect(index: CheckpointIndex, config: dict | None = None,
         siblings.update((scale, zero) if zero else (scale,))
     logical = {}
     for found in packed4_leaves(index, tensors, config):  # 4-bit NVFP4 and INT4 (quant.packed4)
+        if held(found.siblings[0]):  # a model holding the packed weight and its scales loads them as stored
+            held_pairs.update((found.weight, *found.siblings))
+            continue
         leaves[found.weight] = found.leaf
         siblings.update(found.siblings)
         if found.logical != found.weight:

@@ -20,6 +20,7 @@ bytes of each `weight_shape`, which say what the packed data unpacks to).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -98,17 +99,10 @@ def _modelopt(index: CheckpointIndex, tensors: dict, name: str) -> Found:
 
 
 def _check_scales(index: CheckpointIndex, name: str, scale: str, tensors: dict, glob: str) -> None:
-    if tensors[scale][0] != FP8 or len(tensors[glob][1]) > 1 or _numel(tensors[glob][1]) != 1:
+    if tensors[scale][0] != FP8 or len(tensors[glob][1]) > 1 or math.prod(tensors[glob][1]) != 1:
         raise CheckpointError(f"{_file(index, name)}: {scale!r} is {tensors[scale][0]} and {glob!r} "
                               f"{list(tensors[glob][1])}; NVFP4 scales are float8_e4m3fn, one per 16 values, and its "
                               "global scale one float32. lazyload cannot dequantize this weight.")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _leaf(index: CheckpointIndex, packed: str, scale: str, glob: str | None, codec: str, group: int,
@@ -119,8 +113,9 @@ def _leaf(index: CheckpointIndex, packed: str, scale: str, glob: str | None, cod
     if glob_expr is not None and not isinstance(glob_expr, Source):
         raise CheckpointError(f"{_file(index, packed)}: the global scale {glob!r} of {packed!r} is stored in pieces; "
                               "it is one value. Re-shard the checkpoint from the original.")
+    key = glob_expr.key if glob_expr is not None else None  # a copy's stored key in a resharded layout
     try:
-        leaf = _paired(index.expr(packed), index.expr(scale), lambda p, s: Packed4(p, s, glob, codec, group, per))
+        leaf = _paired(index.expr(packed), index.expr(scale), lambda p, s: Packed4(p, s, key, codec, group, per))
         leaf.shape(index.shape_of)
     except ValueError as exc:
         raise CheckpointError(f"{_file(index, packed)}: {exc}; lazyload cannot dequantize {packed!r}.") from None
@@ -145,8 +140,10 @@ def check_weight_shapes(index: CheckpointIndex, found: list[Found]) -> None:
         for f in found:
             shape_key = index.expr(f.logical + SHAPE)
             entry = index[shape_key.key] if isinstance(shape_key, Source) else None
-            if entry is None or "://" in entry.file or entry.dtype.is_floating_point:
-                continue  # in pieces, remote or not integers: the packed shape and the model's decide
+            if (entry is None or entry.file not in index.identities or "://" in entry.file
+                    or entry.dtype.is_floating_point):
+                continue  # in pieces, no file indexed (the writer's view of names), remote or not integers:
+                # the packed shape and the model's decide
             fd = fds.get(entry.file)
             if fd is None:
                 fd = fds[entry.file] = os.open(entry.file, os.O_RDONLY)
