@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan one shard of a checkpoint of several files alone (otherwise an error: pass the "
                         "directory)")
     p.add_argument("--plan", default=None, help=plan)
-    p.add_argument("--quantize", default=None, choices=["int8", "fp8"], metavar="KIND",
-                   help="int8 or fp8: quantize Linear layers and MoE experts on load, as load_into(quantize=...)")
+    p.add_argument("--quantize", default=None, metavar="KIND",
+                   help="int8 or fp8: quantize Linear layers and MoE experts on load, as load_into(quantize=...); "
+                        "nvfp4, mxfp4, int4 or int4:gN (groups of N): Linear layers to 4 bits, kept packed")
     p.add_argument("--dtype", default=None,
                    help="the dtype tensors are loaded in ('auto', 'bfloat16', 'float16', ...; default the model's)")
     p.add_argument("--json", action="store_true",
@@ -76,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut a rank's file by layer past this size: bytes, or with a unit (500MB, 1GB = 10^9, "
                         "1GiB = 2^30)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds files (never SRC)")
-    p.add_argument("--quantize", choices=["int8", "fp8"], default=None,
+    p.add_argument("--quantize", choices=["int8", "fp8", "nvfp4", "int4"], default=None,
                    help="write a compressed-tensors checkpoint (with --world 1) whose Linear weights are quantized "
-                        "as load_into(quantize=...) quantizes them, which transformers and vLLM load")
+                        "as load_into(quantize=...) quantizes them, which transformers and vLLM load (nvfp4: "
+                        "nvfp4-pack-quantized; int4: pack-quantized, groups of --group-size)")
     p.add_argument("--group-size", type=_group_size, default=None, metavar="G",
                    help="with --quantize: input columns per scale (default 128; a weight's columns must be whole "
                         "groups), or 'none' for one scale per row")
@@ -149,7 +151,8 @@ def _run(args: argparse.Namespace) -> str:
         from .writers import save_sharded
 
         if args.quantize is None and (args.skip or args.group_size is not None):
-            raise ArgumentError("--group-size and --skip describe the quantization: pass --quantize int8|fp8 too.")
+            raise ArgumentError("--group-size and --skip describe the quantization: pass --quantize "
+                                "int8|fp8|nvfp4|int4 too.")
         group = 128 if args.group_size is None else args.group_size or None
         quantize = args.quantize and Quantization(args.quantize, group_size=group, skip=tuple(args.skip))
         src = args.src if args.iteration is None else StoredCheckpoint(args.src, iteration=args.iteration)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -27,6 +28,7 @@ from .tp.runnable import default_mesh, make_runnable
 from .placer import Destination, TensorDest, allocate, allocate_quantized, assign, with_whole
 from .planner import LoadPlan
 from .quant.linear import to_torchao
+from .quant.pack4 import stored_shape
 from .quant.targets import saved_bytes, swap_quantized
 from .readers import Reader, choose_reader
 from .report import LoadReport, MemorySampler, size
@@ -108,20 +110,24 @@ def make_parallel(plan: LoadPlan, model: nn.Module, slots: dict[str, Slot]) -> N
     make_runnable(model, mesh, plan.parallel)
     for target in plan.targets:
         tensor = current_tensor(slots[target.name])
-        if is_dtensor(tensor) and tuple(local_tensor(tensor).shape) != target.local_shape:
+        grid = plan.quantized.get(target.name)
+        want = stored_shape(target.local_shape, grid.packed) if grid is not None and grid.packed else target.local_shape
+        if is_dtensor(tensor) and tuple(local_tensor(tensor).shape) != want:
             raise PlanError(f"{target.name}: made parallel with a local shape of {list(local_tensor(tensor).shape)}, "
-                            f"planned as {list(target.local_shape)} (a lazyload bug: please report it).")
+                            f"planned as {list(want)} (a lazyload bug: please report it).")
 
 
 def allocate_destinations(plan: LoadPlan, slots: dict[str, Slot], reader: Reader) -> dict[str, Destination]:
     """Each target's destination: a view of the file mapping, 8-bit data and scales, the
     model's own tensor (filled in place) or a new one; behind a `WholeDest` when converted."""
     dests: dict[str, Destination] = {}
+    items = Counter(item.target for item in plan.items)
     for target in plan.targets:
         if target.name in plan.views:
             dests[target.name] = TensorDest(reader.view(plan.views[target.name]).reshape(target.local_shape))
         elif target.name in plan.quantized:
-            dests[target.name] = allocate_quantized(target, plan.quantized[target.name], plan.device)
+            dests[target.name] = allocate_quantized(target, plan.quantized[target.name], plan.device,
+                                                    plan.full_dtypes[target.name], items[target.name])
         else:
             dests[target.name] = allocate(target, slots[target.name], plan.device)
     return dests

@@ -61,12 +61,16 @@ def _swap(seq: tuple, a: int, b: int) -> tuple:
 class ScaleRef:
     """The scales of a dequantized piece: `box` of the scale tensor `key` (and the same box
     of the zero points `zero`, if any) covers the piece's source box; each scale entry
-    stands for `block[d]` elements of the weight along dim d."""
+    stands for `block[d]` elements of the weight along dim d. A 4-bit packed weight
+    (`Packed4`) also names its replicated global scale `glob`, read whole with every box,
+    and its `codec` (how its bytes decode, `quant.packed4`)."""
 
     key: str
     box: Box
     zero: str | None
     block: tuple[int, ...]
+    glob: str | None = None
+    codec: str | None = None
 
 
 @dataclass(slots=True)  # not frozen, no __dict__: see ScaleRef
@@ -330,6 +334,16 @@ class Dequant(Expr):
         return f"dequant({self.weight}, {self.scale}" + (f", {self.zero})" if self.zero else ")")
 
 
+def check_whole_groups(key: str, what: str, start: int, stop: int, group: int, groups: int) -> None:
+    """Columns `start`:`stop` of a weight quantized in `groups` groups of `group` input columns
+    must hold whole groups (one scale per group cannot be split): else a PlanError naming
+    the worlds whose even splits keep them whole."""
+    if start % group or stop % group:
+        raise PlanError(f"{key}: columns {start}:{stop} cut its {what} groups of {group}; a split of its "
+                        f"{groups * group} input columns must keep whole groups: use a world that divides {groups} "
+                        f"(one of {[w for w in range(1, groups + 1) if groups % w == 0]}).")
+
+
 MX_GROUP = 32  # MXFP4: values per E8M0 scale, packed 16 bytes to a group
 
 
@@ -357,11 +371,7 @@ class Mxfp4(Expr):
         if not box_numel(box):
             return []
         start, stop = box[-1]
-        if start % MX_GROUP or stop % MX_GROUP:
-            groups = shape_of(self.scales)[-1]
-            raise PlanError(f"{self.blocks}: columns {start}:{stop} cut its MXFP4 groups of {MX_GROUP}; a split "
-                            f"of its {groups * MX_GROUP} input columns must keep whole groups: use a world that "
-                            f"divides {groups} (one of {[w for w in range(1, groups + 1) if groups % w == 0]}).")
+        check_whole_groups(self.blocks, "MXFP4", start, stop, MX_GROUP, shape_of(self.scales)[-1])
         groups = box[:-1] + ((start // MX_GROUP, stop // MX_GROUP),)
         return [Piece(self.blocks, groups + ((0, MX_GROUP // 2),), (), box,
                       ScaleRef(self.scales, groups, None, (1,) * (len(box) - 1) + (MX_GROUP,)))]
@@ -375,6 +385,55 @@ class Mxfp4(Expr):
 
     def __str__(self):
         return f"mxfp4({self.blocks}, {self.scales})"
+
+
+@dataclass(frozen=True)
+class Packed4(Expr):
+    """A 4-bit weight packed along its input (last) dim, in full precision [..., R, K]:
+    `packed` [..., R, K/per] (`per` values to an element: E2M1 two to a uint8, INT4 eight to
+    an int32), one `scales` entry per `group` values [..., R, K/group], and `glob`, a global
+    scale of one entry read whole with every box (None: none); `codec` names the dequantizer
+    (`quant.packed4`). A box must hold whole groups along K: it reads those groups' packed
+    elements and scales, nothing more; a box that cuts a group is refused."""
+
+    packed: str
+    scales: str
+    glob: str | None
+    codec: str
+    group: int
+    per: int
+
+    def shape(self, shape_of):
+        packed, scales = tuple(shape_of(self.packed)), tuple(shape_of(self.scales))
+        k = packed[-1] * self.per if packed else 0
+        if len(packed) < 2 or k % self.group or scales != packed[:-1] + (k // self.group,):
+            raise ValueError(f"{self.codec} weight {self.packed} {list(packed)} and scales {self.scales} "
+                             f"{list(scales)} are not [..., K/{self.per}] and [..., K/{self.group}]")
+        return packed[:-1] + (k,)
+
+    def keys(self):
+        return [self.packed, self.scales] + ([self.glob] if self.glob is not None else [])
+
+    def pieces(self, box, shape_of):
+        if not box_numel(box):
+            return []
+        start, stop = box[-1]
+        check_whole_groups(self.packed, self.codec, start, stop, self.group, shape_of(self.scales)[-1])
+        packed = box[:-1] + ((start // self.per, stop // self.per),)
+        groups = box[:-1] + ((start // self.group, stop // self.group),)
+        return [Piece(self.packed, packed, (), box, ScaleRef(self.scales, groups, None, (1,) * (len(box) - 1)
+                                                             + (self.group,), self.glob, self.codec))]
+
+    def layout(self, shape_of):
+        return (Packed4, tuple(shape_of(self.packed)), self.glob is None, self.codec, self.group, self.per)
+
+    def like(self, piece, ops, dst_box):
+        s = piece.scales
+        return Piece(self.packed, piece.src_box, ops, dst_box, ScaleRef(self.scales, s.box, None, s.block, self.glob,
+                                                                         self.codec))
+
+    def __str__(self):
+        return f"{self.codec}({self.packed}, {self.scales}" + (f", {self.glob})" if self.glob else ")")
 
 
 @dataclass(frozen=True)

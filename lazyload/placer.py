@@ -20,14 +20,25 @@ from .expr import Box, Whole, apply_ops, box_shape, undo_ops
 from .plan import ReadItem, TargetPlan
 from .quant.dequant import QuantizedBox, dequantize_into
 from .quant.onload import Grid, QuantizedDest, scale_shape
+from .quant.kept4 import KeptMxfp4Dest, KeptPackedDest
+from .quant.packed import PackedDest
 from .readers import byte_runs
 from .targets import Slot, current_tensor, is_dtensor, local_tensor
 
 
-def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device) -> QuantizedDest:
-    """8-bit data and float32 scales for a target quantized on load."""
+def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device, full_dtype: torch.dtype,
+                       items: int) -> QuantizedDest | PackedDest:
+    """8-bit data and float32 scales for a target quantized on load, or 4-bit packed data
+    and scales (`grid.packed`) quantized from `full_dtype` values, filled by `items` reads."""
+    if grid.packed and grid.keep:
+        if len(target.local_shape) == 3:
+            return KeptMxfp4Dest(target.local_shape, device)
+        return KeptPackedDest(grid.packed, target.local_shape, grid.group, full_dtype, device, items)
+    if grid.packed:
+        return PackedDest(grid.packed, target.local_shape, grid.group, full_dtype, device, items)
     scale = torch.empty(scale_shape(target.local_shape, grid.group, grid.axis, grid.rows), dtype=torch.float32, device=device)
-    return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, *grid)
+    return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, grid.group, grid.axis,
+                         grid.keep, grid.rows)
 
 
 def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> TensorDest:
@@ -192,7 +203,7 @@ def dequant_into(dest: torch.Tensor, item: ReadItem, source: QuantizedBox) -> No
     `dest` (seen through the inverse of its ops), exactly and without a full-size temporary."""
     view = undo_ops(dest[tuple(slice(a, b) for a, b in item.dst_box)], item.ops)
     start = tuple(a for a, _ in item.src_box)
-    dequantize_into(view, source, start, item.scales.block)
+    dequantize_into(view, source, start, item.scales.block, item.scales.codec)
 
 
 def assign(slot: Slot, tensor: torch.Tensor) -> None:

@@ -99,12 +99,16 @@ def _aligned(n: int) -> int:
 @dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
 class ScaleRead:
     """The scale blocks (and zero points) that cover a dequantized item's source box: `box`
-    of `scale` (and of `zero`); `block[d]` weight elements per scale entry along dim d."""
+    of `scale` (and of `zero`); `block[d]` weight elements per scale entry along dim d. A
+    4-bit packed weight also reads its global scale `glob` whole (replicated: every rank,
+    every box) and says how its bytes decode (`codec`, `quant.packed4`)."""
 
     scale: TensorEntry
     box: Box
     zero: TensorEntry | None
     block: tuple[int, ...]
+    glob: TensorEntry | None = None
+    codec: str | None = None
 
 
 @dataclass(frozen=True, slots=True)  # 45k+ a plan: no __dict__ each
@@ -129,16 +133,19 @@ class ReadItem:
         s = self.scales  # the parts of reads(), without building them (asked for 100k items at a time)
         scale = box_numel(s.box)
         return (_aligned(weight) + _aligned(scale * s.scale.itemsize)
-                + (_aligned(scale * s.zero.itemsize) if s.zero is not None else 0))
+                + (_aligned(scale * s.zero.itemsize) if s.zero is not None else 0)
+                + (_aligned(s.glob.end - s.glob.start) if s.glob is not None else 0))
 
     def reads(self) -> tuple[ReadItem, ...]:
         """The single-tensor reads this item needs: itself, or for a dequantized item its
-        weight box, scale blocks and zero points (in that order)."""
+        weight box, scale blocks, zero points and global scale (in that order)."""
         if self.scales is None:
             return (self,)
         s = self.scales
+        glob = full_box(s.glob.shape) if s.glob is not None else ()
         return ((replace(self, scales=None), ReadItem(s.scale, s.box, (), self.target, s.box))
-                + ((ReadItem(s.zero, s.box, (), self.target, s.box),) if s.zero is not None else ()))
+                + ((ReadItem(s.zero, s.box, (), self.target, s.box),) if s.zero is not None else ())
+                + ((ReadItem(s.glob, glob, (), self.target, glob),) if s.glob is not None else ()))
 
     def staging(self, buffer: torch.Tensor) -> list[tuple[ReadItem, torch.Tensor]]:
         """Each of `reads()` with its range of a staging buffer of `nbytes` bytes."""
@@ -224,7 +231,8 @@ def _scale_read(ref: ScaleRef | None, entries: MappingT[str, TensorEntry]) -> Sc
     if ref is None:
         return None
     zero = entries[ref.zero] if ref.zero is not None else None
-    return ScaleRead(entries[ref.key], ref.box, zero, ref.block)
+    glob = entries[ref.glob] if ref.glob is not None else None
+    return ScaleRead(entries[ref.key], ref.box, zero, ref.block, glob, ref.codec)
 
 
 def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],

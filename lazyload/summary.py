@@ -10,6 +10,7 @@ from typing import Any
 
 
 from .digest import plan_data
+from .expr import Cat, Expr, Packed4
 from .formats import format_named
 from .errors import ArgumentError, MappingError, PlanError
 from .hints import one_of_several, worlds_that_plan
@@ -43,6 +44,7 @@ def inspect_checkpoint(path: str, iteration: int | None = None) -> str:
         tail = f"  x{count}" if count > 1 else ""
         lines.append(f"  {pattern:<60} {str(entry.dtype).removeprefix('torch.'):<9} {str(list(entry.shape)):<18} "
                      f"{size(entry.nbytes)}{tail}")
+    lines += _packed_weights(stored)
     lines += ["", "bytes per file:"]
     per_file = defaultdict(int)
     for entry in index.entries():
@@ -61,6 +63,33 @@ def _iteration_read(stored: StoredCheckpoint, path: str) -> str:
     """' (.../iter_0000200)' where a save directory was given: the iteration that was read."""
     source = stored.source
     return f" ({source.description})" if format_named(source.kind).iterations and source.description != path else ""
+
+
+def _packed_weights(stored: StoredCheckpoint) -> list[str]:
+    """The 4-bit packed weights (NVFP4, INT4): per layer pattern, the packed data and its
+    scales (and global scale), the format and its group size."""
+    leaves = [leaf for expr in stored.quantization.leaves.values() for leaf in _tiles(expr)
+              if isinstance(leaf, Packed4)]
+    if not leaves:
+        return []
+    by_packed = {leaf.packed: leaf for leaf in leaves}
+    lines = ["", "4-bit packed weights (packed data + scales [+ global scale]):"]
+    names = sorted(by_packed, key=lambda k: (layer_of(k) != "", k))
+    at = 0  # patterns come in the order of their first names: one pass finds each one's first
+    for pattern, count in group_layers(names):
+        while not _matches(pattern, names[at]):
+            at += 1
+        leaf = by_packed[names[at]]
+        common = os.path.commonprefix([leaf.packed, leaf.scales])
+        stem = pattern[:len(pattern) - len(leaf.packed) + len(common)]
+        pair = " + ".join([pattern] + [stem + k[len(common):] for k in (leaf.scales, leaf.glob) if k])
+        lines.append(f"  {pair}  {leaf.codec} (group {leaf.group})" + (f"  x{count}" if count > 1 else ""))
+    return lines
+
+
+def _tiles(expr: Expr) -> list[Expr]:
+    """The leaves of a tiling (a weight stored in pieces), or the leaf itself."""
+    return [leaf for part in expr.parts for leaf in _tiles(part)] if isinstance(expr, Cat) else [expr]
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -212,3 +212,108 @@ def fp8_model(arch: str, config) -> torch.nn.Module:
     replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", "gate"],
                             quantization_config=FineGrainedFP8Config(), pre_quantized=True)
     return model
+
+
+def write_ct_packed_checkpoint(src, dst, scheme: str, group_size: int | None = None,
+                               min_shards: int = 3) -> Path:
+    """The full-precision checkpoint at `src` (save_pretrained) quantized and written by
+    compressed-tensors' own code into `dst`: `scheme` a preset ("NVFP4": nvfp4-pack-quantized
+    with a global scale and static input global scales; "W4A16": pack-quantized INT4, with
+    `group_size`) on every Linear but the head; the scales from its own observers' math
+    (`generate_gparam`, `compute_dynamic_scales_and_zp`), `ModelCompressor` packing the
+    weights, save_pretrained writing several shards and `update_config` the config."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp, generate_gparam
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
+    quant = preset_name_to_scheme(scheme, ["Linear"])
+    if group_size is not None:
+        quant.weights.group_size = group_size
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": quant}, ignore=["lm_head"]),
+                              show_progress=False)
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "quantization_scheme", None) is None:
+                continue
+            w = module.weight.data
+            glob = None
+            if hasattr(module, "weight_global_scale"):  # NVFP4: the tensor's amax onto FP8 x FP4's range
+                glob = generate_gparam(w.float().amin(), w.float().amax())
+                module.weight_global_scale.copy_(glob)
+            scale, _ = compute_dynamic_scales_and_zp(w, module.quantization_scheme.weights, module, global_scale=glob)
+            module.weight_scale.copy_(scale)
+            if hasattr(module, "input_global_scale"):  # as a calibration would leave it
+                module.input_global_scale.fill_(448.0 * 6.0 / 4.0)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model.save_pretrained(str(dst), max_shard_size=max(1, total // (min_shards + 1)))
+    compressor.update_config(str(dst))
+    return Path(dst)
+
+
+def write_modelopt_checkpoint(src, dst, seed: int = 0) -> Path:
+    """The full-precision checkpoint at `src` quantized to NVFP4 by ModelOpt itself
+    (`mtq.quantize` with NVFP4_DEFAULT_CFG, calibrated on a few random token batches, on
+    CPU) and exported by `export_hf_checkpoint` into `dst` (`hf_quant_config.json`)."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+    model = mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, lambda m: m(ids))
+    export_hf_checkpoint(model, export_dir=str(dst))
+    return Path(dst)
+
+
+def modelopt_dequantized(directory, reference: torch.nn.Module) -> torch.nn.Module:
+    """`reference` (the full-precision model the checkpoint was quantized from) with each of
+    its NVFP4 weights replaced by ModelOpt's own dequantization of the exported tensors
+    (`NVFP4QTensor.dequantize`, as its `fake quant` export round trip does), in place."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    for key, packed in tensors.items():
+        if packed.dtype != torch.uint8 or key + "_scale_2" not in tensors:
+            continue
+        param = reference.get_parameter(key)
+        values = NVFP4QTensor(param.shape, param.dtype, packed).dequantize(
+            dtype=param.dtype, scale=tensors[key + "_scale"], double_scale=tensors[key + "_scale_2"],
+            block_sizes={-1: 16})
+        param.data.copy_(values)
+    return reference
+
+
+def write_ct_experts_checkpoint(src, dst, group_size: int = 32) -> Path:
+    """The MoE checkpoint at `src` (per-expert `mlp.experts.N.{gate,up,down}_proj.weight`, as
+    save_pretrained writes them) with its routed experts in compressed-tensors' INT4
+    `pack-quantized` W4A16 layout, as Kimi-K2 ships them: each expert's scales from
+    compressed-tensors' own math (`compute_dynamic_scales_and_zp`) and its weight packed by
+    its `PackedQuantizationCompressor` (what ModelCompressor runs per module; transformers'
+    fused experts are no Linear modules for it to find), the config from its
+    `QuantizationConfig` (targets `re:.*mlp\\.experts.*`)."""
+    import compressed_tensors
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    scheme = preset_name_to_scheme("W4A16", [r"re:.*mlp\.experts.*"])
+    scheme.weights.group_size = group_size
+    scheme.format = "pack-quantized"
+
+    def one(key, w):
+        scale, _ = compute_dynamic_scales_and_zp(w, scheme.weights, None)
+        packed = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale.to(w.dtype)}, scheme)
+        return {key[:-len("weight")] + name: t for name, t in packed.items()}
+
+    quant = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                               quantization_status="compressed", ignore=[])
+    config = {"quant_method": "compressed-tensors", "version": compressed_tensors.__version__,
+              **quant.model_dump(exclude=["quant_method"])}
+    return _rewrite(src, dst, one, config, select=lambda key, w: ".mlp.experts." in key and key.endswith(".weight"))

@@ -290,8 +290,8 @@ def test_a_split_that_cuts_a_group_is_refused_before_anything_changes(checkpoint
 def test_quantize_argument_errors(checkpoint):
     directory, config = checkpoint("llama")
     model = build_model("llama", config, torch.float32)
-    with pytest.raises(lazyload.ArgumentError, match="quantize='int4'"):
-        LazyCheckpoint(directory).load_into(model, quantize="int4")
+    with pytest.raises(lazyload.ArgumentError, match="quantize='int2'"):
+        LazyCheckpoint(directory).load_into(model, quantize="int2")
     with pytest.raises(lazyload.ArgumentError, match="group_size"):
         Quantization("int8", group_size=0)
 

@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from .fp4 import dequantize_mxfp4_into
+from .fp4 import dequantize_mxfp4_into, dequantize_nvfp4_into, dequantize_nvfp4_modelopt_into
+from .int4 import dequantize_int4_into
 
 # Elements per chunk: the float32 scratch of a CPU chunk (1 MiB) stays in cache; on a GPU
 # a chunk only bounds the scratch.
@@ -24,22 +25,46 @@ GPU_CHUNK = 1 << 24
 
 class QuantizedBox(NamedTuple):
     """What a reader returns for a dequantized item: the weight box, the scale entries
-    covering it and their zero points (or None)."""
+    covering it, their zero points (or None) and a 4-bit weight's global scale (or None)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None = None
+    glob: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, scales, parts) -> "QuantizedBox":
+        """The box of the tensors read for `ReadItem.reads()` (weight, scale, then the zero
+        points and the global scale where `scales`, the item's `ScaleRead`, has them)."""
+        weight, scale, *rest = parts
+        zero = rest.pop(0) if scales.zero is not None else None
+        return cls(weight, scale, zero, rest[0] if scales.glob is not None else None)
+
+    def parts(self) -> list[torch.Tensor]:
+        """The tensors in `ReadItem.reads()` order (the inverse of `of`)."""
+        return [t for t in self if t is not None]
 
     def to(self, device, non_blocking: bool = False) -> "QuantizedBox":
         return QuantizedBox(*(t.to(device, non_blocking=non_blocking) if t is not None else None for t in self))
 
 
-def dequantize_into(out: torch.Tensor, box: QuantizedBox, start: tuple[int, ...], block: tuple[int, ...]) -> None:
+# How a 4-bit packed weight's box decodes (`ScaleRead.codec`; expr.Packed4, quant.packed4).
+CODECS = {
+    "nvfp4": lambda out, box: dequantize_nvfp4_into(out, box.weight, box.scale, box.glob),
+    "nvfp4-modelopt": lambda out, box: dequantize_nvfp4_modelopt_into(out, box.weight, box.scale, box.glob),
+    "int4": lambda out, box: dequantize_int4_into(out, box.weight, box.scale),
+}
+
+
+def dequantize_into(out: torch.Tensor, box: QuantizedBox, start: tuple[int, ...], block: tuple[int, ...],
+                    codec: str | None = None) -> None:
     """Write the dequantized `box.weight` into `out` (same shape, any dtype and strides).
     `start`: where the box begins in the full weight; `block`: weight elements per scale
     entry along each dim. `box.scale` holds the entries of the blocks the box touches (or
-    one entry for the whole weight)."""
+    one entry for the whole weight). `codec`: a 4-bit packed weight's format (whole groups)."""
     q = box.weight
+    if codec is not None:
+        return CODECS[codec](out, box)
     if q.dtype == torch.uint8:  # packed E2M1 with E8M0 scales (expr.Mxfp4): whole groups
         return dequantize_mxfp4_into(out, q, box.scale)
     if q.ndim == 0:  # a scalar weight is a box of one element

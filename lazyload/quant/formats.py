@@ -34,9 +34,10 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from ..errors import CheckpointError
-from ..expr import Cat, Dequant, Expr, Source
+from ..expr import Cat, Dequant, Expr, Packed4, Source
 from ..index import CheckpointIndex
 from .fp4 import mxfp4_leaves
+from .packed4 import packed4_leaves
 
 WEIGHT_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # FP8 block layout; compressed-tensors
@@ -46,8 +47,10 @@ ZERO_SUFFIX = "_zero_point"
 UNSUPPORTED_SUFFIXES = ("_g_idx", "_packed", "_shape", "_global_scale", "_shape_original")
 # Scales of activations and of the KV cache: for quantized kernels, not for weights.
 IGNORED = (r"\.(input|output)_(scale|zero_point)$", r"\.[qkv]_scale$", r"\.input_global_scale$")
-METHODS = ("fp8", "compressed-tensors", "mxfp4")
+METHODS = ("fp8", "compressed-tensors", "mxfp4", "modelopt")
 COMPRESSED_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
+# 4-bit formats whose weights are found by their names (quant.packed4): no blocks of 8-bit weights.
+PACKED4_FORMATS = ("nvfp4-pack-quantized", "pack-quantized")
 DEFAULT_BLOCK = 128  # DeepSeek-V3's and Qwen3 FP8's weight_block_size
 
 logger = logging.getLogger("lazyload")
@@ -75,16 +78,37 @@ def read_quantization_config(files: Sequence[str]) -> dict | None:
     """`quantization_config` of the config.json beside the checkpoint's files, if any."""
     if not files:
         return None
-    path = os.path.join(os.path.dirname(os.path.abspath(files[0])), "config.json")
+    directory = os.path.dirname(os.path.abspath(files[0]))
+    path = os.path.join(directory, "config.json")
+    raw = _read_small(path)
+    quant = quantization_config_of(path, raw) if raw is not None else None
+    if quant is None:  # ModelOpt's own file (older exports write nothing into config.json)
+        path = os.path.join(directory, "hf_quant_config.json")
+        raw = _read_small(path)
+        quant = modelopt_config_of(path, raw) if raw is not None else None
+    return quant
+
+
+def _read_small(path: str) -> bytes | None:
     if not os.path.exists(path):
         return None
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            return f.read()
     except OSError as exc:  # the tensors alone still tell quantized weights
         logger.warning("%s: not read (%s); quantized weights are found from the tensors alone", path, exc)
         return None
-    return quantization_config_of(path, raw)
+
+
+def modelopt_config_of(where: str, raw: bytes) -> dict | None:
+    """ModelOpt's `hf_quant_config.json` ({"quantization": {"quant_algo": ..., "group_size":
+    ..., "exclude_modules": [...]}}) as a quantization_config (quant_method "modelopt")."""
+    try:
+        quant = json.loads(raw).get("quantization")
+    except (ValueError, AttributeError) as exc:
+        logger.warning("%s: not read (%s); quantized weights are found from the tensors alone", where, exc)
+        return None
+    return {"quant_method": "modelopt", **quant} if isinstance(quant, dict) else None
 
 
 def quantization_config_of(where: str, raw: bytes) -> dict | None:
@@ -134,10 +158,18 @@ def detect(index: CheckpointIndex, config: dict | None = None,
         block = block_of.get(shapes) or block_of.setdefault(shapes, _block(name, *shapes, blocks))
         leaves[name] = _paired(index, name, scale, zero, block)
         siblings.update((scale, zero) if zero else (scale,))
+    logical = {}
+    for found in packed4_leaves(index, tensors, config):  # 4-bit NVFP4 and INT4 (quant.packed4)
+        if held(found.siblings[0]):  # a model holding the packed weight and its scales loads them as stored
+            held_pairs.update((found.weight, *found.siblings))
+            continue
+        leaves[found.weight] = found.leaf
+        siblings.update(found.siblings)
+        if found.logical != found.weight:
+            logical[found.weight] = found.logical
     if declared or leaves:
         _check_unscaled(tensors, index, leaves.keys() | held_pairs, siblings, config)
     weight_keys = {k for leaf in leaves.values() for k in _weight_pieces(leaf)}
-    logical = {}
     for base, (leaf, blocks, scales) in mxfp4_leaves(index, tensors).items():  # gpt-oss's experts (quant.fp4)
         leaves[blocks], logical[blocks] = leaf, base
         siblings.add(scales)
@@ -147,9 +179,11 @@ def detect(index: CheckpointIndex, config: dict | None = None,
 
 
 def _weight_pieces(expr: Expr) -> list[str]:
-    """The stored weight keys of a tiling of `Dequant`s."""
+    """The stored weight keys of a tiling of `Dequant`s (or of `Packed4`s)."""
     if isinstance(expr, Dequant):
         return [expr.weight]
+    if isinstance(expr, Packed4):
+        return [expr.packed]
     return [k for part in expr.parts for k in _weight_pieces(part)]
 
 
@@ -237,6 +271,12 @@ def _config_blocks(config: dict) -> list[tuple[int | None, int | None]]:
         return _compressed_tensors_blocks(config)
     if method == "mxfp4":  # its blocks and scales are found by their names (quant.fp4)
         return []
+    if method == "modelopt":  # NVFP4 weights are found by their names (quant.packed4)
+        if config.get("quant_algo") != "NVFP4":
+            raise CheckpointError(f"config.json: the checkpoint is quantized by ModelOpt with "
+                                  f"{config.get('quant_algo')!r}; lazyload reads ModelOpt's NVFP4 only. Dequantize "
+                                  "it with ModelOpt first.")
+        return []
     raise CheckpointError(f"config.json: the checkpoint is quantized with {method!r}, which lazyload cannot "
                           f"dequantize (it reads {', '.join(METHODS)}); dequantize it with its own tools first.")
 
@@ -249,8 +289,8 @@ def _compressed_tensors_blocks(config: dict) -> list[tuple[int | None, int | Non
         if not weights:
             continue
         fmt = group.get("format") or top
-        if fmt == "dense":
-            continue
+        if fmt == "dense" or (fmt in PACKED4_FORMATS and weights.get("num_bits") == 4):
+            continue  # 4-bit packed weights are found by their names (quant.packed4)
         if fmt not in COMPRESSED_FORMATS or weights.get("num_bits") != 8:
             raise CheckpointError(f"config.json: compressed-tensors group {name!r} stores weights as {fmt!r} with "
                                   f"{weights.get('num_bits')} bits; lazyload reads 8-bit weights in "

@@ -88,12 +88,70 @@ def dequantize_mxfp4_into(out: torch.Tensor, blocks: torch.Tensor, scales: torch
 
 
 def _dequantize_rows(out: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
-    lut = _LUTS.get(blocks.device)
-    if lut is None:
-        lut = _LUTS.setdefault(blocks.device, torch.tensor(E2M1, dtype=torch.float32, device=blocks.device))
-    values = torch.empty(*blocks.shape, 2, dtype=torch.float32, device=blocks.device)
-    values[..., 0] = lut[(blocks & 0x0F).long()]
-    values[..., 1] = lut[(blocks >> 4).long()]
-    flat = values.view(*blocks.shape[:-1], 32)
+    flat = _e2m1(blocks)  # [..., G, 32]
     torch.ldexp(flat, (scales.to(torch.int32) - 127).unsqueeze(-1), out=flat)
     out.copy_(flat.view(out.shape))  # the one rounding, to the destination dtype
+
+
+# NVFP4: E2M1 nibbles two to a uint8 [..., R, K/2] (element 2j low), one float8_e4m3fn
+# scale per 16 values [..., R, K/16], and one float32 scalar for the whole tensor.
+NV_GROUP = 16
+
+
+def dequantize_nvfp4_into(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                          global_scale: torch.Tensor) -> None:
+    """compressed-tensors' `nvfp4-pack-quantized` into `out` [..., R, K] (any dtype and strides):
+    `e2m1 * (float32(scale) / global_scale)` in float32, rounded to bfloat16 (the dtype its
+    decompressor unpacks to), then to `out`'s dtype, as its `NVFP4PackedCompressor.decompress`
+    and transformers' `CompressedTensorsDequantize` compute it. A global scale that is zero,
+    NaN or infinite is refused (it divides), as is a NaN scale."""
+    divisor = _global(global_scale, "weight_global_scale", "it divides every scale")
+    _dequantize_nvfp4(out, packed, scales, lambda s: s / divisor, torch.bfloat16)
+
+
+def dequantize_nvfp4_modelopt_into(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                                   scale_2: torch.Tensor) -> None:
+    """ModelOpt's NVFP4 into `out` [..., R, K]: `e2m1 * (float32(scale) * weight_scale_2)` in
+    float32, then one rounding to `out`'s dtype, as `NVFP4QTensor.dequantize` computes it."""
+    factor = _global(scale_2, "weight_scale_2", "it multiplies every scale")
+    _dequantize_nvfp4(out, packed, scales, lambda s: s * factor, None)
+
+
+def _global(value: torch.Tensor, name: str, why: str) -> torch.Tensor:
+    """The float32 scalar of a one-entry global scale, refused when zero, NaN or infinite."""
+    scalar = value.reshape(()).float()
+    if not bool(torch.isfinite(scalar)) or float(scalar) == 0.0:
+        raise CheckpointError(f"an NVFP4 {name} is {float(scalar)} (read with this box); {why}, so the weight "
+                              "would be all zeros, inf or NaN. The checkpoint is corrupt or was never calibrated: "
+                              "re-export it.")
+    return scalar
+
+
+def _dequantize_nvfp4(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scale_of, via) -> None:
+    """E2M1 values times `scale_of(float32 scales)` per 16, in float32 chunks of rows, then
+    rounded to `via` (if any) and to `out`'s dtype."""
+    nan = (scales.view(torch.uint8) & 0x7F) == 0x7F  # S.1111.111: float8_e4m3fn's NaN
+    if bool(nan.any()):
+        at = nan.nonzero()[0].tolist()
+        raise CheckpointError(f"an NVFP4 weight_scale is NaN (float8_e4m3fn 0x7F) at {at} of the scales read with "
+                              "this box; the checkpoint is corrupt, a NaN scale makes its 16 weights NaN.")
+    rows = max(1, CHUNK // max(1, 2 * packed.shape[-1]))
+    lead = packed.shape[:-2]
+    for at in itertools.product(*(range(n) for n in lead)):
+        for r in range(0, packed.shape[-2], rows):
+            box = at + (slice(r, r + rows),)
+            values = _e2m1(packed[box])  # [rows, K] float32
+            grouped = values.view(*values.shape[:-1], -1, NV_GROUP)
+            grouped.mul_(scale_of(scales[box].float()).unsqueeze(-1))
+            out[box].copy_(values.to(via) if via is not None and via != out.dtype else values)
+
+
+def _e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 2 * n] of E2M1 nibbles packed two to a byte [..., n], element 2j low."""
+    lut = _LUTS.get(packed.device)
+    if lut is None:
+        lut = _LUTS.setdefault(packed.device, torch.tensor(E2M1, dtype=torch.float32, device=packed.device))
+    values = torch.empty(*packed.shape, 2, dtype=torch.float32, device=packed.device)
+    values[..., 0] = lut[(packed & 0x0F).long()]
+    values[..., 1] = lut[(packed >> 4).long()]
+    return values.view(*packed.shape[:-1], 2 * packed.shape[-1])

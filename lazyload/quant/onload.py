@@ -24,8 +24,11 @@ from ..expr import Expr, Piece, ShapeOf, apply_ops, box_shape, undo_ops
 from ..plan import Placement, ReadItem, local_regions
 from .fp8_modules import check_block_split
 from .dequant import CPU_CHUNK, GPU_CHUNK, QuantizedBox, dequantize_into
+from .pack4 import FIXED_GROUP, PER_WORD, STORED
 
 QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+PACKED = ("nvfp4", "mxfp4", "int4")  # 4-bit, kept packed (quant.packed)
+KEEP = "keep"  # a 4-bit checkpoint's packed bytes held as stored (quant.kept4)
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # Kept in full precision unless asked: the output head and MoE routers (embeddings and
 # norms are no Linear layers, so never quantized).
@@ -37,7 +40,11 @@ DEFAULT_SKIP = (r"(^|\.)lm_head$", r"(^|\.)(gate|router)$")
 class Quantization:
     """How `load_into(..., quantize=...)` quantizes a full-precision checkpoint on load.
 
-    - `dtype`: "int8" (symmetric, ±127) or "fp8" (`torch.float8_e4m3fn`).
+    - `dtype`: "int8" (symmetric, ±127) or "fp8" (`torch.float8_e4m3fn`); or 4 bits kept
+      packed in lazyload's `Packed4Linear` (Linear layers only; see `quant.pack4`): "nvfp4"
+      (groups of 16, a float8 scale each and a global scale per tensor), "mxfp4" (groups of
+      32, an E8M0 scale each) or "int4" (symmetric, groups of `group_size`, a multiple of 8;
+      as a string "int4:g32"), each as compressed-tensors quantizes it.
     - `group_size`: input-dim elements per scale, per output row (default 128; the last
       group of a row may be shorter). None: one scale per row of what the rank holds. A
       row-parallel rank (world > 1) sees only its own columns of each row, so its scales
@@ -64,8 +71,13 @@ class Quantization:
     format: str = "lazyload"
 
     def __post_init__(self) -> None:
-        if self.dtype not in QDTYPES:
-            raise ArgumentError(f"Quantization dtype={self.dtype!r}: use 'int8' or 'fp8'.")
+        if self.dtype == KEEP:
+            return object.__setattr__(self, "torchao", False)
+        if self.dtype not in QDTYPES and self.dtype not in PACKED:
+            raise ArgumentError(f"Quantization dtype={self.dtype!r}: use 'int8', 'fp8', 'nvfp4', 'mxfp4', 'int4' or "
+                                "'keep'.")
+        if self.dtype in PACKED:
+            return self._check_packed()
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
             raise ArgumentError(f"Quantization group_size={self.group_size!r}: a positive integer, or None for "
                                 "one scale per row.")
@@ -84,22 +96,56 @@ class Quantization:
                 raise ArgumentError("Quantization(torchao=True) needs torchao: pip install torchao; or pass torchao=False for lazyload's QuantizedLinear."
                                     ) from exc
 
+    def _check_packed(self) -> None:
+        """4 bits: a group the packing and the format allow, lazyload's own holder."""
+        fixed = FIXED_GROUP.get(self.dtype)
+        if fixed is not None and self.group_size in (128, fixed):  # 128: the dataclass default
+            object.__setattr__(self, "group_size", fixed)
+        group = self.group_size
+        if fixed is not None and group != fixed or not isinstance(group, int) or group < 1 or group % PER_WORD[self.dtype]:
+            need = f"{fixed}" if fixed is not None else "a positive multiple of 8"
+            raise ArgumentError(f"Quantization({self.dtype!r}, group_size={group!r}): {self.dtype} groups are {need}.")
+        if self.torchao or self.format != "lazyload":
+            raise ArgumentError(f"Quantization({self.dtype!r}) is held by lazyload's Packed4Linear: pass neither "
+                                "torchao=True nor format=... .")
+        object.__setattr__(self, "torchao", False)
+        object.__setattr__(self, "skip", tuple(self.skip))
+
+    @property
+    def packed(self) -> str:
+        """The 4-bit scheme ("nvfp4", "mxfp4", "int4"), or "" for 8 bits."""
+        return self.dtype if self.dtype in PACKED else ""
+
     @property
     def torch_dtype(self) -> torch.dtype:
-        return QDTYPES[self.dtype]
+        return STORED[self.dtype] if self.packed else torch.uint8 if self.dtype == KEEP else QDTYPES[self.dtype]
 
     @classmethod
     def of(cls, quantize: "str | Quantization | None") -> "Quantization | None":
-        """The argument of `load_into(quantize=...)`: None, "int8", "fp8" or a Quantization."""
+        """The argument of `load_into(quantize=...)`: None, "int8", "fp8", "nvfp4", "mxfp4",
+        "int4" (groups of 128) or "int4:gN" (groups of N), "keep" (a 4-bit checkpoint held packed),
+        or a Quantization."""
         if quantize is None or isinstance(quantize, Quantization):
             return quantize
-        if isinstance(quantize, str) and quantize in QDTYPES:
+        if isinstance(quantize, str) and (quantize in QDTYPES or quantize in PACKED or quantize == KEEP):
             return cls(quantize)
-        raise ArgumentError(f"quantize={quantize!r}: use None, 'int8', 'fp8' or lazyload.Quantization(...).")
+        if isinstance(quantize, str) and (m := re.fullmatch(r"int4:g(\d+)", quantize)):
+            return cls("int4", group_size=int(m.group(1)))
+        raise ArgumentError(f"quantize={quantize!r}: use None, 'int8', 'fp8', 'nvfp4', 'mxfp4', 'int4', 'int4:g32' "
+                            "(a group size), 'keep' or lazyload.Quantization(...).")
 
     def describe(self, torchao_layers: int = 0) -> str:
         """What the quantized weights hold, in words (for the LoadReport), with the number
         of layers held by torchao's tensors."""
+        if self.dtype == KEEP:
+            return ("4-bit weights kept packed as stored: MXFP4 experts (E2M1 blocks, an E8M0 scale per 32) in "
+                    "lazyload's Mxfp4Experts, compressed-tensors NVFP4 / INT4 Linear layers in lazyload's "
+                    "Packed4Linear")
+        if self.packed:
+            scale = {"nvfp4": "a float8_e4m3fn scale per 16 input columns and a float32 global scale",
+                     "mxfp4": "an E8M0 scale per 32 input columns"}.get(self.dtype, f"a scale per {self.group_size} "
+                                                                                   "input columns")
+            return f"{self.dtype} packed, {scale}, in lazyload's Packed4Linear"
         scales = f"per {self.group_size} input columns" if self.group_size else "per row"
         if self.format == "transformers":
             scales = f"per {BLOCK}x{BLOCK} block in transformers' FP8Linear (others {scales})"
@@ -159,6 +205,10 @@ class QuantizedDest(NamedTuple):
     def scratch_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # whole sources are converted in full precision, quantized after
 
+    def bytes_saved(self, full_dtype: torch.dtype) -> int:
+        """Bytes held less than in `full_dtype`, the scales counted."""
+        return self.data.numel() * full_dtype.itemsize - self.data.nbytes - self.scale.nbytes
+
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         # the 8-bit data, and its scales beside it (transformers' FP8Linear names them `weight_scale_inv`)
         return {name: self.data, name + ("_scale_inv" if self.rows > 1 else "_scale"): self.scale}
@@ -173,6 +223,7 @@ class Grid(NamedTuple):
     axis: int = -1
     keep: bool = False
     rows: int = 1  # > 1: rows per scale too (format="transformers": 128x128 blocks)
+    packed: str = ""  # a 4-bit scheme: held packed (quant.packed.PackedDest)
 
 
 def scale_shape(shape: tuple[int, ...], group: int, axis: int = -1, rows: int = 1) -> tuple[int, ...]:
@@ -257,6 +308,8 @@ def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement
     A pre-quantized source already in the asked dtype (symmetric, contracted over its last
     dim) is kept (`kept_group`); otherwise groups of `config.group_size`, or with None one
     scale per row of what this rank holds (a row-parallel rank: its own columns only)."""
+    if config.packed:
+        return packed_grid(name, expr, shape, placement, rank, world, config, shape_of)
     if blocked(config, shape, axis):  # transformers' FP8Linear: whole 128x128 blocks on every rank
         check_block_split(name, shape, (BLOCK, BLOCK), placement, rank, world)
         for dim in (-2, -1):  # fused sources (pieces) must not cut a block either
@@ -274,6 +327,27 @@ def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement
         group = max(1, local_regions(name, shape, placement, rank, world)[0][axis])
     check_groups(name, expr, shape, placement, rank, world, group, shape_of, axis)
     return Grid(group, axis, keep)
+
+
+def packed_grid(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement, rank: int, world: int,
+                config: Quantization, shape_of: ShapeOf) -> Grid:
+    """The grid of a Linear weight quantized to 4 bits: whole groups on every rank (the
+    formats have no short group), and for NVFP4 the whole tensor on one rank (its global
+    scale is the amax of the whole tensor, which no rank reading a slice sees)."""
+    group, cols = config.group_size, shape[-1]
+    if cols % group:
+        raise PlanError(f"{name}: {cols} input columns are no whole number of {config.dtype} groups of {group}; "
+                        "keep this layer in full precision (Quantization(skip=[...])) or pick a group that "
+                        "divides it.")
+    local, _ = local_regions(name, shape, placement, rank, world)
+    if config.packed == "nvfp4" and tuple(local) != tuple(shape):
+        raise PlanError(f"{name}: rank {rank} of {world} holds {list(local)} of {list(shape)}, but NVFP4's global "
+                        "scale is the amax of the whole tensor, which a rank reading its slice never sees, so its "
+                        "bytes would differ from world 1's. Quantize to nvfp4 at world 1 (worlds that work: 1): "
+                        "`lazyload reshard --quantize nvfp4` writes a checkpoint every rank of any world reads "
+                        "its slice of; or use quantize='mxfp4' / 'int4:gN' under TP.")
+    check_groups(name, expr, shape, placement, rank, world, group, shape_of, -1)
+    return Grid(group, -1, False, 1, config.packed)
 
 
 def blocked(config: Quantization, shape: tuple[int, ...], axis: int) -> bool:
@@ -310,7 +384,8 @@ def full_precision(item: ReadItem, source: torch.Tensor | QuantizedBox, device: 
     if item.scales is None:
         return apply_ops(source, item.ops)
     values = torch.empty(box_shape(item.dst_box), dtype=torch.float32, device=device)
-    dequantize_into(undo_ops(values, item.ops), source, tuple(a for a, _ in item.src_box), item.scales.block)
+    dequantize_into(undo_ops(values, item.ops), source, tuple(a for a, _ in item.src_box), item.scales.block,
+                    item.scales.codec)
     return values
 
 

@@ -110,7 +110,7 @@ class MmapReader(Reader):
         copied (a ReadError instead; only a truncation during this one item's copy, after
         the check, is not caught)."""
         if item.scales is not None:  # a dequantized weight: its box, its scale blocks
-            return QuantizedBox(*(self.read(part) for part in item.reads()))
+            return QuantizedBox.of(item.scales, [self.read(part) for part in item.reads()])
         self._check_size(item)
         handle = self._open(item.entry.file)
         tensor = self.view(item) if item.src_box or isinstance(handle, torch.Tensor) else handle.get_tensor(item.entry.key)
@@ -177,7 +177,7 @@ class MmapReader(Reader):
         if not self.release_pages:
             return
         if item.scales is not None:
-            for part, view in zip(item.reads(), tensor):
+            for part, view in zip(item.reads(), tensor.parts()):
                 self.release(part, view)
             return
         offsets, run = byte_runs(item)

@@ -150,7 +150,7 @@ class PreadReader(Reader):
         """Read the item's bytes into `out` (a contiguous uint8 CPU tensor of item.nbytes);
         returns `out` viewed as the source box (a dequantized item: its parts' views)."""
         if item.scales is not None:
-            return QuantizedBox(*(self.read_into(part, view) for part, view in item.staging(out)))
+            return QuantizedBox.of(item.scales, [self.read_into(part, view) for part, view in item.staging(out)])
         fd = self._fd(item.entry.file)
         offsets, run = byte_runs(item)
         memory = memoryview(out.numpy()).cast("B")

@@ -123,7 +123,7 @@ class RemoteReader(Reader):
         """Fetch the item's bytes into `out` (a contiguous uint8 CPU tensor of item.nbytes);
         returns `out` viewed as the source box (a dequantized item: its parts' views)."""
         if item.scales is not None:
-            return QuantizedBox(*(self.read_into(part, view) for part, view in item.staging(out)))
+            return QuantizedBox.of(item.scales, [self.read_into(part, view) for part, view in item.staging(out)])
         offsets, run = byte_runs(item)
         memory = out.numpy().reshape(-1)
         gets = plan_gets(offsets, run, self._options.merge_gap, self._options.part_bytes)

@@ -20,15 +20,18 @@ from torch import nn
 from ..errors import ArgumentError
 from ..expr import Source
 from ..quant.onload import Grid, QuantizedDest, Quantization, quantize_into, scale_shape
+from .compressed4 import FORMATS4, encode4, entries4, weights_config
 
 FORMATS = {"int8": ("int", "int-quantized"), "fp8": ("float", "float-quantized")}
 
 
 class Encoded(NamedTuple):
-    """How one checkpoint tensor is written quantized: its 8-bit dtype and scale group."""
+    """How one checkpoint tensor is written quantized: its 8-bit (or packed) dtype and scale
+    group, and a 4-bit scheme (`writers.compressed4`)."""
 
     dtype: torch.dtype
     group: int
+    scheme: str = ""
 
 
 def encoded_weights(grids: dict[str, Grid], exprs: dict, shapes: dict, config: Quantization) -> dict[str, Encoded]:
@@ -49,7 +52,7 @@ def encoded_weights(grids: dict[str, Grid], exprs: dict, shapes: dict, config: Q
                                 f"{grid.group}, which a compressed-tensors checkpoint cannot hold; pass "
                                 f"quantize=Quantization({config.dtype!r}, group_size=G) with G dividing {cols}, or "
                                 f"keep it in full precision (Quantization(skip=[{module!r}])).")
-        out[name] = Encoded(config.torch_dtype, grid.group)
+        out[name] = Encoded(config.torch_dtype, grid.group, grid.packed)
     return out
 
 
@@ -58,13 +61,19 @@ def entries(key: str, dtype: torch.dtype, shape: tuple[int, ...], encoded: Encod
     weight and float32 scales."""
     if encoded is None:
         return [(key, dtype, shape)]
+    if encoded.scheme:
+        return entries4(key, dtype, shape, encoded.scheme, encoded.group)
     return [(key, encoded.dtype, shape), (key + "_scale", torch.float32, scale_shape(shape, encoded.group))]
 
 
-def encode(values: torch.Tensor, encoded: Encoded | None) -> list[torch.Tensor]:
-    """The tensors `entries` describes, from the read full-precision values."""
+def encode(values: torch.Tensor, encoded: Encoded | None, global_scale: torch.Tensor | None = None
+           ) -> list[torch.Tensor]:
+    """The tensors `entries` describes, from the read full-precision values (`global_scale`:
+    an NVFP4 weight's, shared with the projections fused with it)."""
     if encoded is None:
         return [values]
+    if encoded.scheme:
+        return encode4(values, encoded.scheme, encoded.group, global_scale)
     dest = QuantizedDest(torch.empty(values.shape, dtype=encoded.dtype),
                          torch.empty(scale_shape(tuple(values.shape), encoded.group), dtype=torch.float32),
                          encoded.group)
@@ -75,10 +84,13 @@ def encode(values: torch.Tensor, encoded: Encoded | None) -> list[torch.Tensor]:
 def quantization_config(model: nn.Module, quantized: dict[str, Encoded], config: Quantization) -> dict[str, Any]:
     """config.json's `quantization_config`, as compressed-tensors' `QuantizationConfig`
     serialises it: one group targeting Linear layers, the others listed in `ignore`."""
-    num_type, fmt = FORMATS[config.dtype]
-    weights = {"num_bits": 8, "type": num_type, "symmetric": True, "dynamic": False,
-               "strategy": "group" if config.group_size else "channel", "group_size": config.group_size,
-               "observer": "minmax"}
+    if config.packed:
+        fmt, weights = FORMATS4[config.packed], weights_config(config.packed, config.group_size)
+    else:
+        num_type, fmt = FORMATS[config.dtype]
+        weights = {"num_bits": 8, "type": num_type, "symmetric": True, "dynamic": False,
+                   "strategy": "group" if config.group_size else "channel", "group_size": config.group_size,
+                   "observer": "minmax"}
     modules = {name.rpartition(".")[0] for name in quantized}
     ignore = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name not in modules]
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",

@@ -39,6 +39,7 @@ from ..readers import PreadReader, Reader, RemoteReader
 from ..remote import is_remote
 from ..schedule import layer_of, schedule
 from .compressed import encode, encoded_weights, entries, quantization_config
+from .compressed4 import shared_global_scales
 from .output import check_output, source_dirs, staged_directory
 from ..stored import StoredCheckpoint, meta_model, transformers_config
 
@@ -62,7 +63,7 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
     (or one inside it) is an OutputError, refused before anything is written. The files are
     written to a hidden directory beside `out_dir` that becomes `out_dir` only when complete.
 
-    `quantize` ("int8", "fp8" or a `Quantization`; `world=1`) writes a compressed-tensors
+    `quantize` ("int8", "fp8", "nvfp4", "int4:gN" or a `Quantization`; `world=1`) writes a compressed-tensors
     checkpoint instead (`model.safetensors`, or several files with their index, and
     `quantization_config` in config.json): the Linear weights as `load_into(model,
     quantize=...)` quantizes them, with their scales (see `writers/compressed.py`); returns the
@@ -72,6 +73,9 @@ def save_sharded(src: Any, out_dir: str | os.PathLike, world: int, plan: dict | 
     if qconfig is not None and world != 1:
         raise ArgumentError(f"save_sharded(quantize={quantize!r}) writes a compressed-tensors checkpoint of whole "
                             f"tensors, from which each rank of any world reads its slice; pass world=1, not {world}.")
+    if qconfig is not None and qconfig.dtype in ("mxfp4", "keep"):
+        raise ArgumentError(f"save_sharded(quantize={quantize!r}): a compressed-tensors checkpoint is written with "
+                            "'int8', 'fp8', 'nvfp4' or 'int4:gN' (4-bit as nvfp4-pack-quantized / pack-quantized).")
     if qconfig is not None and qconfig.format != "lazyload":
         raise ArgumentError(f"save_sharded(quantize=Quantization(format={qconfig.format!r})): that format is a holder "
                             "of a load (load_into); a checkpoint is written in compressed-tensors' groups: pass "
@@ -345,8 +349,10 @@ def _write_file(path: str, chunk: list, index: CheckpointIndex, view: Checkpoint
             for layer_pieces in by_layer.values():
                 groups, dests = _layer_reads(layer_pieces, index, view)
                 run_schedule(groups, reader, dests, byte_budget(groups, max_host_bytes))
+                shared = shared_global_scales({name: dests[key].tensor for key, name, _ in layer_pieces},
+                                              {name: e.scheme for name, e in encoded.items()})
                 for key, name, _ in layer_pieces:
-                    for tensor in encode(dests[key].tensor, encoded.get(name)):
+                    for tensor in encode(dests[key].tensor, encoded.get(name), shared.get(name)):
                         f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
     finally:
         reader.close()
