@@ -196,6 +196,20 @@ def test_a_resharded_copy_loads_back_bit_exact(written, fmt, tmp_path):
             assert torch.equal(mine, value), f"{fmt} {name} rank {rank} of {world}"
 
 
+def test_over_http_each_item_fetches_its_global_scale_too(written):
+    """The remote reader stages a packed box, its scales and its global scale per item: an
+    NVFP4 checkpoint served over HTTP loads as from disk."""
+    from remote_servers import RangeServer
+
+    directory, _, config = written("nvfp4")
+    want = build_model("llama", config, torch.bfloat16)
+    assert LazyCheckpoint(str(directory)).load_into(want, progress=False).ok
+    model = build_model("llama", config, torch.bfloat16)
+    with RangeServer(str(directory.parent)) as server:
+        assert LazyCheckpoint(f"{server.url}/{directory.name}/").load_into(model, progress=False).ok
+    assert_same_weights(model, want)
+
+
 @pytest.fixture(scope="module")
 def experts(tmp_path_factory):
     """A Qwen3-MoE whose routed experts are INT4 W4A16 group 32, as Kimi-K2 ships them."""
