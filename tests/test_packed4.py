@@ -291,6 +291,14 @@ def _gloo_case(case, rank, world):
             assert read[key] * want.numel() == sizes[key] * mine.numel(), f"{fmt} {key} rank {rank}: {read[key]} bytes"
 
 
+def test_each_rank_of_world4_without_a_process_group(written):
+    """The gloo case's checks for every rank of world 4 in this process (no process group):
+    world 4 in the default run; the spawned job of 4 ranks is behind `slow`."""
+    for fmt in FORMATS:
+        for rank in range(4):
+            _gloo_case((fmt, str(written(fmt)[0])), rank, 4)
+
+
 # World 4 walks the same code as world 2 (4 processes on the suite's 2 cores: a minute).
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_under_gloo(written, world, tmp_path):
