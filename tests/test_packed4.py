@@ -196,6 +196,20 @@ def test_a_resharded_copy_loads_back_bit_exact(written, fmt, tmp_path):
             assert torch.equal(mine, value), f"{fmt} {name} rank {rank} of {world}"
 
 
+def test_over_http_each_item_fetches_its_global_scale_too(written):
+    """The remote reader stages a packed box, its scales and its global scale per item: an
+    NVFP4 checkpoint served over HTTP loads as from disk."""
+    from remote_servers import RangeServer
+
+    directory, _, config = written("nvfp4")
+    want = build_model("llama", config, torch.bfloat16)
+    assert LazyCheckpoint(str(directory)).load_into(want, progress=False).ok
+    model = build_model("llama", config, torch.bfloat16)
+    with RangeServer(str(directory.parent)) as server:
+        assert LazyCheckpoint(f"{server.url}/{directory.name}/").load_into(model, progress=False).ok
+    assert_same_weights(model, want)
+
+
 @pytest.fixture(scope="module")
 def experts(tmp_path_factory):
     """A Qwen3-MoE whose routed experts are INT4 W4A16 group 32, as Kimi-K2 ships them."""
@@ -275,6 +289,14 @@ def _gloo_case(case, rank, world):
         for stored in PACKED[fmt]:
             key = base + stored
             assert read[key] * want.numel() == sizes[key] * mine.numel(), f"{fmt} {key} rank {rank}: {read[key]} bytes"
+
+
+def test_each_rank_of_world4_without_a_process_group(written):
+    """The gloo case's checks for every rank of world 4 in this process (no process group):
+    world 4 in the default run; the spawned job of 4 ranks is behind `slow`."""
+    for fmt in FORMATS:
+        for rank in range(4):
+            _gloo_case((fmt, str(written(fmt)[0])), rank, 4)
 
 
 # World 4 walks the same code as world 2 (4 processes on the suite's 2 cores: a minute).
