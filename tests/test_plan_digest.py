@@ -98,7 +98,7 @@ def test_message_bytes_are_what_the_destinations_hold(llama):
     directory, config = llama
     plan = _plan(directory, config, quantize=Quantization("int8", group_size=16, torchao=False))
     assert plan.quantized
-    dests = {t.name: (allocate_quantized(t, plan.quantized[t.name], torch.device("cpu")) if t.name in plan.quantized
+    dests = {t.name: (allocate_quantized(t, plan.quantized[t.name], torch.device("cpu"), t.dtype, 1) if t.name in plan.quantized
                       else TensorDest(torch.empty(t.local_shape, dtype=t.dtype))) for t in plan.targets}
     sizes = message_bytes(plan)
     check_messages(sizes, dests)  # every destination as planned
