@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 # What every rank imports, imported once by the forkserver (a module that fails to import is
 # skipped there, and the rank imports it itself); this module and checkpoints.py are found on
-# the server's sys.path (the test's, tests/ included).
+# the server's sys.path (the test's, tests/ included). Not deepspeed: its import starts threads.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "safetensors.torch", "transformers",
                       "transformers.modeling_utils", *(f"transformers.models.{arch}.modeling_{arch}"
                                                        for arch in ("llama", "qwen2", "mixtral")),
@@ -48,8 +48,8 @@ CONTEXT.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
 def start_forkserver() -> None:
-    """Start the forkserver now (conftest.py does once the tests are collected, so that its
-    imports overlap the tests that run before the first job); the first job would otherwise."""
+    """Start the forkserver now, in the background (conftest.py does at the first test, so that
+    its imports overlap the tests before the first job); the first job would otherwise."""
     multiprocessing.forkserver.ensure_running()
 
 
