@@ -27,6 +27,14 @@ def pytest_configure(config):
     warnings.filterwarnings("ignore", module="transformers")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _forkserver():
+    """Where a collected test spawns ranks, their forkserver (see gloo.py) starts with the first
+    test, under pytest's capture: the ranks write where a test's output is captured."""
+    if "gloo" in sys.modules:
+        sys.modules["gloo"].start_forkserver()
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(arch, dtype="fp32", *, base=False, **config_overrides) -> (dir, config).

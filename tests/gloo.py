@@ -8,10 +8,19 @@ destroy_process_group (torch.distributed.nn's functions take `group.WORLD` as a 
 argument when torch._dynamo imports them after init_process_group; DTensor's redistribute
 planner cache holds the device mesh and its groups), and gloo threads alive during interpreter
 teardown occasionally abort the process ("terminate called without an active exception")
-after it reported success."""
+after it reported success.
+
+Every rank is a fork of one forkserver process that imported torch, transformers and lazyload
+once per session (FORKSERVER_PRELOAD): a rank starts in a fraction of a second instead of
+importing them itself (several seconds each on 2 cores). The server only imports: it runs no
+torch op and starts no thread before it forks (no OpenMP pool, no gloo group; each rank makes
+its process group after the fork), and each rank takes the test's environment as it is at
+start (os.environ, sys.path and the working directory), as a spawned one would."""
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -25,6 +34,43 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+# What every rank imports, imported once by the forkserver (a module that fails to import is
+# skipped there, and the rank imports it itself); this module and checkpoints.py are found on
+# the server's sys.path (the test's, tests/ included). Not deepspeed: its import starts threads.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "safetensors.torch", "transformers",
+                      "transformers.modeling_utils", *(f"transformers.models.{arch}.modeling_{arch}"
+                                                       for arch in ("llama", "qwen2", "mixtral")),
+                      "lazyload", "pytest", "checkpoints", "gloo"]
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(FORKSERVER_PRELOAD)
+
+
+def start_forkserver() -> None:
+    """Start the forkserver now, in the background (conftest.py does at the first test, so that
+    its imports overlap the tests before the first job); the first job would otherwise."""
+    multiprocessing.forkserver.ensure_running()
+
+
+def start_ranks(worker: Callable, args: tuple, nprocs: int) -> mp.ProcessContext:
+    """`mp.start_processes(worker, args, nprocs, join=False)`, each rank a fork of the
+    forkserver, in the environment the test has now."""
+    return mp.start_processes(_rank_in_environment, args=(dict(os.environ), worker, *args), nprocs=nprocs,
+                              join=False, start_method="forkserver")
+
+
+def call_in_environment(environ: dict, fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` with os.environ set to `environ`: a process forked from the
+    forkserver has the environment of the server's start, not the test's (a fixture may have
+    set credentials or an endpoint since)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    return fn(*args, **kwargs)
+
+
+def _rank_in_environment(rank: int, environ: dict, worker: Callable, *args) -> None:
+    call_in_environment(environ, worker, rank, *args)
 
 
 def _worker(rank, world, init_file, run_case, cases, errors):
@@ -74,14 +120,13 @@ def _traced(rank: int, stacks: str, worker: Callable, *args) -> None:
 
 
 def spawn_collecting(worker: Callable, args: tuple, nprocs: int, timeout: float | None = None) -> None:
-    """`mp.spawn(worker, args + (errors,))`, where a failing rank puts (rank, ..., traceback)
+    """`start_ranks(worker, args + (errors,), nprocs)`, where a failing rank puts (rank, ..., traceback)
     on `errors`; the test then fails with every failing rank's traceback. A job still running
     after `timeout` seconds (default JOB_TIMEOUT) fails with each rank's stacks, then is killed."""
     timeout = JOB_TIMEOUT if timeout is None else timeout
-    errors = mp.get_context("spawn").SimpleQueue()
+    errors = CONTEXT.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="lazyload-stacks-") as stacks:
-        job = mp.start_processes(_traced, args=(stacks, worker, *args, errors), nprocs=nprocs, join=False,
-                                 start_method="spawn")
+        job = start_ranks(_traced, (stacks, worker, *args, errors), nprocs)
         deadline = time.monotonic() + timeout
         try:
             while not job.join(timeout=1):
@@ -103,17 +148,34 @@ def spawn_collecting(worker: Callable, args: tuple, nprocs: int, timeout: float 
 
 def _stacks_of(processes: list, stacks: str) -> str:
     """Every live rank's thread stacks (faulthandler, on SIGUSR1), read from its file."""
+    paths = [os.path.join(stacks, f"rank{rank}.txt") for rank in range(len(processes))]
+    asked = [path for process, path in zip(processes, paths) if process.is_alive()]
     for process in processes:
         if process.is_alive():
             os.kill(process.pid, signal.SIGUSR1)
-    time.sleep(2)  # faulthandler writes from the signal handler at once; give slow ranks a moment
+    _wait_written(asked, within=10)
     texts = []
-    for rank, process in enumerate(processes):
-        path = os.path.join(stacks, f"rank{rank}.txt")
+    for rank, (process, path) in enumerate(zip(processes, paths)):
         text = open(path).read() if os.path.exists(path) else ""
         texts.append(f"rank {rank} ({'running' if process.is_alive() else f'exit {process.exitcode}'}):\n"
                      + (text or "(no stack: the rank had not started)"))
     return "\n".join(texts)
+
+
+def _size(path: str) -> int:
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def _wait_written(paths: list[str], within: float) -> None:
+    """Until every file is non-empty and none grew for 0.2 s (faulthandler writes from the
+    signal handler at once; a slow rank takes a moment), or `within` seconds."""
+    deadline, sizes = time.monotonic() + within, None
+    while time.monotonic() < deadline:
+        now = [_size(path) for path in paths]
+        if now == sizes and all(now):
+            return
+        sizes = now
+        time.sleep(0.2)
 
 
 def run_job(cmd: list[str], timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:

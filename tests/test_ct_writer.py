@@ -8,15 +8,14 @@ compressed-tensors is in the 'test' extra: without it the transformers tests ski
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 
 from checkpoints import ATTN, build_model, fixed_input, write_checkpoint
 from gloo import spawn_cases
+from test_streaming import in_fresh_process
 
 from lazyload import ArgumentError, LazyCheckpoint, Quantization, save_sharded
 from lazyload.cli import main
@@ -197,7 +196,6 @@ def test_writing_holds_about_one_layer(tmp_path):
     layer = 4 * (2 * h * h + 2 * kv * h + 3 * h * i)  # the float32 Linear weights of one layer
     total = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     assert total > 12 * layer
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        grown = pool.submit(_measured_write, str(directory), str(warm), str(tmp_path / "out"), layer).result(timeout=300)
+    grown = in_fresh_process(_measured_write, str(directory), str(warm), str(tmp_path / "out"), layer)
     assert grown < 2 * layer + 16 * MiB, (f"writing grew the peak RSS by {grown / MiB:.1f} MiB; one layer is "
                                           f"{layer / MiB:.1f} MiB, the checkpoint {total / MiB:.1f} MiB")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from checkpoints import build_model, model_snapshot, shard_files, write_checkpoint
+from gloo import CONTEXT, start_ranks
 
 WORLD, FAULTY, TIMEOUT = 4, 2, 10.0
 DEADLINE = 420  # seconds for a whole job (spawning 4 ranks on 2 cores is most of it): past it, a rank hangs
@@ -164,13 +165,10 @@ def _worker(rank, world, init_file, directory, copy, logs, cases, results):
 
 def _spawn(cases, tmp_path, checkpoints) -> dict:
     """Run `cases` on a gloo job of WORLD ranks under DEADLINE; (rank, case) -> seconds."""
-    import torch.multiprocessing as mp
-
     logs = tmp_path / "logs"
     logs.mkdir()
-    results = mp.get_context("spawn").SimpleQueue()
-    procs = mp.spawn(_worker, args=(WORLD, str(tmp_path / "pg"), *checkpoints, str(logs), cases, results),
-                     nprocs=WORLD, join=False)
+    results = CONTEXT.SimpleQueue()
+    procs = start_ranks(_worker, (WORLD, str(tmp_path / "pg"), *checkpoints, str(logs), cases, results), WORLD)
     deadline = time.monotonic() + DEADLINE
     try:
         while not all(not p.is_alive() for p in procs.processes):

@@ -3,7 +3,7 @@ is written to its cache entry and into its place chunk by chunk as it arrives, a
 hit is read from the entry into its place the same way (no buffer of the whole range).
 A GET that fails leaves no entry a later load would trust.
 
-The memory tests load in fresh spawned processes, the server in this one (as in
+The memory tests load in fresh processes, the server in this one (as in
 test_remote_memory.py): the first load fills the cache, the second, in another process, is
 served from it.
 """

@@ -3,7 +3,7 @@ budget (`max_host_bytes`) above its destination tensors. A GET's body is written
 place (the staging arena, or the destination) as it arrives; a GET whose runs have gaps
 between them passes through a scratch of `CHUNK` bytes, never a buffer of the whole GET.
 
-The load runs in a fresh spawned process (its peak belongs to that load alone), the server
+The load runs in a fresh process (its peak belongs to that load alone), the server
 (the HTTP Range server, moto's S3) in this one, so that the server's buffers are not counted.
 """
 from __future__ import annotations

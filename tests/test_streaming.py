@@ -2,7 +2,7 @@
 bit-identical, a rank's share loading under a memory cgroup smaller than the checkpoint.
 
 The checkpoint is a 24-layer bf16 Llama written by transformers' save_pretrained (~80 MB,
-~3 MB per layer). Every measured load runs in a fresh spawned process so that its peaks
+~3 MB per layer). Every measured load runs in a fresh process so that its peaks
 belong to that load alone; the comparisons of values run in this process.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from checkpoints import build_model, shard_files
+from gloo import call_in_environment
 
 from lazyload import LazyCheckpoint, Placement
 
@@ -121,10 +122,13 @@ def _measured_load(directory, config, reader, release_pages, rank=0, world=1, cg
                 digests=digests(model), limit=memory_limit())
 
 
-def in_fresh_process(fn, *args, **kwargs):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+def in_fresh_process(fn, *args, start_method="forkserver", **kwargs):
+    """`fn(*args, **kwargs)` in a new process: a fork of gloo.py's forkserver (torch and
+    transformers imported, nothing loaded), in this process's environment; "spawn": a fresh
+    interpreter (no page it did not touch itself)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context(start_method)) as pool:
         try:
-            return pool.submit(fn, *args, **kwargs).result(timeout=300)
+            return pool.submit(call_in_environment, dict(os.environ), fn, *args, **kwargs).result(timeout=300)
         except BrokenProcessPool as exc:
             raise AssertionError(f"the load process died ({exc}); under a memory cgroup this is the "
                                  "OOM killer: the load used more memory than the limit") from exc
@@ -292,7 +296,9 @@ def test_small_memory_host_loads_rank_share_exactly(llama):
     cgroup, procs = _make_memory_cgroup(limit)
     try:
         for rank in (world - 1,):
-            r = in_fresh_process(_measured_load, directory, config, "auto", False, rank, world, procs)
+            # spawned: a fork's first writes to the server's pages would be charged to the cgroup
+            r = in_fresh_process(_measured_load, directory, config, "auto", False, rank, world, procs,
+                                 start_method="spawn")
             assert r["limit"] == limit  # the loader sees the limit, and so releases pages on its own
             assert r["dest"] < limit // 2
             model, _ = _load(directory, config, "pread", rank, world, dtype=torch.float16)
