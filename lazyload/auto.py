@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import LazyCheckpoint, check_keywords, keywords_of
+from .checkpoint import LazyCheckpoint
 from .dtypes import dtype_named
 from .errors import ArgumentError, CheckpointError
+from .keywords import check_keywords, keywords_of
 from .report import LoadReport
 from .stored import transformers_config
 

@@ -16,7 +16,7 @@ from .digest import load_facts
 from .errors import LazyLoadError
 from .executor import execute
 from .hints import explain
-from .keywords import check_keywords, keywords_of  # noqa: F401 (keywords_of: imported from here by auto.py)
+from .keywords import check_keywords
 from .mapping import KeyMap
 from .mesh import ranks_of
 from .planner import LoadOptions, plan_load

@@ -28,7 +28,7 @@ from checkpoints import (build_model, copy_checkpoint, fixed_input, meta_tensors
 from gloo import end_rank, spawn_collecting
 from lazyload import (ArgumentError, DtypeError, LazyCheckpoint, LazyLoadError, LoadReport, MissingKeysError,
                       Placement, PlanError)
-from lazyload.checkpoint import keywords_of
+from lazyload.keywords import keywords_of
 from lazyload.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent
