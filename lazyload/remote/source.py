@@ -154,14 +154,17 @@ class RemoteCheckpoint:
             later = [(url, window, firsts[url]) for url, g in gets.items() for window in g[1:]
                      if not isinstance(firsts[url], Exception)]
             spans = list(pool.map(lambda job: (job[0], self._window(*job)), later))
+        fetched: dict[str, dict[int, bytes]] = {}  # per file, grouped once (not a pass over all spans per file)
+        for url, span in spans:
+            if not isinstance(span, Exception):
+                fetched.setdefault(url, {})[span[0]] = span[1]
         out = {}
         for url, first in firsts.items():
             if isinstance(first, Exception):
                 out[url] = FileRanges.failed(url, first)
                 continue
-            fetched = dict(span[:2] for u, span in [(url, first), *spans]
-                           if u == url and not isinstance(span, Exception))
-            out[url] = FileRanges(url, first[2], self._fetcher(url, first[2]), fetched)
+            out[url] = FileRanges(url, first[2], self._fetcher(url, first[2]),
+                                  {first[0]: first[1], **fetched.get(url, {})})
         return out
 
     def _window(self, url: str, window: tuple[int, int], first: Any = None) -> tuple | Exception:
