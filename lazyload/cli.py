@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, help=plan)
     p.add_argument("--quantize", default=None, metavar="KIND",
                    help="int8 or fp8: quantize Linear layers and MoE experts on load, as load_into(quantize=...); "
-                        "nvfp4, mxfp4, int4 or int4:gN (groups of N): Linear layers to 4 bits, kept packed")
+                        "nvfp4, mxfp4, int4 or int4:gN (groups of N): Linear layers to 4 bits, kept packed; keep: a 4-bit "
+                        "checkpoint held packed as stored")
     p.add_argument("--dtype", default=None,
                    help="the dtype tensors are loaded in ('auto', 'bfloat16', 'float16', ...; default the model's)")
     p.add_argument("--json", action="store_true",
