@@ -11,7 +11,7 @@ from quant_checkpoints import write_mxfp4_checkpoint
 
 import lazyload
 from lazyload import LazyCheckpoint, Placement
-from lazyload.errors import PlanError, ReadError
+from lazyload.errors import CorruptValuesError, PlanError
 
 # K = 64 for both projections: two 32-column groups, so TP 2 splits down_proj's inputs at a
 # group boundary and TP 4 would cut them.
@@ -125,9 +125,10 @@ def test_a_nan_scale_is_refused_naming_the_tensor(mxfp4, tmp_path):
             shard.unlink()  # a hard link to the fixture's shard: write a new file
             save_file(tensors, str(shard), metadata={"format": "pt"})
     model = build_model("gpt_oss", config, torch.bfloat16)
-    # Found once its scales are read (a value, not a shape): the engine's ReadError names the
-    # tensor and file, the target left unloaded, and the CheckpointError that stopped it.
-    with pytest.raises(ReadError, match=r"CheckpointError: an MXFP4 scale is 255 \(E8M0 NaN\).*down_proj_blocks") as info:
+    # Found once its scales are read (a value, not a shape): a CheckpointError naming the
+    # tensor and file, with the failure path's account (the target left unloaded).
+    with pytest.raises(CorruptValuesError,
+                       match=rf"an MXFP4 scale is 255 \(E8M0 NaN\).*down_proj_blocks' of \S*{broken}") as info:
         LazyCheckpoint(str(broken)).load_into(model, progress=False)
     assert info.value.not_loaded == ["model.layers.1.mlp.experts.down_proj"]
 
