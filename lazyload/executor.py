@@ -29,6 +29,7 @@ from .placer import Destination, TensorDest, allocate, allocate_quantized, assig
 from .planner import LoadPlan
 from .quant.linear import to_torchao
 from .quant.pack4 import stored_shape
+from .quant.packed import quantize_shared
 from .quant.targets import saved_bytes, swap_quantized
 from .readers import Reader, choose_reader
 from .report import LoadReport, MemorySampler, size
@@ -77,8 +78,10 @@ def _execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement, s
             reader.close()
         # every rank read everything: only now is any model made runnable
         agree.reached("read", time.perf_counter() - started)
-        with agree.collectives(share is not None):  # bounded, and agreed on at "exchanged"
+        shared_amax = any(grid.shared_amax for grid in plan.quantized.values())  # the same on every rank
+        with agree.collectives(share is not None or shared_amax):  # bounded, and agreed on at "exchanged"
             received = receive_shared(plan, share, dests, bar)
+            quantize_shared(dests)
         assign_loaded(plan, slots, dests)
         recomputed = fill_meta_buffers(plan.recompute)
     held = torchao_holders(plan, model)
