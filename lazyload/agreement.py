@@ -336,6 +336,15 @@ def agreement(rank: int, world: int, timeout: float, mesh: Any = None) -> Agreem
         if len(ranks) <= 1:
             return NoAgreement()
         return Agreement(_get_default_store(), dist.get_rank(), len(ranks), timeout, ranks)
-    if world <= 1 or (dist.get_rank(), dist.get_world_size()) != (rank, world):
+    if not in_process_group(rank, world):
         return NoAgreement()
     return Agreement(_get_default_store(), rank, world, timeout)
+
+
+def in_process_group(rank: int, world: int) -> bool:
+    """Whether (rank, world > 1) are those of torch.distributed's initialised default group:
+    the group a load's collectives run in."""
+    import torch.distributed as dist
+
+    return (world > 1 and dist.is_available() and dist.is_initialized()
+            and (dist.get_rank(), dist.get_world_size()) == (rank, world))

@@ -20,7 +20,8 @@ fails (any exception: a GPU out of memory in a cast), stops the run and becomes 
 ReadError naming the file and tensor, with the targets whose every item was
 placed (`loaded`), the others (`not_loaded`), and among those the ones some of whose bytes
 were already being written (`partly_written`); the pool is drained first, so the lists are
-final (see `Progress`).
+final (see `Progress`). A placing stopped by a checkpoint's bad value (a NaN or zero scale)
+ends as that CheckpointError (`CorruptValuesError`), with the same lists.
 
 Page release: when the reader was asked to (`release_pages`, which the loader also turns
 on when `readers.choice.must_release_pages`), each item's file pages are dropped once it is placed, so
@@ -39,7 +40,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .devices import use_device_in_thread  # the read pool's initializer
-from .errors import ReadError
+from .errors import CheckpointError, CorruptValuesError, ReadError, RemoteError
 from .expr import apply_ops
 from .placer import Destination, assign, copy_into
 from .plan import ReadItem
@@ -303,7 +304,7 @@ class Progress:
     def failure(self, exc: BaseException, item: ReadItem | None) -> ReadError:
         """A ReadError naming the file and tensor, listing what is loaded; call once no
         worker runs any more."""
-        if isinstance(exc, ReadError):
+        if isinstance(exc, (ReadError, CheckpointError)):  # a bad value read (a NaN scale) says what it is
             reason = str(exc)
         elif isinstance(exc, OSError):
             reason = (f"{getattr(exc, 'filename', None) or (item.entry.file if item else 'a checkpoint file')}: "
@@ -508,14 +509,16 @@ def _announce(reader: Reader, groups: list[Group], k: int, announced: dict[int, 
 
 
 def settle_failure(error: ReadError, slots: dict[str, Slot], dests: dict[str, Destination],
-                   undone: bool = False) -> ReadError:
+                   undone: bool = False) -> ReadError | CorruptValuesError:
     """After a failed run: assign the targets that were fully read (they are loaded), leave
     the others as they were (meta, or a real model's previous values), and say so. Only a
     real tensor filled in place can be left half written: it is named (`partly_written`).
     Staging every in-place target into fresh memory instead would double a real model's
     memory for the length of the load. `undone`: the load changed the model's structure and
     its caller puts the model back as it was, so nothing is loaded (a real tensor filled
-    in place, fully or not, is named as partly written)."""
+    in place, fully or not, is named as partly written). A run stopped by a checkpoint's
+    bad value (a NaN scale: a CheckpointError while placing) ends in that CheckpointError
+    (`CorruptValuesError`), not a ReadError."""
     loaded = [] if undone else error.loaded
     for name in loaded:
         for tensor_name, tensor in dests[name].tensors(name).items():
@@ -531,7 +534,9 @@ def settle_failure(error: ReadError, slots: dict[str, Slot], dests: dict[str, De
         message += (f" Partly written (a real model's tensors filled in place, now a mix of old and new values; "
                     f"load again): {_names(in_place)}.")
     message += f" Not loaded, left as they were: {_names(not_loaded)}."
-    return ReadError(message, loaded, not_loaded, in_place)
+    cause = error.__cause__
+    corrupt = isinstance(cause, CheckpointError) and not isinstance(cause, RemoteError)  # a store's failure is a read's
+    return (CorruptValuesError if corrupt else ReadError)(message, loaded, not_loaded, in_place)
 
 
 def _is_own_storage(slot: Slot, dest: torch.Tensor) -> bool:

@@ -28,6 +28,18 @@ class CheckpointError(LazyLoadError):
     index json naming a key its file lacks, unknown dtype, data outside the file."""
 
 
+class CorruptValuesError(CheckpointError):
+    """A checkpoint tensor whose values cannot be used (an NVFP4 global scale that is zero,
+    NaN or infinite, an MXFP4 scale of 255): found only once its bytes are read, it stops
+    the load as a failed read does, and says the same of the model (`loaded`, `not_loaded`,
+    `partly_written`: see ReadError)."""
+
+    def __init__(self, message: str, loaded: list[str] = (), not_loaded: list[str] = (),
+                 partly_written: list[str] = ()):
+        super().__init__(message)
+        self.loaded, self.not_loaded, self.partly_written = list(loaded), list(not_loaded), list(partly_written)
+
+
 class MappingError(LazyLoadError):
     """Model parameters and checkpoint tensors do not correspond."""
 

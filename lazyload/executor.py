@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import replace
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -27,8 +28,10 @@ from .errors import PlanError, ReadError
 from .tp.runnable import default_mesh, make_runnable
 from .placer import Destination, TensorDest, allocate, allocate_quantized, assign, with_whole
 from .planner import LoadPlan
+from .quant.kept4 import kept_expert_styles
 from .quant.linear import to_torchao
 from .quant.pack4 import stored_shape
+from .quant.packed import quantize_shared
 from .quant.targets import saved_bytes, swap_quantized
 from .readers import Reader, choose_reader
 from .report import LoadReport, MemorySampler, size
@@ -77,8 +80,10 @@ def _execute(plan: LoadPlan, model: nn.Module, agree: Agreement | NoAgreement, s
             reader.close()
         # every rank read everything: only now is any model made runnable
         agree.reached("read", time.perf_counter() - started)
-        with agree.collectives(share is not None):  # bounded, and agreed on at "exchanged"
+        shared_amax = any(grid.shared_amax for grid in plan.quantized.values())  # the same on every rank
+        with agree.collectives(share is not None or shared_amax):  # bounded, and agreed on at "exchanged"
             received = receive_shared(plan, share, dests, bar)
+            quantize_shared(dests)
         assign_loaded(plan, slots, dests)
         recomputed = fill_meta_buffers(plan.recompute)
     held = torchao_holders(plan, model)
@@ -107,10 +112,13 @@ def make_parallel(plan: LoadPlan, model: nn.Module, slots: dict[str, Slot]) -> N
     if plan.parallel is None:
         return
     mesh = default_mesh(plan.world, plan.device) if plan.options.mesh is None else tp_mesh(plan.options.mesh)
-    make_runnable(model, mesh, plan.parallel)
+    styles = kept_expert_styles(plan.parallel.expert_styles, plan.quantized)  # kept experts: blocks and scales
+    make_runnable(model, mesh, replace(plan.parallel, expert_styles=styles))
     for target in plan.targets:
-        tensor = current_tensor(slots[target.name])
         grid = plan.quantized.get(target.name)
+        if grid is not None and grid.keep and grid.axis == -2:
+            continue  # MXFP4 experts kept as their blocks and scales, cut by expert
+        tensor = current_tensor(slots[target.name])
         want = stored_shape(target.local_shape, grid.packed) if grid is not None and grid.packed else target.local_shape
         if is_dtensor(tensor) and tuple(local_tensor(tensor).shape) != want:
             raise PlanError(f"{target.name}: made parallel with a local shape of {list(local_tensor(tensor).shape)}, "

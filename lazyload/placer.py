@@ -35,7 +35,7 @@ def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device, ful
             return KeptMxfp4Dest(target.local_shape, device)
         return KeptPackedDest(grid.packed, target.local_shape, grid.group, full_dtype, device, items)
     if grid.packed:
-        return PackedDest(grid.packed, target.local_shape, grid.group, full_dtype, device, items)
+        return PackedDest(grid.packed, target.local_shape, grid.group, full_dtype, device, items, grid.shared_amax)
     scale = torch.empty(scale_shape(target.local_shape, grid.group, grid.axis, grid.rows), dtype=torch.float32, device=device)
     return QuantizedDest(torch.empty(target.local_shape, dtype=target.dtype, device=device), scale, grid.group, grid.axis,
                          grid.keep, grid.rows)

@@ -11,7 +11,7 @@ from quant_checkpoints import write_mxfp4_checkpoint
 
 import lazyload
 from lazyload import LazyCheckpoint, Placement
-from lazyload.errors import PlanError, ReadError
+from lazyload.errors import CorruptValuesError, PlanError
 
 # K = 64 for both projections: two 32-column groups, so TP 2 splits down_proj's inputs at a
 # group boundary and TP 4 would cut them.
@@ -125,9 +125,10 @@ def test_a_nan_scale_is_refused_naming_the_tensor(mxfp4, tmp_path):
             shard.unlink()  # a hard link to the fixture's shard: write a new file
             save_file(tensors, str(shard), metadata={"format": "pt"})
     model = build_model("gpt_oss", config, torch.bfloat16)
-    # Found once its scales are read (a value, not a shape): the engine's ReadError names the
-    # tensor and file, the target left unloaded, and the CheckpointError that stopped it.
-    with pytest.raises(ReadError, match=r"CheckpointError: an MXFP4 scale is 255 \(E8M0 NaN\).*down_proj_blocks") as info:
+    # Found once its scales are read (a value, not a shape): a CheckpointError naming the
+    # tensor and file, with the failure path's account (the target left unloaded).
+    with pytest.raises(CorruptValuesError,
+                       match=rf"an MXFP4 scale is 255 \(E8M0 NaN\).*down_proj_blocks' of \S*{broken}") as info:
         LazyCheckpoint(str(broken)).load_into(model, progress=False)
     assert info.value.not_loaded == ["model.layers.1.mlp.experts.down_proj"]
 
@@ -138,6 +139,8 @@ def _gloo_case(case, rank, world):
     from checkpoints import make_config
 
     config = make_config("gpt_oss", **SIZES)
+    if plan == "ep-keep":
+        return _kept_under_ep(directory, config, rank, world)
     full = build_model("gpt_oss", config, torch.bfloat16)
     LazyCheckpoint(directory).load_into(full, progress=False)  # world 1
     model = build_model("gpt_oss", config, torch.bfloat16)
@@ -150,6 +153,30 @@ def _gloo_case(case, rank, world):
         assert mine.shape != want.shape, f"{name}: not split ({plan})"
 
 
+def _kept_under_ep(directory, config, rank, world):
+    """quantize="keep" under EP: each rank holds its experts' stored blocks and scales (its
+    slice of world 1's kept load), dequantized to its slice of the dequantized load, and the
+    model computes world 1's logits."""
+    from checkpoints import fixed_input
+
+    kept1 = build_model("gpt_oss", config, torch.bfloat16)
+    LazyCheckpoint(directory).load_into(kept1, quantize="keep", progress=False)
+    model = build_model("gpt_oss", config, torch.bfloat16)
+    assert LazyCheckpoint(directory).load_into(model, rank, world, quantize="keep", plan="ep", progress=False).ok
+    for name in _names(config):
+        module, _, attr = name.rpartition(".")
+        mine, whole = model.get_submodule(module), kept1.get_submodule(module)
+        for suffix in ("_blocks", "_scales"):
+            held, want = mine.get_parameter(attr + suffix).detach(), whole.get_parameter(attr + suffix).detach()
+            held = held.to_local() if hasattr(held, "to_local") else held
+            assert held.shape[0] * world == want.shape[0], f"{name}{suffix}: not split by expert"
+            assert torch.equal(held, want.chunk(world, 0)[rank]), f"{name}{suffix} rank {rank}"
+        assert torch.equal(mine.dequantized(attr), whole.dequantized(attr).chunk(world, 0)[rank]), name
+    ids = fixed_input(config)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, kept1(input_ids=ids).logits), f"logits rank {rank}"
+
+
 def _share(full: torch.Tensor, mine: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """The rank's slice of `full` along the one dim a rank's tensor `mine` is split on (or all of it)."""
     split = [d for d in range(full.ndim) if mine.shape[d] != full.shape[d]]
@@ -160,7 +187,8 @@ def test_world2_under_gloo(mxfp4, tmp_path):
     from gloo import spawn_cases
 
     directory, _ = mxfp4
-    spawn_cases(2, [("ep", str(directory)), ("tp", str(directory))], tmp_path, _gloo_case)
+    spawn_cases(2, [("ep", str(directory)), ("tp", str(directory)), ("ep-keep", str(directory))], tmp_path,
+                _gloo_case)
 
 
 @pytest.mark.parametrize("plan", ["ep", TP], ids=["ep", "tp"])

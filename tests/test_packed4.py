@@ -14,7 +14,7 @@ from quant_checkpoints import (modelopt_dequantized, write_ct_experts_checkpoint
                                write_modelopt_checkpoint)
 
 from lazyload import LazyCheckpoint
-from lazyload.errors import PlanError, ReadError, ShapeMismatchError
+from lazyload.errors import CorruptValuesError, PlanError, ShapeMismatchError
 
 FORMATS = ("nvfp4", "int4", "modelopt")
 # o_proj's input columns are 4 groups (NVFP4: 64 in groups of 16; INT4: 128 in groups of 32),
@@ -142,15 +142,24 @@ def _set_tensor(directory, key: str, value) -> None:
             save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("fmt,key", [("nvfp4", "weight_global_scale"), ("modelopt", "weight_scale_2")])
-def test_a_zero_global_scale_is_refused_naming_the_tensor(written, fmt, key, tmp_path):
+@pytest.mark.parametrize("fmt,key,quantize", [("nvfp4", "weight_global_scale", None),
+                                               ("modelopt", "weight_scale_2", None),
+                                               ("nvfp4", "weight_global_scale", "keep")])
+def test_a_zero_global_scale_is_refused_naming_the_tensor(written, fmt, key, quantize, tmp_path):
+    """Found once its bytes are read: the load raises a CheckpointError (not a ReadError)
+    naming the tensor and file, with the failure path's account of the model; a kept load
+    puts its swapped modules back."""
     directory, _, config = written(fmt)
     broken = copy_checkpoint(directory, tmp_path / "broken")
     _set_tensor(broken, f"model.layers.1.mlp.down_proj.{key}", 0.0)
     model = build_model("llama", config, torch.bfloat16)
-    with pytest.raises(ReadError, match=rf"CheckpointError: an NVFP4 {key} is 0.0.*down_proj") as info:
-        LazyCheckpoint(str(broken)).load_into(model, progress=False)
+    before = {name: type(m) for name, m in model.named_modules()}
+    kept = rf"model.layers.1.mlp.down_proj.{key}: the NVFP4 global scale is 0.0"
+    with pytest.raises(CorruptValuesError, match=(kept if quantize else rf"an NVFP4 {key} is 0.0")
+                       + rf".*reading tensor 'model.layers.1.mlp.down_proj.weight\w*' of \S*{broken}") as info:
+        LazyCheckpoint(str(broken)).load_into(model, quantize=quantize, progress=False)
     assert "model.layers.1.mlp.down_proj.weight" in info.value.not_loaded
+    assert {name: type(m) for name, m in model.named_modules()} == before
 
 
 def test_a_weight_shape_that_disagrees_with_the_packed_data_is_refused_before_any_byte(written, tmp_path):

@@ -148,9 +148,9 @@ def swap_kept_experts(model: nn.Module, names: list[str]) -> None:
             (e, r, k // MX_GROUP), dtype=torch.uint8, device="meta"), requires_grad=False))
 
 
-def kept_grids(exprs: dict, specs: dict, index, world: int, linears: set[str]) -> dict:
+def kept_grids(exprs: dict, specs: dict, index, world: int, linears: set[str], placements: dict) -> dict:
     """Target name -> its grid, for every tensor the checkpoint stores packed in 4 bits that
-    a holder keeps as stored: 3-D experts (world 1 only) in gpt-oss's MXFP4 layout (`expr.Mxfp4`
+    a holder keeps as stored: 3-D experts (world 1, or whole experts per rank: EP) in gpt-oss's MXFP4 layout (`expr.Mxfp4`
     pieces, transposed into the module's [E, K, R]), and the weights of the Linear layers
     `linears` in compressed-tensors' NVFP4 / INT4 (`expr.Packed4` pieces, no ops)."""
     from .onload import Grid
@@ -169,9 +169,30 @@ def kept_grids(exprs: dict, specs: dict, index, world: int, linears: set[str]) -
         elif name.rpartition(".")[0] in linears and len(codecs) == 1 and codecs <= {"nvfp4", "int4"} and not any(
                 p.ops for p in pieces):
             out[name] = Grid(pieces[0].scales.block[-1], -1, True, 1, codecs.pop())
-    experts = [name for name, grid in out.items() if grid.axis == -2]
+    experts = [name for name, grid in out.items() if grid.axis == -2 and not _whole_experts(placements.get(name))]
     if experts and world > 1:
-        raise PlanError(f"quantize='keep' holds MXFP4 experts packed at world 1 only ({len(experts)} tensors, e.g. "
-                        f"{experts[0]}); at world {world} load them dequantized (quantize=None), whose TP/EP "
-                        "shards are whole groups. Worlds that work: 1.")
+        raise PlanError(f"quantize='keep' holds MXFP4 experts packed at world 1 or under EP only (each rank whole "
+                        f"experts; {len(experts)} tensors are split otherwise, e.g. {experts[0]}); at world {world} "
+                        "under TP load them dequantized (quantize=None), whose TP shards are whole groups.")
     return out
+
+
+def kept_expert_styles(styles: dict[str, str], grids: dict) -> dict[str, str]:
+    """Expert-parallel styles (name -> style) with each kept MXFP4 experts tensor `X` named as
+    the module holds it: `X_blocks` and `X_scales`, both cut by expert as `X` would be (and
+    no `X_scale`: the planned scale of a tensor quantized on load, which it has not)."""
+    kept = {name for name, grid in grids.items() if grid.keep and grid.axis == -2}
+    out = {}
+    for name, style in styles.items():
+        if name in kept:
+            out.update({name + BLOCKS: style, name + SCALES: style})
+        elif not (name.endswith("_scale") and name[:-len("_scale")] in kept):
+            out[name] = style
+    return out
+
+
+def _whole_experts(placement) -> bool:
+    """Whether a rank holds whole experts of a 3-D [E, K, R] tensor: replicated, or split
+    along the experts dim only (EP); the blocks and scales are then cut alike."""
+    return placement is None or placement.kind == "replicate" or (
+        placement.kind == "shard" and placement.dim % 3 == 0)

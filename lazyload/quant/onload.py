@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..agreement import in_process_group
 from ..errors import ArgumentError, PlanError
 from ..expr import Expr, Piece, ShapeOf, apply_ops, box_shape, undo_ops
 from ..plan import Placement, ReadItem, local_regions
@@ -224,6 +225,7 @@ class Grid(NamedTuple):
     keep: bool = False
     rows: int = 1  # > 1: rows per scale too (format="transformers": 128x128 blocks)
     packed: str = ""  # a 4-bit scheme: held packed (quant.packed.PackedDest)
+    shared_amax: bool = False  # NVFP4 at world > 1: the global scale's amax is the max over the ranks'
 
 
 def scale_shape(shape: tuple[int, ...], group: int, axis: int = -1, rows: int = 1) -> tuple[int, ...]:
@@ -332,22 +334,26 @@ def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement
 def packed_grid(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement, rank: int, world: int,
                 config: Quantization, shape_of: ShapeOf) -> Grid:
     """The grid of a Linear weight quantized to 4 bits: whole groups on every rank (the
-    formats have no short group), and for NVFP4 the whole tensor on one rank (its global
-    scale is the amax of the whole tensor, which no rank reading a slice sees)."""
+    formats have no short group). NVFP4's global scale is the amax of the whole tensor,
+    which a rank reading its slice never sees: at world > 1 within a process group, every
+    rank's amax of each tensor is all-reduced (max) before it quantizes (`shared_amax`);
+    without one, a split tensor is refused."""
     group, cols = config.group_size, shape[-1]
     if cols % group:
         raise PlanError(f"{name}: {cols} input columns are no whole number of {config.dtype} groups of {group}; "
                         "keep this layer in full precision (Quantization(skip=[...])) or pick a group that "
                         "divides it.")
     local, _ = local_regions(name, shape, placement, rank, world)
-    if config.packed == "nvfp4" and tuple(local) != tuple(shape):
+    shared = config.packed == "nvfp4" and in_process_group(rank, world)  # every NVFP4 target: the same on all ranks
+    if config.packed == "nvfp4" and tuple(local) != tuple(shape) and not shared:
         raise PlanError(f"{name}: rank {rank} of {world} holds {list(local)} of {list(shape)}, but NVFP4's global "
                         "scale is the amax of the whole tensor, which a rank reading its slice never sees, so its "
-                        "bytes would differ from world 1's. Quantize to nvfp4 at world 1 (worlds that work: 1): "
-                        "`lazyload reshard --quantize nvfp4` writes a checkpoint every rank of any world reads "
-                        "its slice of; or use quantize='mxfp4' / 'int4:gN' under TP.")
+                        "bytes would differ from world 1's. Load within a torch.distributed process group of this "
+                        "rank and world (the ranks then share their amax), or quantize at world 1: `lazyload "
+                        "reshard --quantize nvfp4` writes a checkpoint every rank of any world reads its slice of; "
+                        "or use quantize='mxfp4' / 'int4:gN' under TP.")
     check_groups(name, expr, shape, placement, rank, world, group, shape_of, -1)
-    return Grid(group, -1, False, 1, config.packed)
+    return Grid(group, -1, False, 1, config.packed, shared)
 
 
 def blocked(config: Quantization, shape: tuple[int, ...], axis: int) -> bool:

@@ -6,16 +6,23 @@ dequantizes its weight per call.
 MXFP4 and INT4 quantize each read box as it lands: its columns are whole groups of the
 local tensor (the plan refuses a split that cuts one), whose scales depend on their own
 bytes only. NVFP4's global scale comes from the amax of the whole tensor, so its boxes are
-gathered (float32, one tensor at a time) until the last has landed, then quantized.
+gathered (float32, one tensor at a time) until the last has landed, then quantized. A rank
+holding a slice of it (world > 1 in a process group, `shared`) keeps its gathered slice in
+the model's dtype until every rank has read (that slice's memory, as a load in full
+precision holds it), then `quantize_shared` all-reduces (max) the ranks' amax of every
+such tensor, one float32 vector under the load's deadline, and quantizes each slice with
+the whole tensor's global scale: each rank's bytes are its slice of world 1's.
 """
 from __future__ import annotations
 
 import threading
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..agreement import wait_all
 from ..plan import ReadItem
 from ..targets import local_tensor
 from .dequant import QuantizedBox
@@ -29,10 +36,11 @@ class PackedDest:
     """The destination of a target quantized to 4 bits: packed `data`, `scale` per `group`
     input columns, `global_scale` (NVFP4), quantized from values in `full_dtype` (the dtype
     the model would hold them in: compressed-tensors quantizes from that). `items`: how many
-    read items fill the target (NVFP4 quantizes once all have landed)."""
+    read items fill the target (NVFP4 quantizes once all have landed). `shared`: NVFP4 of a
+    tensor whose amax is the max over the ranks' (quantized in `quantize_shared`)."""
 
     def __init__(self, scheme: str, shape: tuple[int, ...], group: int, full_dtype: torch.dtype,
-                 device: torch.device, items: int):
+                 device: torch.device, items: int, shared: bool = False):
         self.scheme, self.group, self.full_dtype, self.device = scheme, group, full_dtype, device
         self.shape = tuple(shape)
         self.data = torch.empty(stored_shape(shape, scheme), dtype=STORED[scheme], device=device)
@@ -40,6 +48,7 @@ class PackedDest:
                                  device=device)
         self.global_scale = torch.empty(1, dtype=torch.float32, device=device) if scheme == "nvfp4" else None
         self._left, self._gathered, self._lock = items, None, threading.Lock()
+        self.shared = shared
 
     @property
     def dtype(self) -> torch.dtype:
@@ -55,7 +64,7 @@ class PackedDest:
         if self.global_scale is None:
             return self._quantize(box, values)
         whole = tuple(box) == tuple((0, n) for n in self.shape)
-        if whole and self._left == 1:  # NVFP4 read in one box (the usual case): no gathering copy
+        if whole and self._left == 1 and not self.shared:  # NVFP4 read in one box (the usual case): no gathering copy
             self._left = 0
             self.global_scale.copy_(nvfp4_global_scale(values.to(self.full_dtype).abs().amax()))
             return self._quantize(box, values)
@@ -65,10 +74,18 @@ class PackedDest:
             self._gathered[tuple(slice(a, b) for a, b in box)] = values
             self._left -= 1
             last = self._left <= 0
-        if last:
-            whole, self._gathered = self._gathered, None
-            self.global_scale.copy_(nvfp4_global_scale(whole.abs().amax()))
-            self._quantize(tuple((0, n) for n in self.shape), whole)
+        if last and not self.shared:  # a shared one waits for the ranks' amax (`quantize_shared`)
+            self.quantize_gathered(self._gathered.abs().amax())
+
+    def local_amax(self) -> torch.Tensor:
+        """The amax of this rank's gathered slice (in the model's dtype)."""
+        return self._gathered.abs().amax()
+
+    def quantize_gathered(self, amax: torch.Tensor) -> None:
+        """Quantize the gathered tensor with the global scale of `amax`, then let it go."""
+        whole, self._gathered = self._gathered, None
+        self.global_scale.copy_(nvfp4_global_scale(amax.to(self.full_dtype)))
+        self._quantize(tuple((0, n) for n in self.shape), whole)
 
     def _quantize(self, box: tuple[tuple[int, int], ...], values: torch.Tensor) -> None:
         """Quantize `values` (the whole-group `box` of the local 2-D tensor) a few rows at a time."""
@@ -94,6 +111,20 @@ class PackedDest:
     def bytes_saved(self, full_dtype: torch.dtype) -> int:
         held = sum(t.nbytes for t in (self.data, self.scale, self.global_scale) if t is not None)
         return self.data.numel() * PER_WORD[self.scheme] * full_dtype.itemsize - held
+
+
+def quantize_shared(dests: dict) -> None:
+    """The NVFP4 targets whose amax the ranks share: one all-reduce (max) of this rank's
+    amax of each (in name order, the same on every rank), bounded by the load's deadline
+    (inside `Agreement.collectives`), then each quantized with its whole tensor's scale."""
+    names = sorted(name for name, dest in dests.items() if isinstance(dest, PackedDest) and dest.shared)
+    if not names:
+        return
+    device = dests[names[0]].device if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+    amax = torch.stack([dests[name].local_amax().float().to(device) for name in names])
+    wait_all([dist.all_reduce(amax, op=dist.ReduceOp.MAX, async_op=True)], "the NVFP4 amax all-reduce")
+    for name, value in zip(names, amax.unbind()):
+        dests[name].quantize_gathered(value.to(dests[name].device))
 
 
 class Packed4Linear(nn.Linear):

@@ -22,7 +22,7 @@ def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict
     if config is None:
         return {}
     if config.dtype == KEEP:
-        return kept_grids(exprs, specs, index, world, set(quantizable_linears(model, config)))
+        return kept_grids(exprs, specs, index, world, set(quantizable_linears(model, config)), placements)
     axes = {f"{module}.weight": -1 for module in quantizable_linears(model, config)}
     if not config.packed:  # 4 bits: Linear layers only (fused experts stay in full precision)
         axes.update(quantizable_experts(model, config))
