@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 _ERRORS = ("LazyLoadError", "ArgumentError", "CheckpointError", "MappingError", "MissingKeysError",
            "UnexpectedKeysError", "ShapeMismatchError", "DtypeError", "OutputError", "PlanError", "RankFailedError",
-           "ReadError", "MetaBufferError", "DeviceError", "ExchangeError", "SyncError", "RemoteError",
-           "ObjectNotFoundError", "AccessDeniedError", "ObjectChangedError", "RequestRefusedError")
+           "ReadError", "CorruptValuesError", "MetaBufferError", "DeviceError", "ExchangeError", "SyncError",
+           "RemoteError", "ObjectNotFoundError", "AccessDeniedError", "ObjectChangedError", "RequestRefusedError")
 _WHERE = {"LazyCheckpoint": ".checkpoint", "load_model": ".auto", "save_sharded": ".writers", "LoadReport": ".report",
           "Placement": ".plan", "Quantization": ".quant.onload", "TensorEntry": ".headers",
           "WeightSync": ".sync", "SyncReport": ".sync",
@@ -36,10 +36,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .auto import load_model
     from .checkpoint import LazyCheckpoint
-    from .errors import (AccessDeniedError, ArgumentError, CheckpointError, DeviceError, DtypeError, ExchangeError,
-                         LazyLoadError, MappingError, MetaBufferError, MissingKeysError, ObjectChangedError,
-                         ObjectNotFoundError, OutputError, PlanError, RankFailedError, ReadError, RemoteError,
-                         RequestRefusedError, ShapeMismatchError, SyncError, UnexpectedKeysError)
+    from .errors import (AccessDeniedError, ArgumentError, CheckpointError, CorruptValuesError, DeviceError,
+                         DtypeError, ExchangeError, LazyLoadError, MappingError, MetaBufferError, MissingKeysError,
+                         ObjectChangedError, ObjectNotFoundError, OutputError, PlanError, RankFailedError,
+                         ReadError, RemoteError, RequestRefusedError, ShapeMismatchError, SyncError,
+                         UnexpectedKeysError)
     from .headers import TensorEntry
     from .plan import Placement
     from .quant.onload import Quantization
