@@ -21,6 +21,10 @@ from ..mesh import ranks_of
 from ..placer import with_whole
 from ..planner import LoadOptions, LoadPlan, plan_load
 from ..quant.onload import Quantization
+from ..quant.targets import scale_names
+from ..placer import allocate
+from ..targets import model_slots
+from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers
 from ..stored import StoredCheckpoint
 from .gather import Gather
 from ..targets import local_tensor
@@ -66,7 +70,9 @@ class WeightSync:
       by the same rules as a checkpoint (`key_map`, transformers' conversion mapping).
     - `target`: on server ranks, a model built on the meta device (the first sync makes it
       real and tensor-parallel over `target_mesh`, exactly as `load_into(mesh=...)` does) or
-      one loaded already; later syncs copy into its tensors in place (same storage).
+      one loaded already; later syncs copy into its tensors in place (same storage). A target
+      loaded with `load_into(quantize=...)` is synced with the same `quantize=`: each received
+      slice is quantized into its layers' own data and scales, as `load_into` would.
     - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel); `quantize`,
       `dtype`, `plan`, `key_map`, `device`, `max_host_bytes`: as `load_into`'s.
     - `rank_timeout`: seconds any rank waits for another, at construction and in each sync.
@@ -145,7 +151,11 @@ class WeightSync:
                                 "tensor parallel), e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)) over "
                                 "them.")
         rank, world = ranks_of(self.target_mesh, 0, 1)
-        self.load_plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world, self._options)
+        layers = quantized_layers(self.target)  # loaded quantized already: planned as the full model
+        with planned_as_full(self.target, layers, full_dtype(self.target, layers)):
+            self.load_plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world, self._options)
+            scales = scale_names(self.target, self.load_plan.quantized)
+        self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
         self.items = [item for group in self.load_plan.groups for item in group.items]
         return requests_of(self.items, self.pieces, self.load_plan.budget)
 
@@ -201,8 +211,14 @@ class WeightSync:
 
     def _materialize(self) -> None:
         """The first sync into the target: quantized layers swapped, made parallel over the
-        target mesh, destinations allocated (the model's own tensors when already real)."""
+        target mesh, destinations allocated (the model's own tensors when already real; a
+        target quantized already keeps its layers, their data and scales filled in place)."""
         plan = self.load_plan
+        if self._in_place is not None:  # quantized layers already: every tensor filled where it is
+            self._slots = model_slots(self.target)[0]
+            self._dests = {t.name: self._in_place.get(t.name) or allocate(t, self._slots[t.name], plan.device)
+                           for t in plan.targets}
+            return
         slots = swap_quantized_layers(plan, self.target)
         make_parallel(plan, self.target, slots)
         self._slots, self._dests = slots, allocate_destinations(plan, slots, None)
