@@ -113,15 +113,19 @@ class WeightSync:
         # NCCL sends device memory; gloo host memory
         self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
                       else torch.device("cpu"))
+        target_cuda = self.load_plan is not None and self.load_plan.device.type == "cuda"
+        self._pinned = self._wire.type == "cpu" and (self._source_cuda or target_cuda)  # gloo, GPU tensors
 
     def _layout(self) -> list | None:
         """This rank's source boxes (None: no source here); the local shapes are kept, to
         check at each sync that the source still holds the shards the plan was made for."""
+        self._source_cuda = False
         if self.source is None:
             self._local_shapes: dict = {}
             return None
         tensors = source_tensors(self.source)
         self._local_shapes = {name: tuple(local_tensor(t).shape) for name, t in tensors.items()}
+        self._source_cuda = any(local_tensor(t).is_cuda for t in tensors.values())
         return source_layout(tensors)
 
     def _source_now(self) -> dict:
@@ -202,7 +206,7 @@ class WeightSync:
                 moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
                     dests, self.group, self._tag * 1024 + self._syncs % 1024, self._wire, self.timeout,
-                    self._aborted, self._abandoned)
+                    self._aborted, self._abandoned, self._pinned)
         transfer(self.routes, ends, moved)
         if first:  # only now does the model hold its tensors: a failed first sync left it unassigned
             assign_loaded(self.load_plan, self._slots, self._dests)
