@@ -32,6 +32,7 @@ are compared bit for bit.
 | quantize at size | int8, fp8 and fp8 128x128 blocks (`format="transformers"`) quantize on load of the ~1.3 GB Llama: GPU = CPU, bit for bit |
 | host memory | (fresh process) peak anonymous memory (RssAnon, sampled every 2 ms) of the ~1.3 GB load, pread and mmap: grows by at most the budget + the bounce buffers + `--memory-slack-mib` (256) |
 | local rank | (fresh process, one GPU) LOCAL_RANK=0: two loads without `device=` land on cuda:0, no warning |
+| sync | (two fresh processes) `WeightSync` from a bf16 Llama on rank 0's GPU into a meta Llama on rank 1 (`device=` its GPU), two syncs with the weights changed between: bit-exact, on the GPU; NCCL with two GPUs, else gloo with both on one GPU (pinned host staging) |
 
 `--cpu-smoke` (no CUDA needed; CI runs it): the same cases' CPU halves on tiny checkpoints,
 loaded to the CPU through the staging path (pread reader, direct reads off) against the same
@@ -829,7 +830,54 @@ def child_local_rank(run):
     return [row("local rank", f"LOCAL_RANK=0, one GPU: two loads without device= on {want}, no warning", problems)]
 
 
-CHILDREN = {"dtensor": child_dtensor, "device-index": child_device_index, "second-load": child_second_load,
+def child_sync(run):
+    """One rank of a 2-rank WeightSync: rank 0 a trainer (a plain bf16 Llama on its GPU),
+    rank 1 a server (built on meta, made real by the first sync). NCCL with a GPU each;
+    one GPU: gloo, both ranks' tensors on it, messages through pinned host staging."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import lazyload
+
+    rank, gpus = int(os.environ["SYNC_RANK"]), torch.cuda.device_count() if run.cuda else 0
+    device = torch.device("cuda", rank if gpus > 1 else 0) if run.cuda else torch.device("cpu")
+    if run.cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if gpus > 1 else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{os.environ['SYNC_PORT']}", rank=rank,
+                            world_size=2)
+    try:
+        _, config = run.tiny("llama", "bf16")
+        mesh = init_device_mesh(device.type, (2, 1), mesh_dim_names=("role", "tp"))["tp"]
+        trainer = build_model("llama", config, torch.bfloat16, empty=None).to(device) if rank == 0 else None
+        server = build_model("llama", config, torch.bfloat16) if rank == 1 else None  # on meta
+        sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh if rank == 1 else None,
+                                   device=device if rank == 1 else None, rank_timeout=120)
+        problems, reports = [], []
+        for step in range(2):  # the second sync after the trainer's weights changed
+            if trainer is not None and step:
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.add_(1)
+            reports.append(sync())
+            full = [{n: t.cpu() for n, t in trainer.state_dict().items()} if rank == 0 else None]
+            dist.broadcast_object_list(full, src=0)
+            if server is not None:
+                got = server.state_dict()
+                problems += [f"sync {step + 1}: {n} on {got[n].device}" for n in full[0] if got[n].device != device]
+                problems += [f"sync {step + 1}: {n} differs" for n, t in full[0].items()
+                             if not torch.equal(bits(got[n]), bits(t))]
+        if server is None:
+            return []
+        detail = (f"{backend}, tensors on {device}; received {reports[-1].bytes_received} B, "
+                  f"{reports[-1].seconds * 1e3:.1f} ms per sync")
+        return [row("sync", "WeightSync trainer rank -> server rank, two syncs: bit-exact, on the device", problems,
+                    detail)]
+    finally:
+        dist.destroy_process_group()
+
+
+CHILDREN = {"sync": child_sync, "dtensor": child_dtensor, "device-index": child_device_index, "second-load": child_second_load,
             "one-visible": child_one_visible, "memory": child_memory, "local-rank": child_local_rank}
 
 
@@ -881,7 +929,15 @@ def case_fresh_processes(run):
     return in_fresh_processes(run, children) + skipped
 
 
-CASES = (case_reference, case_race, case_mixed, case_mmap, case_conversions, case_quantized, case_fp8_modules,
+def case_sync(run):
+    """The two ranks of `child_sync`, each a fresh process."""
+    run.tiny("llama", "bf16")
+    port = str(free_port())
+    return in_fresh_processes(run, [("sync", {"SYNC_RANK": str(rank), "SYNC_PORT": port}, "sync", "2-rank WeightSync")
+                                    for rank in (0, 1)])
+
+
+CASES = (case_sync, case_reference, case_race, case_mixed, case_mmap, case_conversions, case_quantized, case_fp8_modules,
          case_whole, case_remote, case_unpinned, case_in_place, case_fresh_processes, case_h2d, case_big_paths,
          case_quantize_at_size, case_quantize_speed)
 

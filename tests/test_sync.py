@@ -216,42 +216,92 @@ def _fault(rank):
     _check_exact_all(sync, trainer, server, report)
 
 
-def _trainer_server(rank, arch="llama", **options):
-    """FSDP2 over ranks 0-1, the server (TP 2, or `plan="ep"`) over ranks 2-3."""
+def _trainer_server(rank, arch="llama", make_server=None, **options):
+    """FSDP2 over ranks 0-1, the server (TP 2, or `plan="ep"`) over ranks 2-3: built on meta,
+    or by `make_server(arch, mesh)`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = _trainer(mesh["x"], arch=arch) if rank < 2 else None
-    server = _meta_server(arch) if rank >= 2 else None
+    server = (make_server(arch, mesh["x"]) if make_server else _meta_server(arch)) if rank >= 2 else None
     return trainer, server, mesh["x"], _two_syncs(trainer, server, mesh["x"] if server is not None else None,
                                                   **options)
 
 
-def _quantized(rank, directory, dtype):
-    """quantize= on the way: each server rank's 8-bit data and scales equal those of
-    load_into(quantize=...) from a checkpoint of the trainer's weights."""
+def _quantization(dtype):
+    import lazyload
+
+    if dtype == "fp8-block":  # transformers' FP8Linear, a float32 scale per 128 x 128 block
+        return lazyload.Quantization("fp8", format="transformers")
+    return lazyload.Quantization(dtype, group_size=32, torchao=False)
+
+
+def _loaded_quantized(directory, dtype, quantize, rank, ptrs):
+    """A server loaded with load_into(quantize=...) from other weights first (`make_server`);
+    its tensors' addresses into `ptrs`."""
     import lazyload
     from safetensors.torch import save_file
 
-    block = dtype == "fp8-block"  # transformers' FP8Linear, a float32 scale per 128 x 128 block
-    quantize = (lazyload.Quantization("fp8", format="transformers") if block else
-                lazyload.Quantization(dtype, group_size=32, torchao=False))
+    def make(arch, mesh):
+        torch.manual_seed(7)
+        old = _model(arch)
+        randomize_(old)
+        save_file(old.state_dict(), f"{directory}/{dtype}-old{rank}.safetensors")
+        server = _meta_server(arch)
+        lazyload.LazyCheckpoint(f"{directory}/{dtype}-old{rank}.safetensors").load_into(server, mesh=mesh,
+                                                                                      quantize=quantize)
+        ptrs.update(_ptrs(server))
+        return server
+    return make
+
+
+def _quantized(rank, directory, dtype, loaded=False):
+    """quantize= on the way: each server rank's 8-bit data and scales equal those of
+    load_into(quantize=...) from a checkpoint of the trainer's weights. `loaded`: into a
+    server quantized by load_into already, its layers' data and scales kept in place."""
+    import lazyload
+    from safetensors.torch import save_file
+
+    block, quantize = dtype == "fp8-block", _quantization(dtype)
     arch = "llama-wide" if block else "llama"
-    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, quantize=quantize)
-    full = _full(trainer)
+    ptrs = {}
+    make = _loaded_quantized(directory, dtype, quantize, rank, ptrs) if loaded else None
+    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, make, quantize=quantize)
+    full, path = _full(trainer), f"{directory}/{dtype}{'-loaded' if loaded else ''}.safetensors"
     if rank == 0:
-        save_file({n: t.contiguous() for n, t in full.items()}, f"{directory}/{dtype}.safetensors")
+        save_file({n: t.contiguous() for n, t in full.items()}, path)
     dist.barrier()
+    if loaded:
+        assert server is None or _ptrs(server) == ptrs  # the loaded layers' data and scales, filled in place
+        _disagreeing(rank, trainer, server, mesh, dtype)
     if server is None:
         return
-    loaded = _meta_server(arch)
-    lazyload.LazyCheckpoint(f"{directory}/{dtype}.safetensors").load_into(loaded, mesh=mesh, quantize=quantize)
-    got, expected = server.state_dict(), loaded.state_dict()
+    reference = _meta_server(arch)
+    lazyload.LazyCheckpoint(path).load_into(reference, mesh=mesh, quantize=quantize)
+    got, expected = server.state_dict(), reference.state_dict()
     assert sorted(got) == sorted(expected) and any(t.element_size() == 1 for t in got.values())
     assert not block or any(type(m).__name__ == "FP8Linear" for m in server.modules())
     for name, tensor in expected.items():
         assert torch.equal(_local(got[name]).view(torch.uint8) if tensor.element_size() == 1 else _local(got[name]),
                            _local(tensor).view(torch.uint8) if tensor.element_size() == 1 else _local(tensor)), name
+
+
+def _disagreeing(rank, trainer, server, mesh, dtype):
+    """A quantized target and a quantize= that differs (another 8-bit dtype, or none): every
+    rank fails at construction, the server ranks naming a layer; the server left as it was."""
+    import lazyload
+
+    before = {n: _local(t).clone() for n, t in server.state_dict().items()} if server is not None else None
+    for other in ("int8" if dtype != "int8" else "fp8", None):
+        with pytest.raises(lazyload.LazyLoadError) as caught:
+            lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh if server is not None else None,
+                                quantize=other and _quantization(other), rank_timeout=30)
+        if server is not None:
+            assert isinstance(caught.value, lazyload.ArgumentError) and "'model.layers.0." in str(caught.value)
+        else:
+            assert isinstance(caught.value, lazyload.RankFailedError) and sorted(caught.value.ranks) == [2, 3]
+    if server is not None:
+        assert all(torch.equal(_local(t), before[n]) for n, t in server.state_dict().items())
 
 
 def _renamed_state_dict(rank, world):
@@ -345,7 +395,7 @@ def _run_case(case, rank, world):
     if isinstance(case, tuple) and case[0] == "converted":
         _converted(rank, world, case[1])
     elif isinstance(case, tuple):
-        _quantized(rank, case[2], case[1])
+        _quantized(rank, case[2], case[1], loaded=case[0] == "loaded-quantized")
     elif case == "trainer-server":
         _trainer_server(rank)
     elif case == "moe-ep":  # Qwen3-MoE, its experts split whole over the server ranks
@@ -371,6 +421,7 @@ def test_sync(tmp_path):
     moe, _ = write_checkpoint("qwen3_moe", torch.float32, tmp_path / "moe", num_hidden_layers=2)
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
+             *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault"]
     spawn_cases(4, cases, tmp_path, _run_case)
 

@@ -13,6 +13,7 @@ block. Such a split is refused here, before any byte is read, naming the worlds 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from typing import Mapping
 
@@ -69,7 +70,8 @@ def check_block_split(name: str, shape: tuple[int, ...], block: tuple[int, ...],
     if world == 1:
         return
     scale_shape = scale_shape or tuple(-(-n // b) for n, b in zip(shape, block))
-    args = (shape, scale_shape, block, placement, placement if scale_placement is None else scale_placement)
+    args = (shape, scale_shape, block, placement, _in_blocks(placement, block) if scale_placement is None
+            else scale_placement)
     if not _splits_blocks(*args, rank, world):
         return
     works = [w for w in range(1, MAX_WORLD + 1) if w == 1 or not any(
@@ -82,6 +84,16 @@ def check_block_split(name: str, shape: tuple[int, ...], block: tuple[int, ...],
 
 
 @lru_cache(maxsize=4096)  # one answer per layer kind, not per layer
+def _in_blocks(placement: Placement, block: tuple[int, ...]) -> Placement:
+    """The scale grid's placement split as the weight's: a box (a DTensor's, one rank's
+    runs of indices) in blocks; other kinds split the grid as they split the weight."""
+    if placement.kind != "box":
+        return placement
+    sizes = (1,) * (len(placement.spans) - len(block)) + tuple(block)
+    return replace(placement, spans=tuple(tuple((a // size, -(-b // size)) for a, b in runs)
+                                          for runs, size in zip(placement.spans, sizes)))
+
+
 def _splits_blocks(shape: tuple[int, ...], scale_shape: tuple[int, ...], block: tuple[int, ...],
                    placement: Placement, scale_placement: Placement, rank: int, world: int) -> bool:
     """Whether this rank's slice of the weight cuts a block, or its scale slice is not the

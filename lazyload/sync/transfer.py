@@ -57,6 +57,7 @@ class Ends:
     timeout: float
     aborted: Callable[[], str | None]  # another rank's failure, announced, or None
     abandoned: list  # works (and their buffers) of failed syncs, kept alive
+    pinned: bool = False  # host messages of CUDA tensors (gloo): page-locked, for the GPU's DMA
 
 
 def transfer(routes: Routes, ends: Ends, moved: Moved) -> None:
@@ -77,7 +78,7 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     for source, positions in routes.receives.get(step, {}).items():
         specs = [(ends.items[p].entry.dtype, ends.items[p].src_box) for p in positions]
         offsets, nbytes = packed_offsets(specs)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device, pin_memory=ends.pinned)
         inbox.append((positions, offsets, buffer))
         ops.append(dist.P2POp(dist.irecv, buffer, source, ends.group, ends.tag))
     # one batch: NCCL runs it as one group (a pair sending both ways cannot deadlock); gloo op by op
@@ -102,7 +103,7 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
 def _pack(requests: tuple[Request, ...], ends: Ends) -> torch.Tensor:
     """A target's boxes of one step, packed into one message (bytes copied as they are)."""
     offsets, nbytes = packed_offsets([(ends.dtypes[r.key], r.box) for r in requests])
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device, pin_memory=ends.pinned)
     for request, offset in zip(requests, offsets):
         piece = ends.pieces[request.key]
         values = local_piece(ends.tensors[piece.name], piece.held, request.box)

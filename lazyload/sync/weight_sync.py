@@ -21,6 +21,10 @@ from ..mesh import ranks_of
 from ..placer import with_whole
 from ..planner import LoadOptions, LoadPlan, plan_load
 from ..quant.onload import Quantization
+from ..quant.targets import scale_names
+from ..placer import allocate
+from ..targets import model_slots
+from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers
 from ..stored import StoredCheckpoint
 from .gather import Gather
 from ..targets import local_tensor
@@ -66,7 +70,9 @@ class WeightSync:
       by the same rules as a checkpoint (`key_map`, transformers' conversion mapping).
     - `target`: on server ranks, a model built on the meta device (the first sync makes it
       real and tensor-parallel over `target_mesh`, exactly as `load_into(mesh=...)` does) or
-      one loaded already; later syncs copy into its tensors in place (same storage).
+      one loaded already; later syncs copy into its tensors in place (same storage). A target
+      loaded with `load_into(quantize=...)` is synced with the same `quantize=`: each received
+      slice is quantized into its layers' own data and scales, as `load_into` would.
     - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel); `quantize`,
       `dtype`, `plan`, `key_map`, `device`, `max_host_bytes`: as `load_into`'s.
     - `rank_timeout`: seconds any rank waits for another, at construction and in each sync.
@@ -107,15 +113,19 @@ class WeightSync:
         # NCCL sends device memory; gloo host memory
         self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
                       else torch.device("cpu"))
+        target_cuda = self.load_plan is not None and self.load_plan.device.type == "cuda"
+        self._pinned = self._wire.type == "cpu" and (self._source_cuda or target_cuda)  # gloo, GPU tensors
 
     def _layout(self) -> list | None:
         """This rank's source boxes (None: no source here); the local shapes are kept, to
         check at each sync that the source still holds the shards the plan was made for."""
+        self._source_cuda = False
         if self.source is None:
             self._local_shapes: dict = {}
             return None
         tensors = source_tensors(self.source)
         self._local_shapes = {name: tuple(local_tensor(t).shape) for name, t in tensors.items()}
+        self._source_cuda = any(local_tensor(t).is_cuda for t in tensors.values())
         return source_layout(tensors)
 
     def _source_now(self) -> dict:
@@ -145,7 +155,11 @@ class WeightSync:
                                 "tensor parallel), e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)) over "
                                 "them.")
         rank, world = ranks_of(self.target_mesh, 0, 1)
-        self.load_plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world, self._options)
+        layers = quantized_layers(self.target)  # loaded quantized already: planned as the full model
+        with planned_as_full(self.target, layers, full_dtype(self.target, layers)):
+            self.load_plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world, self._options)
+            scales = scale_names(self.target, self.load_plan.quantized)
+        self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
         self.items = [item for group in self.load_plan.groups for item in group.items]
         return requests_of(self.items, self.pieces, self.load_plan.budget)
 
@@ -192,7 +206,7 @@ class WeightSync:
                 moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
                     dests, self.group, self._tag * 1024 + self._syncs % 1024, self._wire, self.timeout,
-                    self._aborted, self._abandoned)
+                    self._aborted, self._abandoned, self._pinned)
         transfer(self.routes, ends, moved)
         if first:  # only now does the model hold its tensors: a failed first sync left it unassigned
             assign_loaded(self.load_plan, self._slots, self._dests)
@@ -201,8 +215,14 @@ class WeightSync:
 
     def _materialize(self) -> None:
         """The first sync into the target: quantized layers swapped, made parallel over the
-        target mesh, destinations allocated (the model's own tensors when already real)."""
+        target mesh, destinations allocated (the model's own tensors when already real; a
+        target quantized already keeps its layers, their data and scales filled in place)."""
         plan = self.load_plan
+        if self._in_place is not None:  # quantized layers already: every tensor filled where it is
+            self._slots = model_slots(self.target)[0]
+            self._dests = {t.name: self._in_place.get(t.name) or allocate(t, self._slots[t.name], plan.device)
+                           for t in plan.targets}
+            return
         slots = swap_quantized_layers(plan, self.target)
         make_parallel(plan, self.target, slots)
         self._slots, self._dests = slots, allocate_destinations(plan, slots, None)
