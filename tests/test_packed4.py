@@ -172,6 +172,22 @@ def test_a_weight_shape_that_disagrees_with_the_packed_data_is_refused_before_an
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_a_null_config_group_declares_nothing(written, tmp_path):
+    """A `config_groups` entry that is null is skipped (by the 8-bit reader and the 4-bit
+    one alike): the copy loads as the original does."""
+    import json
+
+    directory, _, config = written("int4")
+    copy = copy_checkpoint(directory, tmp_path / "copy")
+    saved = json.loads((copy / "config.json").read_text())
+    saved["quantization_config"]["config_groups"]["group_null"] = None
+    (copy / "config.json").write_text(json.dumps(saved))
+    want, model = build_model("llama", config, torch.bfloat16), build_model("llama", config, torch.bfloat16)
+    assert LazyCheckpoint(str(directory)).load_into(want, progress=False).ok
+    assert LazyCheckpoint(str(copy)).load_into(model, progress=False).ok
+    assert_same_weights(model, want)
+
+
 def test_inspect_shows_the_format_group_and_pairs(written, capsys):
     from lazyload.cli import main
 

@@ -169,7 +169,9 @@ def int4_group_sizes(config: dict | None) -> set[int]:
         return set()
     out = set()
     for group in (config.get("config_groups") or {}).values():
-        weights = (group or {}).get("weights") or {}
+        if not isinstance(group, dict):
+            continue  # a null group declares nothing (as `formats` reads it)
+        weights = group.get("weights") or {}
         if (group.get("format") or config.get("format")) == "pack-quantized" and weights.get("group_size"):
             out.add(int(weights["group_size"]))
     return out
