@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import assert_same_weights, build_model, copy_checkpoint, reference_model, write_checkpoint
+from checkpoints import (assert_same_weights, build_model, copy_checkpoint, reference_model, weight_map,
+                         write_checkpoint)
 from quant_checkpoints import (modelopt_dequantized, write_ct_experts_checkpoint, write_ct_packed_checkpoint,
                                write_modelopt_checkpoint)
 
 from lazyload import LazyCheckpoint
-from lazyload.errors import CorruptValuesError, PlanError, ShapeMismatchError
+from lazyload.errors import CorruptValuesError, PlanError, ReadError, ShapeMismatchError
 
 FORMATS = ("nvfp4", "int4", "modelopt")
 # o_proj's input columns are 4 groups (NVFP4: 64 in groups of 16; INT4: 128 in groups of 32),
@@ -169,6 +170,29 @@ def test_a_weight_shape_that_disagrees_with_the_packed_data_is_refused_before_an
     model = build_model("llama", config, torch.bfloat16)
     with pytest.raises(ShapeMismatchError, match=r"down_proj.weight_shape.*\[128, 136\].*\[128, 128\]"):
         LazyCheckpoint(str(broken)).load_into(model, progress=False)
+    assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("change,says", [("removed", "cannot open for reading"),
+                                          ("replaced", "changed since it was indexed")])
+def test_a_weight_shape_file_changed_since_indexing_is_a_read_error_naming_it(written, tmp_path, change, says):
+    """`weight_shape` is read while planning; its file removed or replaced after the index
+    was read is a ReadError naming the file (as the readers say it), the model untouched."""
+    import shutil
+
+    directory, _, config = written("int4")
+    copy = copy_checkpoint(directory, tmp_path / "copy")
+    checkpoint = LazyCheckpoint(str(copy))
+    checkpoint.keys()  # indexed now
+    shard = copy / weight_map(copy)["model.layers.0.mlp.down_proj.weight_shape"]
+    if change == "removed":
+        shard.unlink()
+    else:  # same bytes, another file
+        shutil.copy2(shard, tmp_path / "new")
+        shutil.move(tmp_path / "new", shard)
+    model = build_model("llama", config, torch.bfloat16)
+    with pytest.raises(ReadError, match=rf"{shard}: {says}.*re-run the load"):
+        checkpoint.load_into(model, progress=False)
     assert all(p.is_meta for p in model.parameters())
 
 

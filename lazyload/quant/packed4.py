@@ -26,9 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CheckpointError, ShapeMismatchError
+from ..errors import CheckpointError, ReadError, ShapeMismatchError
 from ..expr import Cat, Expr, Packed4, Source
+from ..headers import TensorEntry
 from ..index import CheckpointIndex
+from ..readers.identity import RERUN, check_size, open_checked
 
 PACKED, SCALE, GLOBAL, SHAPE, ZERO, SCALE_2 = "_packed", "_scale", "_global_scale", "_shape", "_zero_point", "_scale_2"
 NVFP4, INT4, MODELOPT = "nvfp4", "int4", "nvfp4-modelopt"
@@ -144,10 +146,7 @@ def check_weight_shapes(index: CheckpointIndex, found: list[Found]) -> None:
                     or entry.dtype.is_floating_point):
                 continue  # in pieces, no file indexed (the writer's view of names), remote or not integers:
                 # the packed shape and the model's decide
-            fd = fds.get(entry.file)
-            if fd is None:
-                fd = fds[entry.file] = os.open(entry.file, os.O_RDONLY)
-            raw = os.pread(fd, entry.end - entry.start, entry.start)
+            raw = _read_entry(fds, index, entry)
             stored = tuple(int(v) for v in torch.frombuffer(bytearray(raw), dtype=entry.dtype).tolist())
             packed = f.leaf.shape(index.shape_of)
             if stored != tuple(packed):
@@ -157,6 +156,25 @@ def check_weight_shapes(index: CheckpointIndex, found: list[Found]) -> None:
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _read_entry(fds: dict[str, int], index: CheckpointIndex, entry: TensorEntry) -> bytes:
+    """The bytes of `entry` from its file as it was indexed (the fd kept open in `fds`):
+    a file gone, replaced, truncated or unreadable since is a ReadError naming it, as the
+    readers raise for the same file."""
+    identity = index.identities.get(entry.file)
+    fd = fds.get(entry.file)
+    if fd is None:
+        fd = fds[entry.file] = open_checked(entry.file, identity)
+    check_size(fd, entry.file, identity, entry.end)
+    try:
+        raw = os.pread(fd, entry.end - entry.start, entry.start)
+    except OSError as exc:
+        raise ReadError(f"{entry.file}: cannot read {entry.key!r} ({exc.strerror}); {RERUN}") from exc
+    if len(raw) != entry.end - entry.start:
+        raise ReadError(f"{entry.file}: {entry.key!r} read short ({len(raw)} of {entry.end - entry.start} bytes); "
+                        f"{RERUN}")
+    return raw
 
 
 def _file(index: CheckpointIndex, name: str) -> str:
