@@ -18,7 +18,8 @@ nothing to a full-precision model: they are ignored unless the model has such te
 Pairs are found by the index's tensor names, not its stored keys, so that detection
 composes with every layout: a weight and its scale stored in pieces (lazyload's sharded
 layout, Megatron, DeepSpeed) pair piece by piece, each weight piece with the scale piece
-of its blocks (`_paired`); pieces that cut a block cannot be paired and are refused.
+of its blocks (`_paired`, with zero points and per-tensor scales; the name-found 4-bit
+formats pair theirs with `quant.pieces.paired`); pieces that cut a block cannot be paired and are refused.
 Only names, shapes, dtypes and config.json are read here; no tensor byte.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..expr import Cat, Dequant, Expr, Packed4, Source
 from ..index import CheckpointIndex
 from .fp4 import mxfp4_leaves
 from .packed4 import packed4_leaves
+from .pieces import stored_file
 
 WEIGHT_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # FP8 block layout; compressed-tensors
@@ -147,13 +149,13 @@ def detect(index: CheckpointIndex, config: dict | None = None,
             continue
         for suffix in UNSUPPORTED_SUFFIXES if unsupported else ():
             if name + suffix in tensors:
-                raise CheckpointError(f"{_file(index, name + suffix)}: {name + suffix!r} says that {name!r} is stored "
-                                      "in a quantized layout lazyload cannot read yet (activation order, packed "
+                raise CheckpointError(f"{stored_file(index, name + suffix)}: {name + suffix!r} says that {name!r} is "
+                                      "stored in a quantized layout lazyload cannot read yet (activation order, packed "
                                       "4-bit, global scale or padded blocks); dequantize the checkpoint first.")
         zero = name + ZERO_SUFFIX if name + ZERO_SUFFIX in tensors else None
         if not tensors[scale][0].is_floating_point:
-            raise CheckpointError(f"{_file(index, scale)}: scale {scale!r} is {tensors[scale][0]}, not a floating "
-                                  "point tensor; the checkpoint is not in a layout lazyload knows.")
+            raise CheckpointError(f"{stored_file(index, scale)}: scale {scale!r} is {tensors[scale][0]}, not a "
+                                  "floating point tensor; the checkpoint is not in a layout lazyload knows.")
         shapes = (shape, tensors[scale][1])
         block = block_of.get(shapes) or block_of.setdefault(shapes, _block(name, *shapes, blocks))
         leaves[name] = _paired(index, name, scale, zero, block)
@@ -201,10 +203,6 @@ def _tensors(index: CheckpointIndex) -> dict[str, tuple[torch.dtype, tuple[int, 
     return out
 
 
-def _file(index: CheckpointIndex, name: str) -> str:
-    return index[index.expr(name).keys()[0]].file
-
-
 def _paired(index: CheckpointIndex, weight: str, scale: str, zero: str | None, block: tuple[int, ...]) -> Expr:
     """The dequantization of `weight`: one `Dequant` over stored keys, or for a weight
     stored in pieces the same tiling with each piece dequantized by the scale (and zero
@@ -216,7 +214,7 @@ def _paired(index: CheckpointIndex, weight: str, scale: str, zero: str | None, b
     try:
         return _pair_parts(*exprs, block, per_tensor, index.shape_of)
     except ValueError as exc:
-        raise CheckpointError(f"{_file(index, weight)}: the quantized weight {weight!r} is stored in pieces that "
+        raise CheckpointError(f"{stored_file(index, weight)}: the quantized weight {weight!r} is stored in pieces that "
                               f"do not line up with the blocks of its scale {scale!r} ({exc}); each piece must "
                               f"hold whole blocks of {list(block)} (re-shard for a world whose slices do).") from None
 
@@ -255,7 +253,7 @@ def _check_unscaled(tensors: dict, index: CheckpointIndex, leaves: Collection[st
             continue
         if not any(re.search(p, name) for p in IGNORED):
             method = (config or {}).get("quant_method", "scaled 8-bit weights")
-            raise CheckpointError(f"{_file(index, name)}: {name!r} is {dtype} in a checkpoint quantized "
+            raise CheckpointError(f"{stored_file(index, name)}: {name!r} is {dtype} in a checkpoint quantized "
                                   f"with {method}, but has no scale ({name}_scale_inv or {name}_scale); a quantized "
                                   "weight is never loaded without its scales. The checkpoint is incomplete.")
 

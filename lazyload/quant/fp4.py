@@ -19,8 +19,9 @@ import itertools
 import torch
 
 from ..errors import CheckpointError
-from ..expr import Cat, Expr, Mxfp4, Source, Transpose
+from ..expr import Expr, Mxfp4, Transpose
 from ..index import CheckpointIndex
+from .pieces import paired, stored_file
 
 BLOCKS, SCALES = "_blocks", "_scales"
 E8M0_NAN = 255
@@ -43,32 +44,17 @@ def mxfp4_leaves(index: CheckpointIndex, tensors: dict) -> dict[str, tuple[Expr,
         if scale is None:
             continue
         if scale[0] != torch.uint8 or tuple(scale[1]) != tuple(shape[:-1]) or len(shape) < 3 or shape[-1] != 16:
-            raise CheckpointError(f"{_file(index, name)}: {name!r} {list(shape)} and {base + SCALES!r} "
+            raise CheckpointError(f"{stored_file(index, name)}: {name!r} {list(shape)} and {base + SCALES!r} "
                                   f"{scale[0]} {list(scale[1])} are not MXFP4 blocks and scales (uint8 [..., K/32, 16] "
                                   "and uint8 [..., K/32]); lazyload cannot dequantize them.")
         try:
-            leaf = _paired(index.expr(name), index.expr(base + SCALES), len(shape))
+            leaf = paired(index.expr(name), index.expr(base + SCALES), Mxfp4, len(shape) - 1)
         except ValueError as exc:
-            raise CheckpointError(f"{_file(index, name)}: the MXFP4 weight {base!r} is stored in pieces that do not "
-                                  f"pair with its scales' ({exc}); re-shard it from the original checkpoint.") from None
+            raise CheckpointError(f"{stored_file(index, name)}: the MXFP4 weight {base!r} cannot be paired with its "
+                                  f"scales ({exc}); re-shard it from the original checkpoint.") from None
         ndim = len(shape) - 1
         out[base] = (Transpose(leaf, ndim - 2, ndim - 1), name, base + SCALES)
     return out
-
-
-def _paired(blocks: Expr, scales: Expr, ndim: int) -> Expr:
-    """The dequantization of blocks stored whole or in pieces (a resharded checkpoint): each
-    blocks piece with the scales piece cut alike, along a dim before the bytes of a group."""
-    if isinstance(blocks, Source) and isinstance(scales, Source):
-        return Mxfp4(blocks.key, scales.key)
-    if not (isinstance(blocks, Cat) and isinstance(scales, Cat) and blocks.dim == scales.dim < ndim - 1
-            and len(blocks.parts) == len(scales.parts)):
-        raise ValueError("the blocks are not cut where the scales are")
-    return Cat(tuple(_paired(b, s, ndim) for b, s in zip(blocks.parts, scales.parts)), blocks.dim)
-
-
-def _file(index: CheckpointIndex, name: str) -> str:
-    return index[index.expr(name).keys()[0]].file
 
 
 def dequantize_mxfp4_into(out: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:

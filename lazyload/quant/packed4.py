@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError, ReadError, ShapeMismatchError
-from ..expr import Cat, Expr, Packed4, Source
+from ..expr import Expr, Packed4, Source
 from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from ..readers.identity import RERUN, check_size, open_checked
+from .pieces import paired, stored_file
 
 PACKED, SCALE, GLOBAL, SHAPE, ZERO, SCALE_2 = "_packed", "_scale", "_global_scale", "_shape", "_zero_point", "_scale_2"
 NVFP4, INT4, MODELOPT = "nvfp4", "int4", "nvfp4-modelopt"
@@ -69,23 +70,24 @@ def _compressed(index: CheckpointIndex, tensors: dict, name: str, groups: set[in
     dtype, shape = tensors[name]
     scale = base + SCALE
     if base + ZERO in tensors:
-        raise CheckpointError(f"{_file(index, name)}: {base + ZERO!r} is the zero point of an asymmetric 4-bit "
+        raise CheckpointError(f"{stored_file(index, name)}: {base + ZERO!r} is the zero point of an asymmetric 4-bit "
                               f"weight {name!r}; lazyload reads symmetric ones only. Dequantize the checkpoint first.")
     if dtype == torch.uint8:
         glob = base + GLOBAL
         if glob not in tensors:
-            raise CheckpointError(f"{_file(index, name)}: the NVFP4 weight {name!r} has no {glob!r}; without its "
+            raise CheckpointError(f"{stored_file(index, name)}: the NVFP4 weight {name!r} has no {glob!r}; without its "
                                   "global scale its values are unknown. The checkpoint is incomplete.")
         _check_scales(index, name, scale, tensors, glob)
         leaf = _leaf(index, name, scale, glob, NVFP4, NV_GROUP, 2)
         return Found(leaf, name, base, (scale, glob), NVFP4)
     if dtype != torch.int32:
-        raise CheckpointError(f"{_file(index, name)}: {name!r} is {dtype}; compressed-tensors packs 4-bit weights "
-                              "into uint8 (nvfp4-pack-quantized) or int32 (pack-quantized), lazyload reads only those.")
+        raise CheckpointError(f"{stored_file(index, name)}: {name!r} is {dtype}; compressed-tensors packs 4-bit "
+                              "weights into uint8 (nvfp4-pack-quantized) or int32 (pack-quantized), lazyload reads only "
+                              "those.")
     k, cols = shape[-1] * 8, tensors[scale][1][-1] if tensors[scale][1] else 0
     group = k // cols if cols and k % cols == 0 else 0
     if not group or (groups and group not in groups):
-        raise CheckpointError(f"{_file(index, name)}: {name!r} {list(shape)} (K = {k}) and {scale!r} "
+        raise CheckpointError(f"{stored_file(index, name)}: {name!r} {list(shape)} (K = {k}) and {scale!r} "
                               f"{list(tensors[scale][1])} give no group size"
                               + (f" of those its config declares ({sorted(groups)})" if groups else "")
                               + "; lazyload cannot tell which scale covers which weights.")
@@ -102,7 +104,7 @@ def _modelopt(index: CheckpointIndex, tensors: dict, name: str) -> Found:
 
 def _check_scales(index: CheckpointIndex, name: str, scale: str, tensors: dict, glob: str) -> None:
     if tensors[scale][0] != FP8 or len(tensors[glob][1]) > 1 or math.prod(tensors[glob][1]) != 1:
-        raise CheckpointError(f"{_file(index, name)}: {scale!r} is {tensors[scale][0]} and {glob!r} "
+        raise CheckpointError(f"{stored_file(index, name)}: {scale!r} is {tensors[scale][0]} and {glob!r} "
                               f"{list(tensors[glob][1])}; NVFP4 scales are float8_e4m3fn, one per 16 values, and its "
                               "global scale one float32. lazyload cannot dequantize this weight.")
 
@@ -113,24 +115,15 @@ def _leaf(index: CheckpointIndex, packed: str, scale: str, glob: str | None, cod
     piece with the scale piece cut alike); its shape checked against its scales'."""
     glob_expr = index.expr(glob) if glob is not None else None
     if glob_expr is not None and not isinstance(glob_expr, Source):
-        raise CheckpointError(f"{_file(index, packed)}: the global scale {glob!r} of {packed!r} is stored in pieces; "
-                              "it is one value. Re-shard the checkpoint from the original.")
+        raise CheckpointError(f"{stored_file(index, packed)}: the global scale {glob!r} of {packed!r} is stored in "
+                              "pieces; it is one value. Re-shard the checkpoint from the original.")
     key = glob_expr.key if glob_expr is not None else None  # a copy's stored key in a resharded layout
     try:
-        leaf = _paired(index.expr(packed), index.expr(scale), lambda p, s: Packed4(p, s, key, codec, group, per))
+        leaf = paired(index.expr(packed), index.expr(scale), lambda p, s: Packed4(p, s, key, codec, group, per))
         leaf.shape(index.shape_of)
     except ValueError as exc:
-        raise CheckpointError(f"{_file(index, packed)}: {exc}; lazyload cannot dequantize {packed!r}.") from None
+        raise CheckpointError(f"{stored_file(index, packed)}: {exc}; lazyload cannot dequantize {packed!r}.") from None
     return leaf
-
-
-def _paired(packed: Expr, scales: Expr, leaf) -> Expr:
-    if isinstance(packed, Source) and isinstance(scales, Source):
-        return leaf(packed.key, scales.key)
-    if not (isinstance(packed, Cat) and isinstance(scales, Cat) and packed.dim == scales.dim
-            and len(packed.parts) == len(scales.parts)):
-        raise ValueError("it is stored in pieces that are not cut where its scales are")
-    return Cat(tuple(_paired(p, s, leaf) for p, s in zip(packed.parts, scales.parts)), packed.dim)
 
 
 def check_weight_shapes(index: CheckpointIndex, found: list[Found]) -> None:
@@ -175,10 +168,6 @@ def _read_entry(fds: dict[str, int], index: CheckpointIndex, entry: TensorEntry)
         raise ReadError(f"{entry.file}: {entry.key!r} read short ({len(raw)} of {entry.end - entry.start} bytes); "
                         f"{RERUN}")
     return raw
-
-
-def _file(index: CheckpointIndex, name: str) -> str:
-    return index[index.expr(name).keys()[0]].file
 
 
 def int4_group_sizes(config: dict | None) -> set[int]:
