@@ -1,4 +1,5 @@
 """A weight-only quantized Linear layer, and the swap of a model's Linear layers for it.
+(`DequantizingLinear` is its forward and repr, shared with `quant.packed.Packed4Linear`.)
 
 `QuantizedLinear` holds its weight as stored 8-bit values (int8 or float8) with float32
 scales on a (rows, ceil(in / group)) grid, and dequantizes it in forward (exactly, with the
@@ -35,11 +36,25 @@ from .dequant import dequantized
 from .onload import Quantization, not_converted, scale_shape
 
 
-class QuantizedLinear(nn.Linear):
-    """y = x @ dequantize(weight, weight_scale).T + bias, weight 8-bit, scales float32:
-    `weight_scale[r, j]` multiplies `weight[r, j*group:(j+1)*group]`."""
+class DequantizingLinear(nn.Linear):
+    """An `nn.Linear` whose weight is held quantized (with `group` inputs per scale) and
+    dequantized per call by the subclass's `dequantized_weight(dtype)` (this rank's shard
+    under TP); `held` says how the weight is held, for its repr."""
 
     _hf_quantized_needs_local_tp = True  # transformers' TP: forward gets local shards
+    group: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.held()}, group={self.group}")
+
+
+class QuantizedLinear(DequantizingLinear):
+    """y = x @ dequantize(weight, weight_scale).T + bias, weight 8-bit, scales float32:
+    `weight_scale[r, j]` multiplies `weight[r, j*group:(j+1)*group]`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: int, qdtype: torch.dtype,
                  compute_dtype: torch.dtype, device: torch.device | str | None = None):
@@ -58,12 +73,8 @@ class QuantizedLinear(nn.Linear):
         return dequantized(local_tensor(self.weight), local_tensor(self.weight_scale), self.group, -1,
                            dtype or self.compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weight={self.weight.dtype}, group={self.group}")
+    def held(self) -> str:
+        return f"weight={self.weight.dtype}"
 
 
 def quantizable_linears(model: nn.Module, config: Quantization) -> list[str]:

@@ -19,13 +19,13 @@ import threading
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..agreement import wait_all
 from ..plan import ReadItem
 from ..targets import local_tensor
 from .dequant import QuantizedBox
+from .linear import DequantizingLinear
 from .onload import chunk_rows, full_precision
 from .pack4 import PER_WORD, STORED, dequantize_packed, nvfp4_global_scale, quantize_rows, scale_dtype, stored_shape
 
@@ -127,12 +127,10 @@ def quantize_shared(dests: dict) -> None:
         dests[name].quantize_gathered(value.to(dests[name].device))
 
 
-class Packed4Linear(nn.Linear):
+class Packed4Linear(DequantizingLinear):
     """y = x @ W.T + bias, W held as 4-bit packed `weight` (uint8 E2M1 pairs, or int32 words of
     eight INT4 values), `weight_scale` per `group` input columns and, for NVFP4,
     `weight_global_scale`; dequantized per call (this rank's shard under TP)."""
-
-    _hf_quantized_needs_local_tp = True  # transformers' TP: forward gets local shards
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: str, group: int,
                  compute_dtype: torch.dtype, device: torch.device | str | None = None):
@@ -156,12 +154,8 @@ class Packed4Linear(nn.Linear):
                                  None if global_scale is None else local_tensor(global_scale),
                                  dtype or self.compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{self.scheme}, group={self.group}")
+    def held(self) -> str:
+        return self.scheme
 
 
 def swap_packed_linears(model: nn.Module, groups: dict[str, int], scheme: str) -> None:
