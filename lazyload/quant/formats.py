@@ -18,8 +18,8 @@ nothing to a full-precision model: they are ignored unless the model has such te
 Pairs are found by the index's tensor names, not its stored keys, so that detection
 composes with every layout: a weight and its scale stored in pieces (lazyload's sharded
 layout, Megatron, DeepSpeed) pair piece by piece, each weight piece with the scale piece
-of its blocks (`_paired`, with zero points and per-tensor scales; the name-found 4-bit
-formats pair theirs with `quant.pieces.paired`); pieces that cut a block cannot be paired and are refused.
+of its blocks (`_paired`, with zero points and per-tensor scales; the 4-bit formats found by
+name pair theirs with `quant.pieces.paired`); pieces that cut a block are refused.
 Only names, shapes, dtypes and config.json are read here; no tensor byte.
 """
 from __future__ import annotations
