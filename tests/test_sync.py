@@ -194,6 +194,10 @@ def _fault(rank):
     sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server else None,
                                rank_timeout=5, max_host_bytes=40_000)
     assert sync.routes.steps > 2
+    dist.barrier()  # every rank constructed: the construction's keys are gone from the store
+    from torch.distributed.distributed_c10d import _get_default_store
+    keys = [f"{sync._prefix}/{stage}/{r}" for stage in ("layout", "planned") for r in range(4)]
+    assert not any(_get_default_store().check([key]) for key in keys + [f"{sync._prefix}/read"])
     sync()
     if trainer is not None:
         _step(trainer, torch.optim.SGD(trainer.parameters(), lr=0.1))
@@ -208,6 +212,7 @@ def _fault(rank):
     with pytest.raises(lazyload.SyncError) as caught:
         sync()
     transfer._pack = pack
+    assert sync._failures == 1  # the retry sends under a fresh tag on every rank
     partial = caught.value.report.partial
     if server is not None:
         assert 0 < len(partial) < len(sync.load_plan.targets)
@@ -424,6 +429,21 @@ def test_sync(tmp_path):
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault"]
     spawn_cases(4, cases, tmp_path, _run_case)
+
+
+def test_sync_tags_never_repeat():
+    """A WeightSync's tags: the same while syncs complete (nothing left pending), a fresh one
+    after each failure, never one a failure used before nor another construction's, all in
+    gloo's 31-bit range; past the block, a SyncError asks for a new WeightSync."""
+    import lazyload
+    from lazyload.sync.weight_sync import _TAGS_EACH, sync_tag
+
+    for construction in (1, 2, 40_000):
+        tags = [sync_tag(construction, failures) for failures in range(_TAGS_EACH)]
+        assert len(set(tags)) == _TAGS_EACH and 0 <= min(tags) and max(tags) < 2 ** 31
+        assert not set(tags) & {sync_tag(construction + 1, f) for f in range(0, _TAGS_EACH, 97)}
+    with pytest.raises(lazyload.SyncError, match="construct a new WeightSync"):
+        sync_tag(1, _TAGS_EACH)
 
 
 def _dies(rank):
