@@ -179,6 +179,34 @@ def _mismatched(rank, world):
         else:
             assert isinstance(caught.value, lazyload.RankFailedError) and sorted(caught.value.ranks) == [1, 2, 3]
         assert all(t.is_meta for t in server.state_dict().values())
+    _unsupported_holders(rank, mesh)
+
+
+def _unsupported_holders(rank, mesh):
+    """A target holding 4-bit packed or torchao-quantized layers: an ArgumentError at
+    construction on the server ranks, naming the layer and what to do; the others a
+    RankFailedError."""
+    import lazyload
+    from lazyload.quant.packed import Packed4Linear
+    from torchao.quantization import Int8Tensor
+
+    torchao = torch.nn.Linear(64, 32, bias=False, device="meta")
+    torchao.weight = torch.nn.Parameter(Int8Tensor(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, 2), [1, 32],
+                                                   dtype=torch.bfloat16), requires_grad=False)
+    packed = Packed4Linear(64, 32, False, "mxfp4", 32, torch.bfloat16, device="meta")
+    for layer, held, load in ((packed, "4-bit packed weights (Packed4Linear", "quantize='int8' or 'fp8'"),
+                              (torchao, "torchao-quantized weight (Int8Tensor", "torchao=False")):
+        with pytest.raises(lazyload.LazyLoadError) as caught:
+            lazyload.WeightSync(source={"0.weight": torch.ones(32, 64)} if rank == 0 else None,
+                                target=torch.nn.Sequential(layer) if rank > 0 else None,
+                                target_mesh=mesh if rank > 0 else None, plan={}, rank_timeout=30)
+        message = str(caught.value)
+        if rank > 0:
+            assert isinstance(caught.value, lazyload.ArgumentError), message
+            assert "layer '0' holds" in message and held in message and "not supported" in message, message
+            assert load in message and "built on the meta device with quantize=" in message, message
+        else:
+            assert isinstance(caught.value, lazyload.RankFailedError) and sorted(caught.value.ranks) == [1, 2, 3]
 
 
 def _fault(rank):

@@ -24,7 +24,7 @@ from ..quant.onload import Quantization
 from ..quant.targets import scale_names
 from ..placer import allocate
 from ..targets import model_slots
-from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers
+from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers, refuse_unsupported_holders
 from ..stored import StoredCheckpoint
 from .gather import Gather
 from ..targets import local_tensor
@@ -171,6 +171,7 @@ class WeightSync:
                                 "tensor parallel), e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)) over "
                                 "them.")
         rank, world = ranks_of(self.target_mesh, 0, 1)
+        refuse_unsupported_holders(self.target)
         layers = quantized_layers(self.target)  # loaded quantized already: planned as the full model
         with planned_as_full(self.target, layers, full_dtype(self.target, layers)):
             self.load_plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world, self._options)
