@@ -214,7 +214,9 @@ def _fault(rank):
     rank's report names the tensors already new, and the next sync completes it, exact."""
     import lazyload
     import lazyload.sync.transfer as transfer
+    from datetime import timedelta
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _get_default_store
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = _trainer(mesh["x"]) if rank < 2 else None
@@ -223,23 +225,31 @@ def _fault(rank):
                                rank_timeout=5, max_host_bytes=40_000)
     assert sync.routes.steps > 2
     dist.barrier()  # every rank constructed: the construction's keys are gone from the store
-    from torch.distributed.distributed_c10d import _get_default_store
     keys = [f"{sync._prefix}/{stage}/{r}" for stage in ("layout", "planned") for r in range(4)]
     assert not any(_get_default_store().check([key]) for key in keys + [f"{sync._prefix}/read"])
     sync()
     if trainer is not None:
         _step(trainer, torch.optim.SGD(trainer.parameters(), lr=0.1))
-    pack, calls = transfer._pack, []
+    pack, calls, wait = transfer._pack, [], transfer.wait_polling
+    # rank 0 fails in step 1 only once the servers placed step 0 (told through the store): no race
+    store, placed = _get_default_store(), [f"{sync._prefix}/test-step0/{r}" for r in (2, 3)]
     if rank == 0:
         def failing(requests, ends):
             calls.append(1)
             if len(calls) == 3:
+                store.wait(placed, timedelta(seconds=30))
                 raise RuntimeError("injected: the trainer fails mid-sync")
             return pack(requests, ends)
         transfer._pack = failing
+    elif server is not None:
+        def telling(works, ends, what):
+            wait(works, ends, what)
+            if what.startswith("step 0 "):
+                store.set(placed[rank - 2], "1")
+        transfer.wait_polling = telling
     with pytest.raises(lazyload.SyncError) as caught:
         sync()
-    transfer._pack = pack
+    transfer._pack, transfer.wait_polling = pack, wait
     assert sync._failures == 1  # the retry sends under a fresh tag on every rank
     partial = caught.value.report.partial
     if server is not None:
@@ -247,6 +257,32 @@ def _fault(rank):
     report = sync()
     assert report.partial == ()
     _check_exact_all(sync, trainer, server, report)
+    _fails_waiting(sync, rank, trainer, server)
+
+
+def _fails_waiting(sync, rank, trainer, server):
+    """Trainer rank 0 fails waiting at step 2, its sends of that step posted: its report
+    counts only the sends of the steps that completed; the next sync completes, exact."""
+    import lazyload
+    import lazyload.sync.transfer as transfer
+    from lazyload.expr import box_numel
+
+    wait = transfer.wait_polling
+    if rank == 0:
+        def failing(works, ends, what):
+            if what.startswith("step 2 "):
+                raise transfer.CollectiveError("injected: the trainer fails waiting")
+            return wait(works, ends, what)
+        transfer.wait_polling = failing
+    with pytest.raises(lazyload.SyncError) as caught:
+        sync()
+    transfer.wait_polling = wait
+    if rank == 0:
+        completed = sum(box_numel(r.box) * sync.index[r.key].dtype.itemsize for step in (0, 1)
+                        for requests in sync.routes.sends.get(step, {}).values() for r in requests)
+        assert sync.routes.sends.get(2) and caught.value.report.bytes_sent == completed > 0
+    assert sync._failures == 2
+    _check_exact_all(sync, trainer, server, sync())
 
 
 def _trainer_server(rank, arch="llama", make_server=None, **options):
@@ -481,7 +517,9 @@ def _dies(rank):
 
     import lazyload
     import lazyload.sync.transfer as transfer
+    from datetime import timedelta
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _get_default_store
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = _trainer(mesh["x"]) if rank < 2 else None

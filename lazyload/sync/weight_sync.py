@@ -125,6 +125,7 @@ class WeightSync:
         self._store, self._syncs, self._dests, self._slots, self._assigned = store, 0, None, None, False
         self._abandoned: list = []
         self._failures = 0  # failed syncs: each retry sends under a fresh tag
+        self._announced = 0  # the last sync whose failure this rank announced
         self._tag = next(_tags)
         # NCCL sends device memory; gloo host memory
         self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
@@ -194,7 +195,7 @@ class WeightSync:
                 self._sync(moved)
         except BaseException as exc:
             self._failures += 1  # every rank raises, so every rank counts it
-            self._store.set(self._abort_key(), f"rank {self.rank} failed ({type(exc).__name__}: {exc})")
+            self._announce(exc)
             agree.failed(exc)
             new = tuple(moved.done) if self._assigned else ()  # a first sync's tensors are assigned only when complete
             report = self._report(moved, started, planned, new)
@@ -203,6 +204,12 @@ class WeightSync:
                             "this rank hold the new version (report.partial; the others may be partly written). Call "
                             "the sync again on every rank to complete it.", getattr(exc, "ranks", None), report) from exc
         return self._report(moved, started, planned)
+
+    def _announce(self, exc: BaseException) -> None:
+        """Tell the others this rank failed (once per sync: the first cause is the one named)."""
+        if self._announced != self._syncs:
+            self._announced = self._syncs
+            self._store.set(self._abort_key(), f"rank {self.rank} failed ({type(exc).__name__}: {exc})")
 
     def _abort_key(self) -> str:
         return f"{self._prefix}/sync{self._syncs}/aborted"
@@ -225,7 +232,12 @@ class WeightSync:
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
                     dests, self.group, sync_tag(self._tag, self._failures), self._wire, self.timeout,
                     self._aborted, self._abandoned, self._pinned)
-        transfer(self.routes, ends, moved)
+        try:
+            transfer(self.routes, ends, moved)
+        except BaseException as exc:
+            # before the agreement waits for the others: they stop waiting for this rank's messages
+            self._announce(exc)
+            raise
         if first:  # only now does the model hold its tensors: a failed first sync left it unassigned
             assign_loaded(self.load_plan, self._slots, self._dests)
             fill_meta_buffers(self.load_plan.recompute)
