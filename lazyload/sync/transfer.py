@@ -78,7 +78,7 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     for source, positions in routes.receives.get(step, {}).items():
         specs = [(ends.items[p].entry.dtype, ends.items[p].src_box) for p in positions]
         offsets, nbytes = packed_offsets(specs)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device, pin_memory=ends.pinned)
+        buffer = message_buffer(nbytes, ends)
         inbox.append((positions, offsets, buffer))
         ops.append(dist.P2POp(dist.irecv, buffer, source, ends.group, ends.tag))
     # one batch: NCCL runs it as one group (a pair sending both ways cannot deadlock); gloo op by op
@@ -104,12 +104,19 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
 def _pack(requests: tuple[Request, ...], ends: Ends) -> torch.Tensor:
     """A target's boxes of one step, packed into one message (bytes copied as they are)."""
     offsets, nbytes = packed_offsets([(ends.dtypes[r.key], r.box) for r in requests])
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device, pin_memory=ends.pinned)
+    buffer = message_buffer(nbytes, ends)
     for request, offset in zip(requests, offsets):
         piece = ends.pieces[request.key]
         values = local_piece(ends.tensors[piece.name], piece.held, request.box)
         slot(buffer, offset, values.dtype, request.box).copy_(values)
     return buffer
+
+
+def message_buffer(nbytes: int, ends: Ends) -> torch.Tensor:
+    """One message's bytes, where the wire takes them (`ends.device`; page-locked host memory
+    when `ends.pinned`): the one place a sync allocates for the device, so that a test can
+    stand in for it (tests/test_cuda_harness.py's stand-ins)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=ends.device, pin_memory=ends.pinned)
 
 
 def _place(ends: Ends, moved: Moved, item: Any, values: torch.Tensor) -> None:
