@@ -179,6 +179,34 @@ def _mismatched(rank, world):
         else:
             assert isinstance(caught.value, lazyload.RankFailedError) and sorted(caught.value.ranks) == [1, 2, 3]
         assert all(t.is_meta for t in server.state_dict().values())
+    _unsupported_holders(rank, mesh)
+
+
+def _unsupported_holders(rank, mesh):
+    """A target holding 4-bit packed or torchao-quantized layers: an ArgumentError at
+    construction on the server ranks, naming the layer and what to do; the others a
+    RankFailedError."""
+    import lazyload
+    from lazyload.quant.packed import Packed4Linear
+    from torchao.quantization import Int8Tensor
+
+    torchao = torch.nn.Linear(64, 32, bias=False, device="meta")
+    torchao.weight = torch.nn.Parameter(Int8Tensor(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, 2), [1, 32],
+                                                   dtype=torch.bfloat16), requires_grad=False)
+    packed = Packed4Linear(64, 32, False, "mxfp4", 32, torch.bfloat16, device="meta")
+    for layer, held, load in ((packed, "4-bit packed weights (Packed4Linear", "quantize='int8' or 'fp8'"),
+                              (torchao, "torchao-quantized weight (Int8Tensor", "torchao=False")):
+        with pytest.raises(lazyload.LazyLoadError) as caught:
+            lazyload.WeightSync(source={"0.weight": torch.ones(32, 64)} if rank == 0 else None,
+                                target=torch.nn.Sequential(layer) if rank > 0 else None,
+                                target_mesh=mesh if rank > 0 else None, plan={}, rank_timeout=30)
+        message = str(caught.value)
+        if rank > 0:
+            assert isinstance(caught.value, lazyload.ArgumentError), message
+            assert "layer '0' holds" in message and held in message and "not supported" in message, message
+            assert load in message and "built on the meta device with quantize=" in message, message
+        else:
+            assert isinstance(caught.value, lazyload.RankFailedError) and sorted(caught.value.ranks) == [1, 2, 3]
 
 
 def _fault(rank):
@@ -186,7 +214,9 @@ def _fault(rank):
     rank's report names the tensors already new, and the next sync completes it, exact."""
     import lazyload
     import lazyload.sync.transfer as transfer
+    from datetime import timedelta
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _get_default_store
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = _trainer(mesh["x"]) if rank < 2 else None
@@ -194,26 +224,65 @@ def _fault(rank):
     sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server else None,
                                rank_timeout=5, max_host_bytes=40_000)
     assert sync.routes.steps > 2
+    dist.barrier()  # every rank constructed: the construction's keys are gone from the store
+    keys = [f"{sync._prefix}/{stage}/{r}" for stage in ("layout", "planned") for r in range(4)]
+    assert not any(_get_default_store().check([key]) for key in keys + [f"{sync._prefix}/read"])
     sync()
     if trainer is not None:
         _step(trainer, torch.optim.SGD(trainer.parameters(), lr=0.1))
-    pack, calls = transfer._pack, []
+    pack, calls, wait = transfer._pack, [], transfer.wait_polling
+    # rank 0 fails in step 1 only once the servers placed step 0 (told through the store): no race
+    store, placed = _get_default_store(), [f"{sync._prefix}/test-step0/{r}" for r in (2, 3)]
     if rank == 0:
         def failing(requests, ends):
             calls.append(1)
             if len(calls) == 3:
+                store.wait(placed, timedelta(seconds=30))
                 raise RuntimeError("injected: the trainer fails mid-sync")
             return pack(requests, ends)
         transfer._pack = failing
+    elif server is not None:
+        def telling(works, ends, what):
+            wait(works, ends, what)
+            if what.startswith("step 0 "):
+                store.set(placed[rank - 2], "1")
+        transfer.wait_polling = telling
     with pytest.raises(lazyload.SyncError) as caught:
         sync()
-    transfer._pack = pack
+    transfer._pack, transfer.wait_polling = pack, wait
+    assert sync._failures == 1  # the retry sends under a fresh tag on every rank
     partial = caught.value.report.partial
     if server is not None:
         assert 0 < len(partial) < len(sync.load_plan.targets)
     report = sync()
     assert report.partial == ()
     _check_exact_all(sync, trainer, server, report)
+    _fails_waiting(sync, rank, trainer, server)
+
+
+def _fails_waiting(sync, rank, trainer, server):
+    """Trainer rank 0 fails waiting at step 2, its sends of that step posted: its report
+    counts only the sends of the steps that completed; the next sync completes, exact."""
+    import lazyload
+    import lazyload.sync.transfer as transfer
+    from lazyload.expr import box_numel
+
+    wait = transfer.wait_polling
+    if rank == 0:
+        def failing(works, ends, what):
+            if what.startswith("step 2 "):
+                raise transfer.CollectiveError("injected: the trainer fails waiting")
+            return wait(works, ends, what)
+        transfer.wait_polling = failing
+    with pytest.raises(lazyload.SyncError) as caught:
+        sync()
+    transfer.wait_polling = wait
+    if rank == 0:
+        completed = sum(box_numel(r.box) * sync.index[r.key].dtype.itemsize for step in (0, 1)
+                        for requests in sync.routes.sends.get(step, {}).values() for r in requests)
+        assert sync.routes.sends.get(2) and caught.value.report.bytes_sent == completed > 0
+    assert sync._failures == 2
+    _check_exact_all(sync, trainer, server, sync())
 
 
 def _trainer_server(rank, arch="llama", make_server=None, **options):
@@ -426,6 +495,21 @@ def test_sync(tmp_path):
     spawn_cases(4, cases, tmp_path, _run_case)
 
 
+def test_sync_tags_never_repeat():
+    """A WeightSync's tags: the same while syncs complete (nothing left pending), a fresh one
+    after each failure, never one a failure used before nor another construction's, all in
+    gloo's 31-bit range; past the block, a SyncError asks for a new WeightSync."""
+    import lazyload
+    from lazyload.sync.weight_sync import _TAGS_EACH, sync_tag
+
+    for construction in (1, 2, 40_000):
+        tags = [sync_tag(construction, failures) for failures in range(_TAGS_EACH)]
+        assert len(set(tags)) == _TAGS_EACH and 0 <= min(tags) and max(tags) < 2 ** 31
+        assert not set(tags) & {sync_tag(construction + 1, f) for f in range(0, _TAGS_EACH, 97)}
+    with pytest.raises(lazyload.SyncError, match="construct a new WeightSync"):
+        sync_tag(1, _TAGS_EACH)
+
+
 def _dies(rank):
     """Trainer rank 1 dies in the middle of a sync: every other rank raises a SyncError
     naming it (within about rank_timeout), each server rank's report saying what is new."""
@@ -433,7 +517,9 @@ def _dies(rank):
 
     import lazyload
     import lazyload.sync.transfer as transfer
+    from datetime import timedelta
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _get_default_store
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = _trainer(mesh["x"]) if rank < 2 else None

@@ -42,6 +42,15 @@ class Gather:
                                   "rank.", failed)
         return {r: v[1] for r, v in values.items()}
 
+    def close(self, stages: tuple[str, ...]) -> None:
+        """This rank read every value of `stages`; the last rank to say so deletes them, so
+        that a long job constructing many WeightSyncs does not grow the store (no rank waits:
+        whoever counts last knows every other rank has read already)."""
+        if self.store.add(f"{self.prefix}/read", 1) < len(self.ranks):
+            return
+        for key in [self._key(stage, r) for stage in stages for r in self.ranks] + [f"{self.prefix}/read"]:
+            self.store.delete_key(key)
+
     def _key(self, stage: str, rank: int) -> str:
         return f"{self.prefix}/{stage}/{rank}"
 

@@ -3,7 +3,8 @@ lazyload's `QuantizedLinear`, transformers' block-FP8 `FP8Linear`): the sync pla
 full-precision model it was loaded from (each quantized layer stood in for, while planning,
 by a plain Linear on meta of the same split), then quantizes each received box into the
 layer's own 8-bit data and scales, in place. The quantization `quantize=` asks for must be
-the one the layers hold: a layer that differs is named at construction."""
+the one the layers hold: a layer that differs is named at construction, as is one whose
+holder cannot be filled in place (4-bit `Packed4Linear`, a torchao tensor subclass)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -15,6 +16,26 @@ from torch import nn
 from ..errors import ArgumentError
 from ..quant.onload import QuantizedDest, Quantization, scale_shape
 from ..targets import local_tensor
+
+
+def refuse_unsupported_holders(model: nn.Module) -> None:
+    """A target layer whose weight cannot be filled in place (4-bit packed data, a torchao
+    tensor subclass) fails at construction, named, with what to do instead."""
+    from ..quant.packed import Packed4Linear
+
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        holder = type(local_tensor(weight)) if isinstance(weight, torch.Tensor) else None
+        if isinstance(module, Packed4Linear):
+            held, load = f"4-bit packed weights ({type(module).__name__}, {module.scheme})", "quantize='int8' or 'fp8'"
+        elif holder is not None and holder.__module__.startswith("torchao"):
+            held, load = f"a torchao-quantized weight ({holder.__name__})", "quantize=Quantization('int8' or 'fp8', torchao=False)"
+        else:
+            continue
+        raise ArgumentError(f"WeightSync: target layer {name!r} holds {held}; syncing into that holder is not "
+                            f"supported. Load the target with load_into({load}) and sync with the same quantize=, "
+                            "or sync into a target built on the meta device with quantize=... (the first sync "
+                            "quantizes it).")
 
 
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -7,8 +7,8 @@ load plan says); boxes a colocated rank holds itself are copied without the wire
 Every wait is bounded by `rank_timeout` and watched (`wait_polling`): a rank that fails
 announces it in the store, and the others stop waiting at once, leaving their sends and
 receives of that sync pending (kept alive, never waited for with a timeout: gloo closes a
-pair whose wait timed out, which would fail every later sync). Each sync has its own tag,
-so that a retry's messages never match a failed sync's."""
+pair whose wait timed out, which would fail every later sync). A retry after a failed sync
+sends under a fresh tag (`sync_tag`), so that its messages never match the failed sync's."""
 from __future__ import annotations
 
 import threading
@@ -69,16 +69,16 @@ def transfer(routes: Routes, ends: Ends, moved: Moved) -> None:
 def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     import torch.distributed as dist
 
-    ops, inbox, outbox = [], [], []
+    ops, inbox, outbox, posted = [], [], [], 0
     for target, requests in routes.sends.get(step, {}).items():
         buffer = _pack(requests, ends)
         outbox.append(buffer)
         ops.append(dist.P2POp(dist.isend, buffer, target, ends.group, ends.tag))
-        moved.sent += sum(box_numel(r.box) * ends.dtypes[r.key].itemsize for r in requests)
+        posted += sum(box_numel(r.box) * ends.dtypes[r.key].itemsize for r in requests)
     for source, positions in routes.receives.get(step, {}).items():
         specs = [(ends.items[p].entry.dtype, ends.items[p].src_box) for p in positions]
         offsets, nbytes = packed_offsets(specs)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device, pin_memory=ends.pinned)
+        buffer = message_buffer(nbytes, ends)
         inbox.append((positions, offsets, buffer))
         ops.append(dist.P2POp(dist.irecv, buffer, source, ends.group, ends.tag))
     # one batch: NCCL runs it as one group (a pair sending both ways cannot deadlock); gloo op by op
@@ -93,6 +93,7 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     except CollectiveError:
         ends.abandoned.append((works, outbox, inbox))
         raise
+    moved.sent += posted  # counted once completed: a failed step's sends are not
     for positions, offsets, buffer in inbox:
         for position, offset in zip(positions, offsets):
             item = ends.items[position]
@@ -103,12 +104,19 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
 def _pack(requests: tuple[Request, ...], ends: Ends) -> torch.Tensor:
     """A target's boxes of one step, packed into one message (bytes copied as they are)."""
     offsets, nbytes = packed_offsets([(ends.dtypes[r.key], r.box) for r in requests])
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=ends.device, pin_memory=ends.pinned)
+    buffer = message_buffer(nbytes, ends)
     for request, offset in zip(requests, offsets):
         piece = ends.pieces[request.key]
         values = local_piece(ends.tensors[piece.name], piece.held, request.box)
         slot(buffer, offset, values.dtype, request.box).copy_(values)
     return buffer
+
+
+def message_buffer(nbytes: int, ends: Ends) -> torch.Tensor:
+    """One message's bytes, where the wire takes them (`ends.device`; page-locked host memory
+    when `ends.pinned`): the one place a sync allocates for the device, so that a test can
+    stand in for it (tests/test_cuda_harness.py's stand-ins)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=ends.device, pin_memory=ends.pinned)
 
 
 def _place(ends: Ends, moved: Moved, item: Any, values: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ from ..quant.onload import Quantization
 from ..quant.targets import scale_names
 from ..placer import allocate
 from ..targets import model_slots
-from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers
+from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers, refuse_unsupported_holders
 from ..stored import StoredCheckpoint
 from .gather import Gather
 from ..targets import local_tensor
@@ -53,6 +53,20 @@ class SyncReport:
 
 
 _tags = itertools.count(1)
+# gloo keys a point-to-point message by a 32-bit tag (torch passes it as a C int): bounded, so a
+# construction owns a block of _TAGS_EACH tags (constructions numbered mod the blocks that fit)
+_TAGS_EACH = 1 << 16
+_BLOCKS = ((1 << 31) - 1) // _TAGS_EACH
+
+
+def sync_tag(construction: int, failures: int) -> int:
+    """The tag of a sync after `failures` failed ones. A sync that completed left no message
+    pending (every send and receive was waited for), so its tag is reused; only a failure,
+    whose messages may still be in flight, moves to a fresh one, never repeated after."""
+    if failures >= _TAGS_EACH:
+        raise SyncError(f"WeightSync: {failures} syncs failed; its message tags are spent (a retry could match a "
+                        "failed sync's messages): construct a new WeightSync on every rank.")
+    return (construction % _BLOCKS) * _TAGS_EACH + failures
 
 
 def own_holders(quantize: Any) -> Quantization | None:
@@ -106,9 +120,12 @@ class WeightSync:
         self.index, self.pieces = source_index({r: v for r, v in layouts.items() if v is not None})
         wanted = gather.run("planned", self._plan_target)
         self.routes: Routes = routes_for(self.rank, wanted)
+        gather.close(("layout", "planned"))
         self.plan_seconds = time.perf_counter() - started
         self._store, self._syncs, self._dests, self._slots, self._assigned = store, 0, None, None, False
         self._abandoned: list = []
+        self._failures = 0  # failed syncs: each retry sends under a fresh tag
+        self._announced = 0  # the last sync whose failure this rank announced
         self._tag = next(_tags)
         # NCCL sends device memory; gloo host memory
         self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
@@ -155,6 +172,7 @@ class WeightSync:
                                 "tensor parallel), e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)) over "
                                 "them.")
         rank, world = ranks_of(self.target_mesh, 0, 1)
+        refuse_unsupported_holders(self.target)
         layers = quantized_layers(self.target)  # loaded quantized already: planned as the full model
         with planned_as_full(self.target, layers, full_dtype(self.target, layers)):
             self.load_plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world, self._options)
@@ -176,7 +194,8 @@ class WeightSync:
             with agree.collectives():
                 self._sync(moved)
         except BaseException as exc:
-            self._store.set(self._abort_key(), f"rank {self.rank} failed ({type(exc).__name__}: {exc})")
+            self._failures += 1  # every rank raises, so every rank counts it
+            self._announce(exc)
             agree.failed(exc)
             new = tuple(moved.done) if self._assigned else ()  # a first sync's tensors are assigned only when complete
             report = self._report(moved, started, planned, new)
@@ -185,6 +204,12 @@ class WeightSync:
                             "this rank hold the new version (report.partial; the others may be partly written). Call "
                             "the sync again on every rank to complete it.", getattr(exc, "ranks", None), report) from exc
         return self._report(moved, started, planned)
+
+    def _announce(self, exc: BaseException) -> None:
+        """Tell the others this rank failed (once per sync: the first cause is the one named)."""
+        if self._announced != self._syncs:
+            self._announced = self._syncs
+            self._store.set(self._abort_key(), f"rank {self.rank} failed ({type(exc).__name__}: {exc})")
 
     def _abort_key(self) -> str:
         return f"{self._prefix}/sync{self._syncs}/aborted"
@@ -205,9 +230,14 @@ class WeightSync:
             for item in self.items:
                 moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
-                    dests, self.group, self._tag * 1024 + self._syncs % 1024, self._wire, self.timeout,
+                    dests, self.group, sync_tag(self._tag, self._failures), self._wire, self.timeout,
                     self._aborted, self._abandoned, self._pinned)
-        transfer(self.routes, ends, moved)
+        try:
+            transfer(self.routes, ends, moved)
+        except BaseException as exc:
+            # before the agreement waits for the others: they stop waiting for this rank's messages
+            self._announce(exc)
+            raise
         if first:  # only now does the model hold its tensors: a failed first sync left it unassigned
             assign_loaded(self.load_plan, self._slots, self._dests)
             fill_meta_buffers(self.load_plan.recompute)
