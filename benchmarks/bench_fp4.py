@@ -37,30 +37,26 @@ CHECKED = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_pr
 
 
 def case_lazyload(args, meter):
+    return _lazyload(args, meter)
+
+
+def _lazyload(args, meter, **options):
     import torch
     from lazyload import LazyCheckpoint
     from transformers import LlamaForCausalLM  # noqa: F401  imported before the clock
     config = bench_load._config(args)
     meter.start()
     model = bench_load._meta_model(config, torch.bfloat16)
-    LazyCheckpoint(args["ckpt_dir"]).load_into(model, progress=False)
+    LazyCheckpoint(args["ckpt_dir"]).load_into(model, progress=False, **options)
     meter.loaded(model)
     return model
 
 
 def case_lazyload_keep(args, meter):
-    import torch
-    from lazyload import LazyCheckpoint
-    from transformers import LlamaForCausalLM  # noqa: F401  imported before the clock
     if args["format"] == "modelopt":
         raise CaseSkipped("quantize='keep' holds compressed-tensors' NVFP4 / INT4; ModelOpt's NVFP4 (its "
                           "weight_scale_2 multiplies) is loaded dequantized")
-    config = bench_load._config(args)
-    meter.start()
-    model = bench_load._meta_model(config, torch.bfloat16)
-    LazyCheckpoint(args["ckpt_dir"]).load_into(model, quantize="keep", progress=False)
-    meter.loaded(model)
-    return model
+    return _lazyload(args, meter, quantize="keep")
 
 
 def case_transformers(args, meter):

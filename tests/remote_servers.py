@@ -34,8 +34,10 @@ each request line (`lines`).
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
+import logging
 import os
 import re
 import select
@@ -48,6 +50,8 @@ from dataclasses import dataclass
 from email.utils import formatdate, parsedate_to_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
+
+import pytest
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 _ZEROS = bytes(1 << 16)
@@ -391,6 +395,30 @@ def self_signed(directory) -> tuple[str, str]:
         f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                   serialization.NoEncryption()))
     return certfile, keyfile
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str, secret: str):
+    """moto's S3 server holding an empty `bucket`, throwaway credentials (`secret` the secret
+    key) in the environment while it runs; yields a boto3 client. Skips where the remote and
+    test extras are not installed."""
+    pytest.importorskip("obstore", reason="the remote extra: pip install -e '.[remote,test]'")
+    pytest.importorskip("moto", reason="the test extra: pip install -e '.[remote,test]'")
+    import boto3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    saved = dict(os.environ)
+    os.environ.update(AWS_ACCESS_KEY_ID="testing-key-id", AWS_SECRET_ACCESS_KEY=secret, AWS_DEFAULT_REGION="us-east-1")
+    server, endpoint = moto_server()
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket=bucket)
+        yield client
+    finally:
+        server.stop()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def moto_server():

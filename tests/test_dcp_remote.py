@@ -7,7 +7,6 @@ chunks by one GET; a server that answers short or with the wrong range is an err
 the URL (never its signature) and the tensor."""
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -17,7 +16,7 @@ from checkpoints import build_model
 from dcp_checkpoints import llama, save_plain
 from gloo import spawn_cases
 from no_secrets import SECRET, SIGNATURE, no_secret_shown  # noqa: F401 (autouse: no planted secret shows)
-from remote_servers import RangeServer, moto_server
+from remote_servers import RangeServer, moto_s3
 
 QUERY = f"sig={SIGNATURE}"  # a presigned URL's: sent with every request, shown nowhere
 
@@ -46,18 +45,7 @@ def http(saved):
 @pytest.fixture(scope="module")
 def s3(saved):
     """The checkpoint uploaded to moto's S3 server, throwaway credentials in the environment."""
-    pytest.importorskip("obstore", reason="the remote extra: pip install -e '.[remote,test]'")
-    pytest.importorskip("moto", reason="the test extra: pip install -e '.[remote,test]'")
-    import boto3
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    environ = dict(os.environ)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing-key-id", AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1")
-    server, endpoint = moto_server()
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket="train")
+    with moto_s3("train", SECRET) as client:
         for path in sorted((saved / "plain").iterdir()):
             client.upload_file(str(path), "train", f"step-10/{path.name}")
         for path in sorted((saved / "hf").iterdir()):
@@ -65,10 +53,6 @@ def s3(saved):
         client.upload_file(str(saved / "plain" / ".metadata"), "train", "save/iter_0000100/.metadata")
         client.put_object(Bucket="train", Key="save/iter_0000100/metadata.json", Body=b'{"sharded_backend": "torch_dist"}')
         yield "s3://train/step-10/"
-    finally:
-        server.stop()
-        os.environ.clear()
-        os.environ.update(environ)
 
 
 def _url(http) -> str:

@@ -7,7 +7,6 @@ retried or become clear errors naming the URL and never a credential."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import torch
 from checkpoints import build_model, copy_checkpoint, header_bytes, shard_files
 from gloo import spawn_cases
 from no_secrets import SECRET, no_secret_shown  # noqa: F401 (an autouse fixture: no planted secret shows)
-from remote_servers import RangeServer, moto_server, replace_file, self_signed
+from remote_servers import RangeServer, moto_s3, replace_file, self_signed
 
 
 def local_state(directory, config, **kwargs) -> dict[str, torch.Tensor]:
@@ -63,23 +62,8 @@ def served(checkpoint, tmp_path):
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """moto's S3 server with throwaway credentials in the environment: (boto3 client, bucket)."""
-    pytest.importorskip("obstore", reason="the remote extra: pip install -e '.[remote,test]'")
-    pytest.importorskip("moto", reason="the test extra: pip install -e '.[remote,test]'")
-    import boto3
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    saved = dict(os.environ)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing-key-id", AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1")
-    server, endpoint = moto_server()
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket="models")
+    with moto_s3("models", SECRET) as client:
         yield client, "models"
-    finally:
-        server.stop()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def upload(client, bucket: str, directory, prefix: str, only=None) -> None:
