@@ -51,8 +51,6 @@ from email.utils import formatdate, parsedate_to_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
-import pytest
-
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 _ZEROS = bytes(1 << 16)
 
@@ -402,6 +400,8 @@ def moto_s3(bucket: str, secret: str):
     """moto's S3 server holding an empty `bucket`, throwaway credentials (`secret` the secret
     key) in the environment while it runs; yields a boto3 client. Skips where the remote and
     test extras are not installed."""
+    import pytest  # here, not at the top: benchmarks/gpu_check.py imports this module without pytest
+
     pytest.importorskip("obstore", reason="the remote extra: pip install -e '.[remote,test]'")
     pytest.importorskip("moto", reason="the test extra: pip install -e '.[remote,test]'")
     import boto3
