@@ -150,7 +150,8 @@ def format_plan(path: str, world: int, config: Any = None, *, single_file: bool 
     if as_json:
         return json.dumps({"path": path, "world": world, "warnings": warnings, "ranks": [plan_data(r) for r in ranks]},
                           indent=1, ensure_ascii=False)
-    lines = [f"{path}: world {world}", f"{'rank':>4}  {'bytes to read':>15}  {'tensors':>7}  {'sharded':>7}"]
+    split = f" ({ranks[0].plan_used} plan)" if ranks[0].plan_used else ""
+    lines = [f"{path}: world {world}{split}", f"{'rank':>4}  {'bytes to read':>15}  {'tensors':>7}  {'sharded':>7}"]
     lines += [f"{r.rank:>4}  {r.bytes_to_read:>15,}  {r.tensors:>7}  {r.sharded:>7}" for r in ranks]
     lines += [f"warning: {w}" for w in warnings]
     return "\n".join(lines)
