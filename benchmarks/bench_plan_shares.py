@@ -3,6 +3,7 @@ the installed transformers (small configs on the meta device: no checkpoint, no 
 
     python benchmarks/bench_plan_shares.py --world 2 --json shares.json
     python benchmarks/bench_plan_shares.py --compare shares-5.24.json shares-5.25.json
+    python benchmarks/bench_plan_shares.py --plan tp --json tp.json    # the TP plan as it is
 
 The plan is `resolve_placements` with `plan=None`, as `load_into` resolves it on rank 0 of
 `world`: the share is this rank's elements over the model's. Run it under two transformers
@@ -22,7 +23,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def share(class_name: str, model_type: str, world: int) -> dict:
+def share(class_name: str, model_type: str, world: int, plan=None) -> dict:
     """{'share': rank 0's elements / all, 'plan': "tp"/"ep"} or {'error': ...}."""
     import torch
     import transformers
@@ -40,7 +41,7 @@ def share(class_name: str, model_type: str, world: int) -> dict:
     with torch.device("meta"):
         model = cls(config)
     specs = model_specs(model, model_slots(model)[0])
-    placements = resolve_placements(model, specs, [], None, 0, world).placements
+    placements = resolve_placements(model, specs, [], plan, 0, world).placements
     held = total = 0
     for name, spec in specs.items():
         n = math.prod(spec.shape)
@@ -49,7 +50,7 @@ def share(class_name: str, model_type: str, world: int) -> dict:
     return {"share": held / total, "plan": default_experts(model)}
 
 
-def measure(world: int) -> dict:
+def measure(world: int, plan=None) -> dict:
     import transformers
 
     from sweep_architectures import model_classes
@@ -59,7 +60,7 @@ def measure(world: int) -> dict:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                rows[class_name] = share(class_name, model_type, world)
+                rows[class_name] = share(class_name, model_type, world, plan)
         except Exception as exc:  # noqa: BLE001 (a class no small config makes, or no plan can split: a row)
             rows[class_name] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
     return rows
@@ -88,13 +89,14 @@ def compare(old_path: str, new_path: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--plan", choices=("tp", "ep"), help="plan= instead of the default (None)")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), help="two --json files")
     args = parser.parse_args()
     if args.compare:
         print(compare(*args.compare))
         return
-    rows = measure(args.world)
+    rows = measure(args.world, args.plan)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
