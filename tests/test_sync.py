@@ -458,6 +458,35 @@ def _uneven(rank, world):
     assert report.bytes_received + report.bytes_local == sum(t.nbytes for t in full.values())
 
 
+def _recast(rank, world):
+    """A source cast after planning (float32 -> bfloat16, the same shapes): the next sync
+    fails on every rank (each message would carry bf16 bytes into float32 slots), naming the
+    tensor and both dtypes; the target keeps the last sync's weights, and a source cast back
+    syncs again."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    trainer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    fully_shard(trainer, mesh=mesh)
+    with torch.device("meta"):
+        server = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh, plan={}, rank_timeout=30)
+    sync()
+    before = {n: t.clone() for n, t in server.state_dict().items()}
+    trainer.to(torch.bfloat16)
+    with pytest.raises(lazyload.SyncError) as caught:
+        sync()
+    assert "'0.weight'" in str(caught.value) and "bfloat16" in str(caught.value) and "float32" in str(caught.value)
+    assert all(torch.equal(t, before[n]) for n, t in server.state_dict().items())
+    trainer.to(torch.float32)  # the values rounded to bfloat16 on the way
+    sync()
+    now = {n: t.full_tensor() for n, t in trainer.state_dict().items()}
+    assert all(torch.equal(t, now[n]) and not torch.equal(t, before[n]) for n, t in server.state_dict().items())
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -482,6 +511,8 @@ def _run_case(case, rank, world):
         _mismatched(rank, world)
     elif case == "fault":
         _fault(rank)
+    elif case == "recast":
+        _recast(rank, world)
     else:
         raise AssertionError(case)
 
@@ -491,7 +522,7 @@ def test_sync(tmp_path):
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
-             "uneven", "renamed", "mismatched", "fault"]
+             "uneven", "renamed", "mismatched", "fault", "recast"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 

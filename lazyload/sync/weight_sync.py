@@ -28,7 +28,7 @@ from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized
 from ..stored import StoredCheckpoint
 from .gather import Gather
 from ..targets import local_tensor
-from .layout import source_layout, source_tensors
+from .layout import SourceTensor, source_layout, source_tensors
 from .routes import Request, Routes, requests_of, routes_for
 from .source_index import source_index
 from .transfer import Ends, Moved, transfer
@@ -73,6 +73,14 @@ def own_holders(quantize: Any) -> Quantization | None:
     """`quantize=` kept in lazyload's quantized layers: torchao's holders would be new tensors,
     which later syncs could not update in place."""
     return None if quantize is None else replace(Quantization.of(quantize), torchao=False)
+
+
+def _described(tensor: SourceTensor | None) -> str:
+    """A source tensor's dtype, shape and the boxes this rank holds, for a message."""
+    if tensor is None:
+        return "gone"
+    boxes = ", ".join("[" + ", ".join(f"{a}:{b}" for a, b in h.box) + "]" for h in tensor.held)
+    return f"{tensor.dtype} {list(tensor.shape)} holding {boxes or 'nothing'}"
 
 
 class WeightSync:
@@ -134,27 +142,30 @@ class WeightSync:
         self._pinned = self._wire.type == "cpu" and (self._source_cuda or target_cuda)  # gloo, GPU tensors
 
     def _layout(self) -> list | None:
-        """This rank's source boxes (None: no source here); the local shapes are kept, to
-        check at each sync that the source still holds the shards the plan was made for."""
+        """This rank's source boxes (None: no source here); they are kept, to check at each
+        sync that the source still holds the shards the plan was made for."""
         self._source_cuda = False
         if self.source is None:
-            self._local_shapes: dict = {}
+            self._planned_layout: dict = {}
             return None
         tensors = source_tensors(self.source)
-        self._local_shapes = {name: tuple(local_tensor(t).shape) for name, t in tensors.items()}
         self._source_cuda = any(local_tensor(t).is_cuda for t in tensors.values())
-        return source_layout(tensors)
+        layout = source_layout(tensors)
+        self._planned_layout = {s.name: s for s in layout}
+        return layout
 
     def _source_now(self) -> dict:
-        """The source's tensors now, each still the shard the plan was made for."""
+        """The source's tensors now, each still the shard the plan was made for: the same
+        dtype (the messages carry the planned dtype's bytes), global shape and boxes held."""
         tensors = source_tensors(self.source)
-        for name, shape in self._local_shapes.items():
-            now = tuple(local_tensor(tensors[name]).shape) if name in tensors else None
-            if now != shape:
-                raise ArgumentError(f"WeightSync: source tensor {name!r} is now {'gone' if now is None else list(now)}"
-                                    f" on rank {self.rank}, planned as a shard of {list(shape)} (a module unsharded "
-                                    "after its forward? sync after the optimizer step); construct a new WeightSync for "
-                                    "another layout.")
+        now = {s.name: s for s in source_layout({n: tensors[n] for n in self._planned_layout if n in tensors})}
+        for name, planned in self._planned_layout.items():
+            if now.get(name) != planned:
+                raise ArgumentError(f"WeightSync: source tensor {name!r} on rank {self.rank} is now "
+                                    f"{_described(now.get(name))}, planned as {_described(planned)} (a module "
+                                    "unsharded after its forward, or cast? sync after the optimizer step, from the "
+                                    "tensors the sync was made for); construct a new WeightSync for another layout "
+                                    "or dtype.")
         return tensors
 
     @property
