@@ -487,6 +487,32 @@ def _recast(rank, world):
     assert all(torch.equal(t, now[n]) and not torch.equal(t, before[n]) for n, t in server.state_dict().items())
 
 
+def _replica_groups(rank, world):
+    """One WeightSync per replica group: trainer ranks 0-1 (FSDP2) serve replica 2 over the
+    group [0, 1, 2] and replica 3 over [0, 1, 3]; the trainers construct both, each server
+    its own. Each group's store keys and tags are its own: both replicas exact, twice."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    roles = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    replicas = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replica", "tp"))
+    groups = {2: dist.new_group([0, 1, 2]), 3: dist.new_group([0, 1, 3])}
+    trainer = _trainer(roles["x"]) if rank < 2 else None
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1) if trainer is not None else None
+    import lazyload
+
+    syncs = {r: lazyload.WeightSync(source=trainer, target=_meta_server() if rank == r else None,
+                                    target_mesh=replicas["tp"] if rank == r else None, group=groups[r],
+                                    rank_timeout=60)
+             for r in (2, 3) if rank in (0, 1, r)}
+    for _ in range(2):
+        for r, sync in syncs.items():
+            report = sync()
+            _check_exact_all(sync, trainer, sync.target, report)
+        if trainer is not None:
+            _step(trainer, optimizer)
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -513,6 +539,8 @@ def _run_case(case, rank, world):
         _fault(rank)
     elif case == "recast":
         _recast(rank, world)
+    elif case == "replica-groups":
+        _replica_groups(rank, world)
     else:
         raise AssertionError(case)
 
@@ -522,7 +550,7 @@ def test_sync(tmp_path):
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
-             "uneven", "renamed", "mismatched", "fault", "recast"]
+             "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 

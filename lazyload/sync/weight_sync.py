@@ -3,7 +3,6 @@ the slices each server rank holds moving, with one plan made at construction and
 every sync. See the package docstring for the stages."""
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,7 +25,7 @@ from ..placer import allocate
 from ..targets import model_slots
 from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers, refuse_unsupported_holders
 from ..stored import StoredCheckpoint
-from .gather import Gather
+from .gather import Gather, construction
 from ..targets import local_tensor
 from .layout import SourceTensor, source_layout, source_tensors
 from .routes import Request, Routes, requests_of, routes_for
@@ -52,7 +51,6 @@ class SyncReport:
     tensors: int = 0
 
 
-_tags = itertools.count(1)
 # gloo keys a point-to-point message by a 32-bit tag (torch passes it as a C int): bounded, so a
 # construction owns a block of _TAGS_EACH tags (constructions numbered mod the blocks that fit)
 _TAGS_EACH = 1 << 16
@@ -122,7 +120,8 @@ class WeightSync:
                                     reader="pread", max_host_bytes=max_host_bytes, quantize=own_holders(quantize),
                                     rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False)
         store = _get_default_store()
-        gather = Gather(store, self.rank, self.ranks, rank_timeout)
+        prefix, number = construction(self.ranks)
+        gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
         self._prefix = gather.prefix
         layouts = gather.run("layout", self._layout)
         self.index, self.pieces = source_index({r: v for r, v in layouts.items() if v is not None})
@@ -134,7 +133,7 @@ class WeightSync:
         self._abandoned: list = []
         self._failures = 0  # failed syncs: each retry sends under a fresh tag
         self._announced = 0  # the last sync whose failure this rank announced
-        self._tag = next(_tags)
+        self._tag = number + 1
         # NCCL sends device memory; gloo host memory
         self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
                       else torch.device("cpu"))
