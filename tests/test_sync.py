@@ -513,6 +513,48 @@ def _replica_groups(rank, world):
             _step(trainer, optimizer)
 
 
+def _store_size(rank, world):
+    """The store holds as many keys after 200 syncs (a failed one among them) as after the
+    third: each sync's keys are deleted two syncs later."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    mesh, store = init_device_mesh("cpu", (world,)), _get_default_store()
+    with torch.device("meta"):
+        target = torch.nn.Linear(4, 8, bias=False)
+    sync = lazyload.WeightSync(source={"weight": torch.arange(32.0).reshape(8, 4)} if rank == 0 else None,
+                               target=target, target_mesh=mesh, plan={}, rank_timeout=30)
+    sizes = []
+    for n in range(1, 201):
+        if n == 100 and rank == 1:
+            with pytest.raises(lazyload.SyncError):  # rank 1's own transfer fails once
+                _failing_once(sync)
+        elif n == 100:
+            with pytest.raises(lazyload.SyncError):
+                sync()
+        else:
+            sync()
+        dist.barrier()
+        if n in (3, 10, 200):
+            sizes.append(store.num_keys())
+        dist.barrier()
+    assert torch.equal(target.weight, torch.arange(32.0).reshape(8, 4))
+    assert sizes[0] == sizes[1] == sizes[2], sizes
+
+
+def _failing_once(sync):
+    import lazyload.sync.transfer as transfer
+
+    def failing(works, ends, what):
+        raise RuntimeError("injected: a rank fails its sync")
+    transfer.wait_polling, original = failing, transfer.wait_polling
+    try:
+        sync()
+    finally:
+        transfer.wait_polling = original
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -541,6 +583,8 @@ def _run_case(case, rank, world):
         _recast(rank, world)
     elif case == "replica-groups":
         _replica_groups(rank, world)
+    elif case == "store-size":
+        _store_size(rank, world)
     else:
         raise AssertionError(case)
 
@@ -550,7 +594,7 @@ def test_sync(tmp_path):
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
-             "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups"]
+             "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups", "store-size"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 

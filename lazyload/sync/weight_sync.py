@@ -197,6 +197,7 @@ class WeightSync:
         `report.partial` names the targets already new; calling again completes the sync."""
         started, planned = time.perf_counter(), self._syncs == 0
         self._syncs += 1
+        self._forget(self._syncs - 2)
         agree = Agreement(self._store, self.rank, len(self.ranks), self.timeout, self.ranks, points=(),
                           prefix=f"{self._prefix}/sync{self._syncs}")
         moved = Moved(left={})
@@ -214,6 +215,22 @@ class WeightSync:
                             "this rank hold the new version (report.partial; the others may be partly written). Call "
                             "the sync again on every rank to complete it.", getattr(exc, "ranks", None), report) from exc
         return self._report(moved, started, planned)
+
+    def _forget(self, sync: int) -> None:
+        """Delete sync number `sync`'s store keys, so that the store stays the same size over
+        any number of syncs. Safe two syncs later: a rank in sync n means every rank reported
+        at n - 1's agreement, which each does only after reading n - 2's verdict. Each rank
+        deletes its own reports; the first rank the verdict and the failure keys."""
+        if sync < 1:
+            return
+        point = f"{self._prefix}/sync{sync}/exchanged"
+        pos = self.ranks.index(self.rank)
+        keys = [f"{point}/in{pos}", f"{point}/sub{pos}"]
+        if pos == 0:
+            keys += [f"{point}/verdict", f"{point}/read", f"{point}/all-read"]
+        keys += [f"{self._prefix}/sync{sync}/aborted"] if pos == 0 else []
+        for key in keys:
+            self._store.delete_key(key)
 
     def _announce(self, exc: BaseException) -> None:
         """Tell the others this rank failed (once per sync: the first cause is the one named)."""
