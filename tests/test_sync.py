@@ -555,6 +555,31 @@ def _failing_once(sync):
         transfer.wait_polling = original
 
 
+def _digests_differ(rank, world):
+    """A rank that derives another sync plan from the exchanged requests (stood in for by a
+    patched digest on rank 3): every rank fails at construction naming rank 3, no byte moved."""
+    import dataclasses
+
+    import lazyload
+    import lazyload.sync.weight_sync as weight_sync
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        target = torch.nn.Linear(4, 8, bias=False)
+    routes_for = weight_sync.routes_for
+    if rank == 3:
+        weight_sync.routes_for = lambda me, wanted: dataclasses.replace(routes_for(me, wanted), digest="0" * 16)
+    try:
+        with pytest.raises(lazyload.RankFailedError) as caught:
+            lazyload.WeightSync(source={"weight": torch.ones(8, 4)} if rank == 0 else None, target=target,
+                                target_mesh=mesh, plan={}, rank_timeout=30)
+    finally:
+        weight_sync.routes_for = routes_for
+    assert list(caught.value.ranks) == [3] and "same lazyload version" in str(caught.value)
+    assert target.weight.is_meta
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -583,6 +608,8 @@ def _run_case(case, rank, world):
         _recast(rank, world)
     elif case == "replica-groups":
         _replica_groups(rank, world)
+    elif case == "digests-differ":
+        _digests_differ(rank, world)
     elif case == "store-size":
         _store_size(rank, world)
     else:
@@ -594,7 +621,8 @@ def test_sync(tmp_path):
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
-             "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups", "store-size"]
+             "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups", "store-size",
+             "digests-differ"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 

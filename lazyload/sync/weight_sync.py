@@ -13,7 +13,7 @@ from torch import nn
 from ..agreement import Agreement
 from ..buffers import fill_meta_buffers
 from ..keywords import check_keywords
-from ..errors import ArgumentError, SyncError
+from ..errors import ArgumentError, RankFailedError, SyncError
 from ..executor import allocate_destinations, assign_loaded, make_parallel, swap_quantized_layers
 from ..mapping import KeyMap
 from ..mesh import ranks_of
@@ -73,6 +73,18 @@ def own_holders(quantize: Any) -> Quantization | None:
     return None if quantize is None else replace(Quantization.of(quantize), torchao=False)
 
 
+def _check_same_plan(rank: int, digests: dict[int, str]) -> None:
+    """Every rank derived the same sync plan from the exchanged requests (its digest): a rank
+    running another lazyload, or planning otherwise, would pair messages of other sizes."""
+    if len(set(digests.values())) > 1:
+        counts = {d: sum(1 for v in digests.values() if v == d) for d in digests.values()}
+        ref = max(counts, key=lambda d: (counts[d], -min(r for r, v in digests.items() if v == d)))
+        other = {r: f"planned sync {d} where most ranks planned {ref}" for r, d in sorted(digests.items()) if d != ref}
+        raise RankFailedError(f"rank {rank}: the ranks planned different weight syncs from the same requests ("
+                              + "; ".join(f"rank {r}: {m}" for r, m in other.items()) + "): every rank must run "
+                              "the same lazyload version; no byte moved.", other)
+
+
 def _described(tensor: SourceTensor | None) -> str:
     """A source tensor's dtype, shape and the boxes this rank holds, for a message."""
     if tensor is None:
@@ -127,7 +139,8 @@ class WeightSync:
         self.index, self.pieces = source_index({r: v for r, v in layouts.items() if v is not None})
         wanted = gather.run("planned", self._plan_target)
         self.routes: Routes = routes_for(self.rank, wanted)
-        gather.close(("layout", "planned"))
+        _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
+        gather.close(("layout", "planned", "agreed"))
         self.plan_seconds = time.perf_counter() - started
         self._store, self._syncs, self._dests, self._slots, self._assigned = store, 0, None, None, False
         self._abandoned: list = []
