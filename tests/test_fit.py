@@ -49,11 +49,10 @@ def cli(*args: str) -> tuple[int, str, str]:
 # --------------------------------------------------------------------- a real memory cgroup
 
 def _load_in_cgroup(directory, config, limit_file, procs, tight, generous, scratch):
-    """Runs in a spawned process: join a cgroup of `tight` bytes, where the float32 load and
-    `lazyload plan` are refused; then raise it to `generous` and load."""
+    """Runs in a spawned process: join a cgroup of `tight` bytes, where the float32 load is
+    refused; then raise it to `generous` and load."""
     from lazyload.system import memory_available
 
-    cli("plan", directory, "--world", "1", "--dtype", "float32")  # imports, outside the cgroup
     checkpoint = LazyCheckpoint(directory)
     checkpoint.index  # headers read before joining
     model = build_model("llama", config, torch.float32)
@@ -67,7 +66,6 @@ def _load_in_cgroup(directory, config, limit_file, procs, tight, generous, scrat
     except PlanError as exc:
         out["error"] = str(exc)
     out["on_meta"] = all(p.is_meta for p in model.parameters())
-    out["cli"] = cli("plan", directory, "--world", "1", "--dtype", "float32")
     with open(limit_file, "w") as f:
         f.write(str(generous))
     report = checkpoint.load_into(model, dtype=torch.float32)
@@ -105,16 +103,25 @@ def test_a_load_larger_than_its_memory_cgroup_is_refused_before_any_byte(llama, 
     assert source is not None and tight - 4096 <= int(source.group(1).replace(",", "")) <= tight  # in pages
     assert "Largest tensors whole: lm_head.weight 4.0 MiB, model.embed_tokens.weight 4.0 MiB" in error
     assert re.search(r"What fits here, planned for rank 0: world \d+ \(rank 0: ", error)
-    rc, out, err = r["cli"]
-    assert rc == 2 and out == ""
-    assert err.startswith(f"lazyload: error: rank 0 of 1 cannot load on this host: it needs {needed:,} bytes")
-    assert f"the memory cgroup {cgroup}" in err
     # with room to spare the same load works, as it does outside the cgroup
     assert r["ok"]
     reference = build_model("llama", config, torch.float32)
     LazyCheckpoint(directory).load_into(reference, dtype=torch.float32)
     assert r["digests"] == digests(reference)
     assert r["usage"] > 32 * MiB and r["room"] > generous - r["usage"] + 16 * MiB
+
+
+def test_lazyload_plan_refuses_what_load_into_refuses(llama, monkeypatch):
+    """`lazyload plan` checks each rank as the load would on this host: the same error, on
+    stderr, exit status 2; with room, the plan."""
+    directory, config = llama
+    monkeypatch.setattr(fit, "capacity", lambda device: fit.Capacity(destination_bytes(config), "the test's host"))
+    with pytest.raises(PlanError) as raised:
+        LazyCheckpoint(directory).load_into(build_model("llama", config, torch.float32), dtype=torch.float32)
+    rc, out, err = cli("plan", directory, "--world", "1", "--dtype", "float32")
+    assert (rc, out, err) == (2, "", f"lazyload: error: {raised.value}\n")
+    rc, out, err = cli("plan", directory, "--world", "4", "--dtype", "float32")
+    assert rc == 0 and out.startswith(f"{directory}: world 4")
 
 
 # --------------------------------------------------------------------- the message
@@ -203,6 +210,24 @@ def test_views_of_the_file_mapping_and_the_models_own_tensors_take_nothing(llama
     assert checkpoint.load_into(real, reader="pread").ok  # float32 in place: no views, nothing new
     with pytest.raises(PlanError, match="cannot load on this host"):
         checkpoint.load_into(build_model("llama", config, torch.float32), reader="pread")
+
+
+def test_a_preview_keeps_views_only_where_the_load_would(llama, monkeypatch):
+    """`lazyload plan` plans without this host's probes: under a memory cgroup smaller than
+    the files the load releases pages and keeps no views, so the preview counts them as
+    copies, as the load's own plan does."""
+    import lazyload.readers.choice as choice
+
+    directory, config = llama
+    checkpoint = LazyCheckpoint(directory)
+    plan = lambda preview: plan_load(checkpoint, build_model("llama", config, torch.bfloat16),  # noqa: E731
+                                     preview=preview)
+    everything = sum(p.numel() * 2 for p in build_model("llama", config, torch.bfloat16).parameters())
+    assert fit.need(plan(True), preview=True).destination == fit.need(plan(False)).destination == 0
+    monkeypatch.setattr(choice, "memory_limit", lambda: 1 * MiB)
+    preview, load = plan(True), plan(False)
+    assert preview.views and not load.views  # the preview alone does not know
+    assert fit.need(preview, preview=True).destination == fit.need(load).destination == everything
 
 
 # --------------------------------------------------------------------- a GPU
