@@ -49,6 +49,9 @@ from .logical import Layout, Part
 from .protocol import CheckpointSource, Format, OpenOptions, Storage
 
 TRACKER = "latest_checkpointed_iteration.txt"
+_ITERATION_DIGITS = 20  # an iteration number of more is none (and int() refuses over 4,300 digits)
+_LAYER_DIGITS = 9  # a layer number of more is none
+MAX_COUNT = 1 << 31  # heads, query groups, head size: a count from 1 below this
 MAX_COMMON = 256 << 20  # common.pt: Megatron's args and small state, kilobytes in practice
 _STACKED = "decoder.layers."
 _PREFIXES = ("module.", "model.module.")  # NeMo 2 / DDP wrappers in front of Megatron's names
@@ -81,9 +84,9 @@ _SPLIT = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", 
 
 @dataclass(frozen=True)
 class Heads:
-    heads: int
-    groups: int
-    size: int
+    heads: int   # attention heads, all ranks
+    groups: int  # query groups (KV heads)
+    size: int    # head size
 
 
 @dataclass(frozen=True)
@@ -109,16 +112,41 @@ def checkpoint_dir(storage: Storage, path: str) -> str | None:
     tracker = storage.join(path, TRACKER)
     if storage.exists(tracker):
         tag = storage.read(tracker, "Megatron's latest_checkpointed_iteration.txt", 4096).decode("utf-8", "replace")
-        path = storage.join(path, iteration_dir(tag.strip()))
+        path = storage.join(path, iteration_dir(tag.strip(), tracker))
     if _is_torch_dist(storage, path):
         return path
     weights = storage.join(path, "weights")  # NeMo 2; for a URL a probe more per folder, so not asked
     return weights if not storage.remote and storage.is_dir(weights) and _is_torch_dist(storage, weights) else None
 
 
-def iteration_dir(tag: str) -> str:
-    """The directory of an iteration as Megatron names it (`iter_0000100`, `release`)."""
-    return f"iter_{int(tag):07d}" if tag.isdigit() else tag
+def iteration_dir(tag: str, tracker: str) -> str:
+    """The directory of the iteration the tracker names, as Megatron names it (`iter_0000100`,
+    `release`): Megatron writes an iteration number or `release` there, nothing else (a path
+    would load another directory)."""
+    if tag == "release":
+        return tag
+    if _is_number(tag, _ITERATION_DIGITS):
+        return f"iter_{int(tag):07d}"
+    raise CheckpointError(f"{tracker}: holds {tag[:60]!r}, not an iteration number (ASCII digits) or 'release', "
+                          "which is all Megatron writes there; point lazyload at the iteration's directory, or "
+                          "write its number in the file.")
+
+
+def _is_number(text: str, digits: int) -> bool:
+    """ASCII digits, at most `digits` of them (str.isdigit alone takes '²' and other scripts'
+    digits, which int() refuses or reads as another number)."""
+    return text.isascii() and text.isdigit() and len(text) <= digits
+
+
+def shown(value) -> str:
+    """A value read from a checkpoint, for a message: an integer of over 64 bits by its size
+    (str() refuses one of over 4,300 digits), a container by its type (its repr formats what
+    it holds)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)[:60]
+    return f"a {type(value).__name__}"
 
 
 def _is_torch_dist(storage: Storage, path: str) -> bool:
@@ -129,6 +157,33 @@ def _is_torch_dist(storage: Storage, path: str) -> bool:
         return storage.read_json(doc, "Megatron's metadata.json").get("sharded_backend") == "torch_dist"
     except (CheckpointError, AttributeError):
         return False
+
+
+def args_heads(args: argparse.Namespace, where: str) -> Heads:
+    """Attention heads, query groups and head size from Megatron's `args` (read from `where`)."""
+    groups = "num_query_groups" if getattr(args, "group_query_attention", False) else None
+    return _heads(lambda name: getattr(args, name, None), "Megatron's args.", groups, "kv_channels", where)
+
+
+def _heads(value, prefix: str, groups_key: str | None, size_key: str, where: str) -> Heads:
+    """Heads, groups (`groups_key`'s value, else one a head) and head size (`size_key`'s,
+    else hidden_size over the heads) from `value(name)`, each checked to be a count."""
+    def count(name: str) -> int:
+        found = value(name)
+        if isinstance(found, bool) or not isinstance(found, int) or not 0 < found < MAX_COUNT:
+            raise CheckpointError(f"{where}: {prefix}{name} is {shown(found)}, not a count from 1 to {MAX_COUNT - 1}; "
+                                  "lazyload needs it to split Megatron's fused QKV rows. The file is damaged: re-save "
+                                  "or replace it.")
+        return found
+
+    heads = count("num_attention_heads")
+    groups = count(groups_key) if groups_key and value(groups_key) is not None else heads
+    size = count(size_key) if value(size_key) is not None else count("hidden_size") // heads
+    if size == 0 or heads % groups:
+        raise CheckpointError(f"{where}: {heads} attention heads in {groups} query groups of head size {size}: no "
+                              "such attention (the heads must split evenly into the groups, the head size be at "
+                              "least 1). The file is damaged: re-save or replace it.")
+    return Heads(heads, groups, size)
 
 
 def heads_of(storage: Storage, path: str) -> Heads:
@@ -143,10 +198,8 @@ def heads_of(storage: Storage, path: str) -> Heads:
         except CheckpointError as exc:  # args holding classes (enums): the config.json is asked instead
             tree, refused = None, f" (common.pt: {exc})"
         args = tree.get("args") if isinstance(tree, dict) else None
-        if isinstance(args, argparse.Namespace) and isinstance(getattr(args, "num_attention_heads", None), int):
-            heads = args.num_attention_heads
-            groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
-            return Heads(heads, groups, getattr(args, "kv_channels", None) or args.hidden_size // heads)
+        if isinstance(args, argparse.Namespace) and getattr(args, "num_attention_heads", None) is not None:
+            return args_heads(args, common)
     for folder in _up_to_save_dir(storage, path):
         config = storage.join(folder, "config.json")
         if storage.exists(config):
@@ -169,13 +222,10 @@ def _up_to_save_dir(storage: Storage, path: str) -> list[str]:
 
 
 def _config_heads(config: str, doc) -> Heads:
-    try:
-        heads = int(doc["num_attention_heads"])
-        return Heads(heads, int(doc.get("num_key_value_heads") or heads),
-                     int(doc.get("head_dim") or doc["hidden_size"] // heads))
-    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):
-        raise CheckpointError(f"{config}: no num_attention_heads / hidden_size in it; lazyload needs them to split "
-                              "Megatron's fused QKV rows.") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{config}: not a JSON object; lazyload needs the model's num_attention_heads / "
+                              "hidden_size from it to split Megatron's fused QKV rows.")
+    return _heads(doc.get, "", "num_key_value_heads", "head_dim", config)
 
 
 def is_model_tensor(fqn: str) -> bool:
@@ -254,6 +304,21 @@ def _transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) ->
     return out
 
 
+def _layer_number(fqn: str, where: str) -> int | None:
+    """N of a `decoder.layers.N.` key; None for any other (a stacked `decoder.layers.<module>`
+    key, whose module name is an identifier: it starts with no digit)."""
+    name = _unwrapped(fqn)
+    if not name.startswith(_STACKED):
+        return None
+    layer = name.removeprefix(_STACKED).partition(".")[0]
+    if not layer[:1].isnumeric():
+        return None
+    if not _is_number(layer, _LAYER_DIGITS):
+        raise CheckpointError(f"{where}: Megatron key {fqn[:200]!r}: its layer number {layer[:40]!r} is not one "
+                              f"(at most {_LAYER_DIGITS} ASCII digits); the checkpoint's metadata is damaged: re-save it.")
+    return int(layer)
+
+
 def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     """The index of a torch_dist checkpoint directory under transformers' names."""
     metadata, header = dcp.read_dcp_metadata(storage, directory)
@@ -265,12 +330,13 @@ def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     keys = dcp.chunk_keys([(fqn, chunk) for fqn, chunk, _ in planned])
     tiles: dict[str, list[Part]] = {}
     for (fqn, chunk, _), key in zip(planned, keys):
-        layer, _, rest = _unwrapped(fqn).removeprefix(_STACKED).partition(".")
-        if _unwrapped(fqn).startswith(_STACKED) and not layer.isdigit():
+        layer = _layer_number(fqn, where)
+        if _unwrapped(fqn).startswith(_STACKED) and layer is None:
             _per_layer(entries, tiles, fqn, chunk, key)
         else:  # a global tensor, or one layer's (`decoder.layers.N.`: layers of several kinds)
             box = tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
-            name = f"{int(layer)}:{rest}" if _unwrapped(fqn).startswith(_STACKED) else f":{_unwrapped(fqn)}"
+            rest = _unwrapped(fqn).removeprefix(_STACKED).partition(".")[2]
+            name = f"{layer}:{rest}" if layer is not None else f":{_unwrapped(fqn)}"
             tiles.setdefault(name, []).append(Part(Source(key), box))
     layouts = {}
     for key, parts in tiles.items():
