@@ -4,7 +4,10 @@ Megatron's forward within 1e-5, at world 2 under gloo each rank's shards equal w
 bit for bit while reading less than 0.75x the checkpoint; the save directory, the iteration
 directory and a NeMo 2 `weights/` directory are all entry points. A MoE GPTModel (saved at
 TP 2 x EP 2) loads into a meta-built Qwen3-MoE bit-exact against Megatron's own load
-converted, with Megatron's logits (so its routing), at world 1 and at world 2 (TP, EP)."""
+converted, with Megatron's logits (so its routing), at world 1 and at world 2 (TP, EP). The
+dense one written by megatron-core 0.19.2 (its args in a DCP byte item, no common.pt) loads
+as the 0.16.1 one. Hostile trackers, args, layer numbers and byte items are CheckpointErrors
+naming the file, the model untouched."""
 from __future__ import annotations
 
 import os
@@ -18,7 +21,7 @@ pytest.importorskip("megatron.core", reason="megatron-core (the test extra) writ
 
 from gloo import spawn_cases  # noqa: E402
 from lazyload import CheckpointError, LazyCheckpoint  # noqa: E402
-from megatron_dist_checkpoints import hf_config, save_megatron, tokens  # noqa: E402
+from megatron_dist_checkpoints import hf_config, save_megatron, save_megatron_019, tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,15 @@ def saved(written):
 @pytest.fixture(scope="module")
 def saved_moe(written):
     return written / "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def saved_019(tmp_path_factory):
+    """The Llama saved by megatron-core 0.19.2 (no common.pt: its args are in the DCP byte
+    item `common_state/shard_0_1`), the same weights as the 0.16.1 one (the same seed)."""
+    directory = tmp_path_factory.mktemp("megatron_019") / "megatron_0_19"
+    save_megatron_019(directory)
+    return directory
 
 
 def _meta_llama():
@@ -71,6 +83,45 @@ def _megatron_logits_match(model, path):
 
 def test_megatron_logits_match_megatrons_forward(saved):
     _megatron_logits_match(_loaded(saved)[0], saved)
+
+
+def test_a_megatron_core_0_19_checkpoint_loads_as_the_0_16_one(saved, saved_019):
+    """megatron-core 0.19.2's save (its common state a byte item in the .distcp files, no
+    common.pt, metadata.json without common_backend) loads to the tensors of the 0.16.1
+    save of the same model, bit for bit, and its logits are Megatron 0.19.2's."""
+    import json
+
+    iteration = saved_019 / "iter_0000100"
+    assert not (iteration / "common.pt").exists()
+    assert "common_backend" not in json.loads((iteration / "metadata.json").read_text())
+    model = _loaded(saved_019)[0]
+    want = _loaded(saved)[0].state_dict()
+    got = model.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    _megatron_logits_match(model, saved_019)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(length=1 << 40), r"1099511627776 bytes, over the 268435456 a common state takes"),
+    (dict(offset=1 << 30), r"the file ends inside byte item 'common_state/shard_0_1'"),
+    (dict(transform_descriptors=["zstd"]), r"stored transformed \(zstd\)"),
+], ids=["huge", "past-the-end", "compressed"])
+def test_a_common_state_byte_item_that_cannot_be_megatrons_is_refused(saved_019, tmp_path, change, match):
+    """The byte item holding 0.19's args, said to be a terabyte, past its file's end or
+    compressed: a CheckpointError naming it, before anything of it is read."""
+    import dataclasses
+    import pickle
+
+    directory = tmp_path / "iter"
+    shutil.copytree(saved_019 / "iter_0000100", directory)
+    with open(directory / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    index = next(i for i in metadata.storage_data if i.fqn == "common_state/shard_0_1")
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **change)
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    _refused(directory, r"\.distcp( \(Megatron's common state, byte item 'common_state/shard_0_1'\))?: .*" + match)
 
 
 def _equals_megatrons_own_load(path):
@@ -138,10 +189,10 @@ def _case_world2(case, rank, world):
     assert report.bytes_read + report.bytes_mapped < 0.75 * total, (report.bytes_read, report.bytes_mapped, total)
 
 
-def test_megatron_loads_at_world_2_under_gloo(saved, saved_moe, tmp_path):
-    """One spawned job: the dense checkpoint, and the MoE one at TP (each expert's gate and
-    up rows cut) and at EP (whole experts per rank)."""
-    cases = [(str(saved), None), (str(saved_moe), None), (str(saved_moe), "ep")]
+def test_megatron_loads_at_world_2_under_gloo(saved, saved_019, saved_moe, tmp_path):
+    """One spawned job: the dense checkpoint (as megatron-core 0.16.1 and 0.19.2 save it), and
+    the MoE one at TP (each expert's gate and up rows cut) and at EP (whole experts per rank)."""
+    cases = [(str(saved), None), (str(saved_019), None), (str(saved_moe), None), (str(saved_moe), "ep")]
     spawn_cases(2, cases, tmp_path, _case_world2)
 
 

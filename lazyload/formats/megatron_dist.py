@@ -29,9 +29,13 @@ A save directory is read at the iteration its tracker names, or at `iteration=` 
 format has iterations: `protocol.resolve_in`); everything is read through the storage, so
 its URL loads too (NeMo 2's `weights/` is then named by the URL itself).
 
-The head counts come from Megatron's `args` in `common.pt` (read by torch's restricted
-unpickler, `argparse.Namespace` allowed) or else the `config.json` beside the checkpoint.
-Optimizer state, RNG state and `_extra_state` byte items are not read.
+The head counts come from Megatron's `args` in its common state: `common.pt`, or (since
+megatron-core 0.17, which writes no common.pt) the DCP byte item `common_state/shard_0_1` in
+the .distcp files, both read by torch's restricted unpickler, `argparse.Namespace` allowed;
+or else from the `config.json` beside the checkpoint. Each count is checked (a positive
+integer, the heads a multiple of the groups), and the tracker must hold an iteration number
+or `release`, as Megatron writes it. Optimizer state, RNG state and `_extra_state` byte items
+are not read.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from ..expr import Cat, Chunk, Expr, Source
 from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from . import dcp, torch_files
+from .dcp_metadata import DcpMetadata
 from .logical import Layout, Part
 from .protocol import CheckpointSource, Format, OpenOptions, Storage
 
@@ -53,6 +58,9 @@ _ITERATION_DIGITS = 20  # an iteration number of more is none (and int() refuses
 _LAYER_DIGITS = 9  # a layer number of more is none
 MAX_COUNT = 1 << 31  # heads, query groups, head size: a count from 1 below this
 MAX_COMMON = 256 << 20  # common.pt: Megatron's args and small state, kilobytes in practice
+# megatron-core 0.17+ keeps the common state in the DCP checkpoint, as this byte item (the
+# unique key of its ShardedObject "common_state" of one shard); before, in common.pt
+COMMON_STATE = "common_state/shard_0_1"
 _STACKED = "decoder.layers."
 _PREFIXES = ("module.", "model.module.")  # NeMo 2 / DDP wrappers in front of Megatron's names
 _LAYER = "model.layers.{i}."
@@ -186,27 +194,55 @@ def _heads(value, prefix: str, groups_key: str | None, size_key: str, where: str
     return Heads(heads, groups, size)
 
 
-def heads_of(storage: Storage, path: str) -> Heads:
-    """Attention heads, query groups and head size from Megatron's args (common.pt) or the
+def heads_of(storage: Storage, path: str, metadata: DcpMetadata) -> Heads:
+    """Attention heads, query groups and head size from Megatron's args (in its common state:
+    common.pt, or since megatron-core 0.17 the DCP byte item `common_state/shard_0_1`) or the
     config.json beside the checkpoint (or its parents, up to the save directory)."""
     refused = ""
-    common = storage.join(path, "common.pt")
-    if storage.exists(common):
+    common = _common_state(storage, path, metadata)
+    if common is not None:
+        where, raw, wrapped = common
         try:
-            raw = storage.read(common, "Megatron's common.pt", MAX_COMMON)
-            tree = torch_files.load_tree(common, False, [argparse.Namespace], data=raw)
+            tree = torch_files.load_tree(where, False, [argparse.Namespace], data=raw)
         except CheckpointError as exc:  # args holding classes (enums): the config.json is asked instead
-            tree, refused = None, f" (common.pt: {exc})"
+            tree, refused = None, f" ({exc})"
+        if wrapped:  # the byte item is a list of the common state (of its one shard)
+            tree = tree[0] if isinstance(tree, list) and len(tree) == 1 else None
         args = tree.get("args") if isinstance(tree, dict) else None
         if isinstance(args, argparse.Namespace) and getattr(args, "num_attention_heads", None) is not None:
-            return args_heads(args, common)
+            return args_heads(args, where)
     for folder in _up_to_save_dir(storage, path):
         config = storage.join(folder, "config.json")
         if storage.exists(config):
             return _config_heads(config, storage.read_json(config, "the model's config.json"))
-    raise CheckpointError(f"{path}: no Megatron args in common.pt{refused} and no config.json beside the checkpoint; "
-                          "lazyload needs the attention heads and query groups to split the fused QKV rows. Put the "
-                          "model's config.json in the checkpoint directory.")
+    raise CheckpointError(f"{path}: no Megatron args in its common state (common.pt, or the byte item "
+                          f"{COMMON_STATE!r}){refused} and no config.json beside the checkpoint; lazyload needs the "
+                          "attention heads and query groups to split the fused QKV rows. Put the model's config.json "
+                          "in the checkpoint directory.")
+
+
+def _common_state(storage: Storage, path: str, metadata: DcpMetadata) -> tuple[str, bytes, bool] | None:
+    """(what names it, its torch.save bytes, whether they are a list around it) of Megatron's
+    common state: common.pt, else megatron-core 0.17+'s DCP byte item; None when neither is
+    there. The byte item's file is one `data_files` checked to be inside the checkpoint."""
+    common = storage.join(path, "common.pt")
+    if storage.exists(common):
+        return common, storage.read(common, "Megatron's common.pt", MAX_COMMON), False
+    info = metadata.storage.get((COMMON_STATE, ()))
+    if COMMON_STATE not in metadata.byte_items or info is None:
+        return None
+    file = storage.join(path, info.relative_path)
+    where = f"{file} (Megatron's common state, byte item {COMMON_STATE!r})"
+    if info.transforms or info.length > MAX_COMMON:
+        raise CheckpointError(f"{where}: " + (f"stored transformed ({', '.join(info.transforms)})" if info.transforms
+                                              else f"{info.length} bytes, over the {MAX_COMMON} a common state takes")
+                              + "; lazyload reads megatron-core's own torch_dist saves. Re-save the checkpoint, or put "
+                              "the model's config.json beside it.")
+    ranges = storage.ranges({file: [(info.offset, info.offset + info.length)]})[file]
+    try:
+        return where, ranges.read(info.offset, info.length, f"byte item {COMMON_STATE!r}"), True
+    finally:
+        ranges.close()
 
 
 def _up_to_save_dir(storage: Storage, path: str) -> list[str]:
@@ -343,7 +379,7 @@ def index_of(storage: Storage, directory: str) -> CheckpointIndex:
         first = entries[parts[0].expr.keys()[0]]
         shape = tuple(max(p.box[d][1] for p in parts) for d in range(len(parts[0].box)))
         layouts[key] = Layout(key, shape, first.dtype, tuple(parts))
-    names = _transformers_names(layouts, heads_of(storage, directory), where)
+    names = _transformers_names(layouts, heads_of(storage, directory, metadata), where)
     return CheckpointIndex.of(files, entries.items(), names, header + zips, where, identities)
 
 
