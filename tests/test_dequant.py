@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from checkpoints import build_model, meta_tensors, reference_model, shard_files
+from checkpoints import EXPERTS_TP, build_model, default_experts, meta_tensors, reference_model, shard_files
 from lazyload import LazyCheckpoint, Placement
 from lazyload.errors import CheckpointError
 from lazyload.expr import Dequant, box_shape
@@ -189,11 +189,13 @@ def test_mixtral_experts_stacked_from_quantized_per_expert_weights(checkpoint, t
     gate_up = torch.stack([torch.cat([dq[e, "w1"], dq[e, "w3"]]) for e in range(config.num_local_experts)])
     down = torch.stack([dq[e, "w2"] for e in range(config.num_local_experts)])
     prefix = "model.layers.0.mlp.experts."
-    for plan in (None, "ep"):
+    for plan in (EXPERTS_TP, "ep", None):  # None: the default, whole experts where the TP plan leaves them whole
+        split = plan if isinstance(plan, str) else "tp" if plan else default_experts(config)
         for rank in range(2):
             model = build_model("mixtral", config, torch.bfloat16)
-            assert LazyCheckpoint(str(directory)).load_into(model, rank, 2, plan=plan, progress=False).ok
-            if plan == "ep":
+            report = LazyCheckpoint(str(directory)).load_into(model, rank, 2, plan=plan, progress=False)
+            assert report.ok and report.plan == ("custom" if isinstance(plan, dict) else split)
+            if split == "ep":
                 mine = slice(rank * 2, rank * 2 + 2)
                 assert torch.equal(model.get_parameter(prefix + "gate_up_proj"), gate_up[mine])
                 assert torch.equal(model.get_parameter(prefix + "down_proj"), down[mine])

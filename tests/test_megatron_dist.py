@@ -181,7 +181,7 @@ def _case_world2(case, rank, world):
         if full.shape != want[key].shape:  # expert parallel: this rank's whole experts
             assert plan == "ep" and key.endswith(("gate_up_proj", "down_proj")), key
             want[key] = want[key].chunk(world, 0)[rank]
-        assert torch.equal(full, want[key]), f"rank {rank} plan {plan}: {key}"
+        assert torch.equal(full, want[key]), f"rank {rank} plan {plan!r}: {key}"
     if moe:
         assert experts_cut, f"plan {plan}: no rank-local experts"
         _megatron_logits_match(model, path)
@@ -192,7 +192,9 @@ def _case_world2(case, rank, world):
 def test_megatron_loads_at_world_2_under_gloo(saved, saved_019, saved_moe, tmp_path):
     """One spawned job: the dense checkpoint (as megatron-core 0.16.1 and 0.19.2 save it), and
     the MoE one at TP (each expert's gate and up rows cut) and at EP (whole experts per rank)."""
-    cases = [(str(saved), None), (str(saved_019), None), (str(saved_moe), None), (str(saved_moe), "ep")]
+    from checkpoints import EXPERTS_TP
+
+    cases = [(str(saved), None), (str(saved_019), None), (str(saved_moe), EXPERTS_TP), (str(saved_moe), "ep")]
     spawn_cases(2, cases, tmp_path, _case_world2)
 
 
