@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import shutil
+import struct
 import sys
 
 import pytest
@@ -283,3 +284,106 @@ def test_chunks_cut_along_too_many_dims_are_refused():
         check_chunks("m", "w", TensorMeta(torch.float32, size, tuple(cells)))
     assert len(check_chunks("m", "w", TensorMeta(torch.float32, size[:6], tuple(Chunk(c.offsets[:6], c.sizes[:6])
                                                                              for c in cells[::2])))) == 64
+
+
+# ----------------------------------------------------------------------------- hostile values
+# Python's str() refuses integers over 4,300 digits; above int64 no size or offset is real.
+HUGE, BEYOND_INT64 = 10 ** 5000, 2 ** 64
+
+
+def _set_chunk(field, value):
+    def edit(metadata, _):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        first = _chunks(metadata)[0]
+        fields = {"offsets": first.offsets, "sizes": first.sizes, field: torch.Size([value, 0])}
+        _chunks(metadata)[0] = ChunkStorageMetadata(fields["offsets"], fields["sizes"])
+    return edit
+
+
+def _set_size(value):
+    def edit(metadata, _):
+        metadata.state_dict_metadata[Q_PROJ].size = torch.Size([value, 64])
+    return edit
+
+
+def _set_storage(field, value):
+    def edit(metadata, _):
+        for index, info in metadata.storage_data.items():
+            if index.fqn == Q_PROJ:
+                setattr(info, field, value)
+    return edit
+
+
+def _int_fqn(metadata, _):
+    metadata.state_dict_metadata[HUGE] = metadata.state_dict_metadata.pop(Q_PROJ)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set_chunk("offsets", HUGE), "a chunk offset of"),
+    (_set_chunk("offsets", BEYOND_INT64), "a chunk offset of"),
+    (_set_chunk("sizes", HUGE), "a chunk size of"),
+    (_set_chunk("sizes", BEYOND_INT64), "a chunk size of"),
+    (_set_size(HUGE), "the size of"),
+    (_set_size(-HUGE), "the size of"),
+    (_set_size(BEYOND_INT64), "the size of"),
+    (_set_storage("offset", HUGE), "the storage of"),
+    (_set_storage("offset", BEYOND_INT64), "the storage of"),
+    (_set_storage("length", BEYOND_INT64), "the storage of"),
+    (_set_storage("relative_path", "__0_\x000.distcp"), "the storage of"),
+    (_set_storage("transform_descriptors", [HUGE]), "the storage of"),
+    (_int_fqn, "is not a named storage record"),
+], ids=["offset-huge", "offset-2**64", "size-huge", "size-2**64", "tensor-huge", "tensor-negative-huge",
+        "tensor-2**64", "storage-offset-huge", "storage-offset-2**64", "storage-length-2**64", "relative-path-nul",
+        "transform-int", "fqn-int"])
+def test_hostile_metadata_values_are_checkpoint_errors(saved, tmp_path, edit, message):
+    """Integers too long to print or beyond int64, a NUL in a file name, a transform that
+    is no name: a CheckpointError naming the .metadata (and the tensor), never Python's
+    ValueError, before any tensor byte is read."""
+    path = _copy(saved, tmp_path, edit)
+    model = build_model("llama", llama()[1], torch.bfloat16)
+    with pytest.raises(CheckpointError) as info:
+        LazyCheckpoint(path).load_into(model, progress=False)
+    text = str(info.value)
+    assert ".metadata" in text and len(text) < 2000, text
+    if message != "is not a named storage record":
+        assert message in text and Q_PROJ in text, text
+    assert all(t.is_meta for t in model.state_dict().values())
+
+
+def _rewrite_header(path, edit) -> None:
+    """The safetensors file at `path` with its header JSON changed in place by `edit(header)`."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def _sharding_info(header) -> dict:
+    return json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+
+
+def _offsets_of_q_proj(value):
+    def edit(header):
+        info = _sharding_info(header)
+        info[Q_PROJ]["saved_offsets"] = [value, 0]
+        header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_offsets_of_q_proj(10 ** 4300 - 1), "no saved_offsets list"),  # 4300 digits: the size adds a 4301st
+    (_offsets_of_q_proj(BEYOND_INT64), "no saved_offsets list"),
+    (lambda h: h["__metadata__"].update(DCP_SHARDING_INFO="[" * 100_000 + "]" * 100_000), "no readable"),
+    (lambda h: h.update(__metadata__=["DCP_SHARDING_INFO"]), "no readable"),
+], ids=["offset-4300-digits", "offset-2**64", "sharding-info-nested-deep", "metadata-a-list"])
+def test_hostile_dcp_safetensors_headers_are_checkpoint_errors(saved, tmp_path, edit, message):
+    directory = tmp_path / "sharded"
+    shutil.copytree(saved["hf_sharded"][0], directory)
+    shard = sorted(directory.glob("*.safetensors"))[0]
+    _rewrite_header(shard, edit)
+    with pytest.raises(CheckpointError, match=message) as info:
+        LazyCheckpoint(str(directory)).index
+    assert shard.name in str(info.value) and len(str(info.value)) < 2000
