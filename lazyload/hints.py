@@ -41,7 +41,7 @@ def config_differences(model: nn.Module, config_json: tuple[str, bytes] | None) 
         return []
     try:
         stored = json.loads(config_json[1])
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     return _differences(config.to_dict(), stored, "")
 

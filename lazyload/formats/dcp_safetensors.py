@@ -76,7 +76,8 @@ def _offsets(path: str, header: dict) -> dict[str, tuple[int, ...]]:
     out = {}
     for fqn, value in info.items():
         offsets = value.get("saved_offsets") if isinstance(value, dict) else None
-        if not (isinstance(offsets, list) and all(type(o) is int and 0 <= o <= MAX_INT64 for o in offsets)):  # noqa: E721
+        if not (isinstance(offsets, list) and all(type(o) is int and 0 <= o <= MAX_INT64  # noqa: E721 (no bools)
+                                                  for o in offsets)):
             raise CheckpointError(f"{path}: {SHARDING_INFO} gives {shown(fqn)} no saved_offsets list (integers from 0 "
                                   f"to 2**63 - 1; found {shown(offsets)}); corrupt header.")
         out[fqn] = tuple(offsets)
