@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from checkpoints import (assert_same_weights, build_model, copy_checkpoint, index_json, reference_model,
                          shard_files, weight_map, write_raw_safetensors)
 from lazyload import LazyCheckpoint, Quantization, load_model, save_sharded
-from lazyload.errors import ArgumentError, CheckpointError, LazyLoadError
+from lazyload.errors import ArgumentError, CheckpointError, LazyLoadError, ShapeMismatchError
 from lazyload.index import CheckpointIndex
 
 
@@ -641,3 +641,14 @@ def test_save_sharded_refuses_a_source_config_json_it_cannot_parse(quantized, tm
         save_sharded(str(directory), str(out), 1, model=build_model("llama", quantized["config"], torch.float32),
                      quantize=Quantization("int8", group_size=32))
     assert str(directory) in str(info.value) and not out.exists()
+
+
+@pytest.mark.parametrize("text", ["[1]", DEEP], ids=["a-list", "nested-deep"])
+def test_mismatch_hint_survives_a_config_json_it_cannot_read(quantized, tmp_path, text):
+    """A model that does not fit the checkpoint: its MappingError is raised as it is when
+    the config.json the hint compares with is no object, or too deep to parse."""
+    directory = copy_checkpoint(quantized["bf16"], tmp_path / "src")
+    (directory / "config.json").write_text(text)
+    config = quantized["config"].__class__(**{**quantized["config"].to_dict(), "vocab_size": 300})
+    with pytest.raises(ShapeMismatchError):
+        LazyCheckpoint(str(directory)).load_into(build_model("llama", config, torch.bfloat16), progress=False)
