@@ -282,6 +282,21 @@ def rewrite_tensor_in_checkpoint(directory, *, drop: str | None = None,
     index_json(directory).write_text(json.dumps(idx, indent=2))
 
 
+def edit_tensor(directory, key: str, edit) -> None:
+    """Replace stored tensor ``key`` of the checkpoint at ``directory`` (a ``copy_checkpoint``
+    copy) by ``edit(tensor)``: its shard is written as a new file, never through the link."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        if key in tensors:
+            tensors[key] = edit(tensors[key]).contiguous()
+            shard.unlink()
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+            return
+    raise KeyError(f"{directory}: no tensor {key!r}")
+
+
 def rchar() -> int | None:
     """Bytes this process has read through read()/pread() so far (Linux /proc/self/io);
     None where unavailable. mmap page faults are not counted here."""
