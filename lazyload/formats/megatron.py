@@ -25,12 +25,12 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shown
 from ..expr import Chunk, Expr, Source
 from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from . import torch_files
-from .megatron_dist import TRACKER, Heads, args_heads, iteration_dir, shown
+from .megatron_dist import TRACKER, Heads, args_heads, iteration_dir
 from .logical import Layout, Part, check_part_shapes
 from .protocol import CheckpointSource, Format, OpenOptions, Storage
 

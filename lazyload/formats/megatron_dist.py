@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shown
 from ..expr import Cat, Chunk, Expr, Source
 from ..headers import TensorEntry
 from ..index import CheckpointIndex
@@ -144,17 +144,6 @@ def _is_number(text: str, digits: int) -> bool:
     """ASCII digits, at most `digits` of them (str.isdigit alone takes '²' and other scripts'
     digits, which int() refuses or reads as another number)."""
     return text.isascii() and text.isdigit() and len(text) <= digits
-
-
-def shown(value) -> str:
-    """A value read from a checkpoint, for a message: an integer of over 64 bits by its size
-    (str() refuses one of over 4,300 digits), a container by its type (its repr formats what
-    it holds)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)[:60]
-    return f"a {type(value).__name__}"
 
 
 def _is_torch_dist(storage: Storage, path: str) -> bool:
