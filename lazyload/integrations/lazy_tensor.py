@@ -3,7 +3,7 @@
 A `LazyTensor` stands for one checkpoint tensor (`LazySource`: its name, shape and dtype)
 seen through a `Geometry`: the box of the stored tensor it covers and how the view's dims
 map onto the stored ones. The views a weight loader takes (narrow, slicing, select, chunk,
-split, transpose, permute, t, unsqueeze/squeeze, a view or reshape that only adds or drops
+split, unbind, transpose, permute, t, unsqueeze/squeeze, a view or reshape that only adds or drops
 dims of size 1, a cast) only change the geometry. Copying it into a real tensor
 (`dst.copy_(lazy)`) hands the copy to the source's `sink`, which reads exactly that box
 (the loader defers these copies and reads them all in layer order, `integrations.reads`).
@@ -149,7 +149,8 @@ class LazyTensor(torch.Tensor):
             dst, lazy = args[0], args[1]
             if tuple(dst.shape) != tuple(lazy.shape):
                 raise ShapeMismatchError(f"{lazy.source.name}: a weight loader copies a view of shape "
-                                         f"{list(lazy.shape)} into a tensor of shape {list(dst.shape)}.")
+                                         f"{list(lazy.shape)} into a tensor of shape {list(dst.shape)}.",
+                                         [(lazy.source.name, tuple(lazy.shape), tuple(dst.shape))])
             lazy.source.sink.copy(dst, lazy)
             return dst
         view = VIEWS.get(func)
@@ -213,6 +214,11 @@ def _pieces(t: LazyTensor, sizes: list[int], dim: int) -> list[LazyTensor]:
     return out
 
 
+def _unbind(t: LazyTensor, dim: int = 0):
+    dim = _dim(dim, t.dim())
+    return [t._with(t.geometry.selected(dim, i)) for i in range(t.shape[dim])]
+
+
 def _transpose(t: LazyTensor, a: int, b: int):
     order = list(range(t.dim()))
     a, b = _dim(a, t.dim()), _dim(b, t.dim())
@@ -266,6 +272,7 @@ VIEWS = {
     aten.select.int: _select,
     aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split_sizes,
+    aten.unbind.int: _unbind,
     aten.transpose.int: _transpose,
     aten.t.default: _t,
     aten.permute.default: _permute,

@@ -48,6 +48,7 @@ class Copy:
     name: str  # the checkpoint tensor
     box: Box  # of the stored tensor
     dst: torch.Tensor  # the destination seen as the box, in stored dim order (a view of the loader's tensor)
+    via: torch.dtype | None = None  # a cast the loader asked for first (`.to(dtype)`), when neither side's dtype
 
 
 @dataclass
@@ -82,7 +83,8 @@ class BoxReads:
     def copy(self, dst: torch.Tensor, lazy: LazyTensor) -> None:
         if dst.is_meta:  # a pass that only measures (vLLM's reload counts the copies on meta)
             return
-        copy = Copy(lazy.source.name, lazy.geometry.box, lazy.geometry.as_stored(dst))
+        via = lazy.dtype if lazy.dtype not in (lazy.source.dtype, dst.dtype) else None
+        copy = Copy(lazy.source.name, lazy.geometry.box, lazy.geometry.as_stored(dst), via)
         if self.deferred:
             self.pending.append(copy)
         else:
@@ -104,10 +106,11 @@ class BoxReads:
         if not copies:
             return
         index = self.checkpoint.index
+        staged = {id(c): torch.empty(box_shape(c.box), dtype=c.via) for c in copies if c.via is not None}
         targets = {f"{c.name}#{k}": c for k, c in enumerate(copies)}  # one target per copy; layer_of reads the prefix
         exprs = {t: index.expr(c.name) for t, c in targets.items()}
         plans, items = plan_for_rank(exprs, index, {t: tuple(index.shape(c.name)) for t, c in targets.items()},
-                                     {t: c.dst.dtype for t, c in targets.items()},
+                                     {t: c.via or c.dst.dtype for t, c in targets.items()},
                                      {t: Placement("box", spans=tuple(((a, b),) for a, b in c.box))
                                       for t, c in targets.items()})
         groups = schedule(items)
@@ -115,11 +118,14 @@ class BoxReads:
         device = torch.device("cpu")
         reader = choose_reader(self.options.reader, device, self.options.release_pages, items, index, self.world,
                                self.checkpoint.remote)
-        dests: dict[str, Destination] = {t: TensorDest(c.dst) for t, c in targets.items()}
+        dests: dict[str, Destination] = {t: TensorDest(staged.get(id(c), c.dst)) for t, c in targets.items()}
         try:
             run_schedule(groups, reader, with_whole(dests, plans, exprs, items, index.shape_of), budget)
         finally:
             reader.close()
+        for c in copies:
+            if c.via is not None:
+                c.dst.copy_(staged[id(c)])
         self.totals.bytes_read += reader.bytes_read
         self.totals.bytes_planned += sum(item.nbytes for item in items)
         self.totals.boxes += len(copies)
