@@ -110,6 +110,16 @@ def test_without_deferral_each_copy_is_read_at_once(checkpoint):
     assert torch.equal(out, W[2]) and reads.totals.bytes_read == 8 * 4 * 4
 
 
+def test_a_box_copied_again_is_counted(checkpoint):
+    """vLLM's layer-wise reload replays some loads: the report says how much was asked for twice."""
+    reads = BoxReads(checkpoint, ReadOptions(), deferred=False)
+    w = reads.tensor("model.layers.0.w")
+    for _ in range(2):
+        torch.empty(8, 4).copy_(w[2])
+    torch.empty(8, 4).copy_(w[3])
+    assert reads.totals.bytes_read == 3 * 8 * 4 * 4 and reads.totals.bytes_repeated == 8 * 4 * 4
+
+
 def test_a_copy_of_another_shape_is_refused(checkpoint):
     reads = BoxReads(checkpoint, ReadOptions())
     with pytest.raises(ShapeMismatchError, match="model.layers.0.w"):

@@ -14,7 +14,7 @@ import torch
 
 from ..engine import run_schedule
 from ..errors import PlanError
-from ..expr import box_shape
+from ..expr import box_numel, box_shape
 from ..placer import Destination, TensorDest, with_whole
 from ..plan import Placement, plan_for_rank
 from ..planner import byte_budget
@@ -55,6 +55,7 @@ class Copy:
 class ReadTotals:
     bytes_read: int = 0
     bytes_planned: int = 0  # tensor bytes of the boxes asked for
+    bytes_repeated: int = 0  # of those, boxes asked for again (an engine copying the same box twice)
     boxes: int = 0
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
     reader: str = ""
@@ -73,6 +74,7 @@ class BoxReads:
         self.deferred = deferred  # False: each copy is read as it is made
         self.pending: list[Copy] = []
         self.totals = ReadTotals()
+        self.asked: set[tuple[str, Box]] = set()
 
     def tensor(self, name: str) -> LazyTensor:
         """The checkpoint tensor `name` as a lazy tensor whose copies land here."""
@@ -84,6 +86,9 @@ class BoxReads:
         if dst.is_meta:  # a pass that only measures (vLLM's reload counts the copies on meta)
             return
         via = lazy.dtype if lazy.dtype not in (lazy.source.dtype, dst.dtype) else None
+        if (lazy.source.name, lazy.geometry.box) in self.asked:
+            self.totals.bytes_repeated += box_numel(lazy.geometry.box) * lazy.source.dtype.itemsize
+        self.asked.add((lazy.source.name, lazy.geometry.box))
         copy = Copy(lazy.source.name, lazy.geometry.box, lazy.geometry.as_stored(dst), via)
         if self.deferred:
             self.pending.append(copy)

@@ -96,8 +96,11 @@ def _known() -> set[str]:
 @dataclass
 class WorkerReport:
     """What one worker's load (or reload) read: `bytes_read` tensor bytes (`bytes_planned`:
-    the boxes its weight loaders copied; a fallback reads more), `header_bytes` of the
-    checkpoint's headers, `fallbacks` (tensor, operation) read whole because a weight
+    the boxes its weight loaders copied; a fallback reads more; the pread reader may read
+    across a small gap; `bytes_repeated` of them were boxes copied again: vLLM's layer-wise
+    reload replays some loads), `header_bytes` of the checkpoint's headers, `read_syscall_bytes`
+    what the worker process read through read()/pread() meanwhile (the kernel's count,
+    not lazyload's: with reader "pread" about `bytes_read` + `header_bytes`), `fallbacks` (tensor, operation) read whole because a weight
     loader did something no box records, `peak_rss`/`peak_anon` of the worker process."""
 
     checkpoint: str
@@ -108,12 +111,14 @@ class WorkerReport:
     boxes: int = 0
     bytes_read: int = 0
     bytes_planned: int = 0
+    bytes_repeated: int = 0
     header_bytes: int = 0
     checkpoint_bytes: int = 0
     seconds: float = 0.0
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     peak_rss: int = 0
     peak_anon: int = 0
+    read_syscall_bytes: int | None = None  # the worker's read()/pread() bytes during the load (/proc/self/io rchar)
     reader: str = ""
     remote: dict[str, int] = field(default_factory=dict)
 
@@ -123,7 +128,9 @@ class WorkerReport:
         return (f"lazyload {what} of {self.checkpoint}, TP rank {self.rank}/{self.world}: read {size(self.bytes_read)} "
                 f"({share:.0%} of {size(self.checkpoint_bytes)}; {self.boxes} boxes of {self.tensors} tensors, "
                 f"reader {self.reader}) + {size(self.header_bytes)} of headers in {self.seconds:.2f} s; "
-                f"{len(self.fallbacks)} fallbacks; peak RSS {size(self.peak_rss)}, anonymous {size(self.peak_anon)}"
+                f"{len(self.fallbacks)} fallbacks"
+                + (f", {size(self.bytes_repeated)} asked for again" if self.bytes_repeated else "")
+                + f"; peak RSS {size(self.peak_rss)}, anonymous {size(self.peak_anon)}"
                 + (f"; fallbacks: {self.fallbacks[:8]}" if self.fallbacks else ""))
 
 
@@ -164,18 +171,30 @@ class Load:
         self.reads = BoxReads(self.checkpoint, config.read, self.world)
         self.reload = reload
         self.memory = MemorySampler()
+        self.rchar = read_syscall_bytes()
 
     def report(self) -> WorkerReport:
         totals, index = self.reads.totals, self.checkpoint.index
         report = WorkerReport(str(self.checkpoint.paths), self.rank, self.world, self.reload, tensors=len(index),
                               boxes=totals.boxes, bytes_read=totals.bytes_read, bytes_planned=totals.bytes_planned,
+                              bytes_repeated=totals.bytes_repeated,
                               header_bytes=index.header_bytes_read, checkpoint_bytes=index.total_bytes,
                               seconds=time.perf_counter() - self.started, fallbacks=list(totals.fallbacks),
                               peak_rss=self.memory.peak_rss, peak_anon=self.memory.peak_anon, reader=totals.reader,
+                              read_syscall_bytes=None if self.rchar is None else read_syscall_bytes() - self.rchar,
                               remote=dict(totals.fields))
         REPORTS.append(report)
         logger().info("%s", report)
         return report
+
+
+def read_syscall_bytes() -> int | None:
+    """Bytes this process has read through read()/pread() (Linux /proc/self/io rchar; None elsewhere)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def logger():

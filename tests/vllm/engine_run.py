@@ -1,5 +1,5 @@
 """One vLLM engine, in its own process: load a checkpoint, generate greedily, reload another
-checkpoint through `reload_weights`, generate again, and print the results as one JSON line
+checkpoint through `reload_weights` (unless it is "-"), generate again, and print the results as one JSON line
 (`RESULT {...}`): the tokens, and with load_format="lazyload" each worker's reports.
 
     python tests/vllm/engine_run.py MODEL RELOAD --format lazyload --tp 2 [--extra '{"reader": "pread"}']
@@ -33,7 +33,7 @@ def generate(llm) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("reload")
+    parser.add_argument("reload", help="the checkpoint to reload, or - for none")
     parser.add_argument("--format", default="lazyload")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--extra", default="{}")
@@ -46,8 +46,9 @@ def main() -> None:
               model_loader_extra_config=json.loads(args.extra),
               distributed_executor_backend="mp" if args.tp > 1 else None)
     result = {"tokens": generate(llm)}
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": args.reload})
-    result["reloaded"] = generate(llm)
+    if args.reload != "-":
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": args.reload})
+        result["reloaded"] = generate(llm)
     if args.format == "lazyload":
         from lazyload.integrations.vllm import last_reports
 
