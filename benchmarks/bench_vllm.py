@@ -5,9 +5,10 @@ transformers), from the clone: `python benchmarks/bench_vllm.py [--quick] [--tp 
 Each (format, TP size) is one `LLM()` in a process of its own, with the checkpoint's pages
 dropped from the page cache first (cold; `posix_fadvise(DONTNEED)`, no root needed) or read
 once (warm). Per engine: `LLM()` init seconds (the whole engine start, model and KV cache
-included), and per worker: bytes read from storage (`/proc/self/io` read_bytes of the worker
-process: with cold pages, what it faulted in or read), lazyload's report (tensor bytes read,
-fallbacks), and peak RSS (VmHWM). The checkpoint is a random bf16 Llama written once by
+included), the checkpoint's pages in the page cache after it (mincore: what the workers
+together brought in from cold), and per worker: lazyload's report (tensor bytes read,
+fallbacks) and peak RSS (VmHWM). The workers share one page cache, so storage reads per
+worker are not told apart here. The checkpoint is a random bf16 Llama written once by
 save_pretrained (benchmarks/common.py).
 
 Usage: python benchmarks/bench_vllm.py [--quick] [--tp 1,2] [--formats lazyload,safetensors]
@@ -54,6 +55,7 @@ def evict(paths) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)  # dirty pages (a checkpoint just written) are not dropped
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -77,8 +79,11 @@ def child(fmt: str, tp: int, path: str, cache: str) -> None:
               distributed_executor_backend="mp" if tp > 1 else None)
     init = time.perf_counter() - started
     workers = llm.collective_rpc(worker_stats)
+    from lazyload.system import PAGE, resident_pages
+
+    cached = sum(int(resident_pages(p).sum()) * PAGE for p in shard_files(path))
     tokens = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=4, temperature=0))
-    print("RESULT " + json.dumps({"init_s": init, "workers": workers, "tokens": list(tokens[0].outputs[0].token_ids)}),
+    print("RESULT " + json.dumps({"init_s": init, "workers": workers, "cached": cached, "tokens": list(tokens[0].outputs[0].token_ids)}),
           flush=True)
 
 
@@ -92,13 +97,12 @@ def run(fmt: str, tp: int, path: str, cache: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def row(fmt: str, tp: int, cache: str, result: dict, checkpoint_bytes: int) -> str:
+def row(fmt: str, tp: int, cache: str, result: dict) -> str:
     workers = sorted(result["workers"], key=lambda w: (w["reports"] or [{"rank": 0}])[-1]["rank"])
-    storage = " / ".join(f"{w['read_bytes'] / 2**20:.0f}" for w in workers)
     tensor = " / ".join(f"{w['reports'][-1]['bytes_read'] / 2**20:.0f}" if w["reports"] else "-" for w in workers)
     fallbacks = sum(len(w["reports"][-1]["fallbacks"]) for w in workers if w["reports"])
     hwm = " / ".join(f"{w['vm_hwm'] / 2**20:.0f}" for w in workers)
-    return (f"| {fmt} | {tp} | {cache} | {result['init_s']:.1f} | {storage} | {tensor} | "
+    return (f"| {fmt} | {tp} | {cache} | {result['init_s']:.1f} | {result['cached'] / 2**20:.0f} | {tensor} | "
             f"{fallbacks if fmt == 'lazyload' else '-'} | {hwm} |")
 
 
@@ -120,7 +124,10 @@ def main() -> None:
     checkpoint_bytes = sum(os.path.getsize(p) for p in shard_files(path))
     print(f"checkpoint {path}: {checkpoint_bytes / 2**20:.0f} MiB in {len(shard_files(path))} files; "
           f"{os.cpu_count()} CPUs\n")
-    print("| format | TP | cache | LLM() init s | storage read MiB per worker | tensor bytes MiB per worker "
+    print("(checkpoint pages cached: what the engine's workers together brought into the page cache, mincore "
+          "after LLM(); lazyload's tensor bytes: the boxes each worker's loaders copied; vLLM's safetensors "
+          "iterator yields every tensor to every worker)\n")
+    print("| format | TP | cache | LLM() init s | checkpoint pages cached MiB | lazyload tensor bytes MiB per worker "
           "| fallbacks | peak RSS MiB per worker |")
     print("|---|---|---|---|---|---|---|---|")
     results, tokens = [], {}
@@ -130,7 +137,7 @@ def main() -> None:
                 result = run(fmt, tp, path, cache)
                 tokens.setdefault(tp, {})[fmt] = result["tokens"]
                 results.append({"format": fmt, "tp": tp, "cache": cache, **result})
-                print(row(fmt, tp, cache, result, checkpoint_bytes), flush=True)
+                print(row(fmt, tp, cache, result), flush=True)
     for tp, by_format in tokens.items():
         if len({tuple(t) for t in by_format.values()}) > 1:
             print(f"\nTP {tp}: the formats generated different tokens: {by_format}")
