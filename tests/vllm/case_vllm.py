@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -45,7 +46,7 @@ CASES = {("llama", 1): {}, ("llama", 2): {"reader": "pread", "max_host_bytes": 1
 RELOADED = ("llama", "qwen2")
 ENGINE_TIMEOUT = 900  # seconds for one engine's process (about a minute on two cores)
 
-ROOT = Path(os.environ.get("LAZYLOAD_VLLM_TMP") or "/tmp") / f"lazyload-vllm-{os.getpid()}"
+ROOT = Path(tempfile.gettempdir()) / f"lazyload-vllm-{os.getpid()}"  # removed after the module
 
 
 @pytest.fixture(scope="module", autouse=True)
