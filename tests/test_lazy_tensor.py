@@ -1,7 +1,7 @@
 """Lazy tensors (lazyload/integrations): what an engine's weight loaders are handed. Views
 move a box and read nothing; a copy into a real tensor is read box by box, exactly its
 bytes; anything else reads the view and counts as a fallback. The vLLM cases themselves
-run in tests/vllm (a venv of their own)."""
+run in tests/in_vllm (a venv of their own)."""
 from __future__ import annotations
 
 import pytest

@@ -25,10 +25,10 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_ci_runs_the_vllm_step_last():
-    """After the main suite, CI runs the vLLM cases in their own venv (tests/vllm/run.sh)."""
+    """After the main suite, CI runs the vLLM cases in their own venv (tests/in_vllm/run.sh)."""
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert ci[-1] == "tests/vllm/run.sh" and ci.index(ci_test_command()) < len(ci) - 1
-    assert os.access(ROOT / "tests" / "vllm" / "run.sh", os.X_OK)
+    assert ci[-1] == "tests/in_vllm/run.sh" and ci.index(ci_test_command()) < len(ci) - 1
+    assert os.access(ROOT / "tests" / "in_vllm" / "run.sh", os.X_OK)
 
 
 def test_every_error_class_is_exported_and_in_the_error_reference():

