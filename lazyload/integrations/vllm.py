@@ -1,0 +1,263 @@
+"""vLLM load format `lazyload`: each worker reads only the boxes its weight loaders copy.
+
+    LLM(model=path, load_format="lazyload", model_loader_extra_config={"reader": "pread"})
+
+The package's `vllm.general_plugins` entry point (`register`) registers the format in every
+vLLM process. vLLM's own `model.load_weights` keeps doing the name mapping, fusing (QKV,
+gate/up, experts), padding and its TP arithmetic; it is handed `LazyTensor`s
+(`integrations.lazy_tensor`) instead of tensors, so each narrow or slice it takes only moves
+a box, and each copy into a parameter is recorded. Once `load_weights` has run, the recorded
+boxes are read in layer order under the byte budget (`integrations.reads`), casting into
+the parameters; then vLLM's strict check and `process_weights_after_loading` run as for any
+format.
+
+`model_loader_extra_config` takes `load_into`'s read keywords (`reader`, `max_host_bytes`,
+`release_pages`) and the checkpoint's (`trust_pickle`, `remote`: a dict of
+`RemoteOptions`' fields, `iteration`); any other key is an ArgumentError naming the
+nearest one. Each worker logs a `WorkerReport` and keeps it in `REPORTS`.
+
+Reload (`llm.collective_rpc("reload_weights", kwargs={"weights_path": ...})`): vLLM asks
+the loader's `get_all_weights` for the new checkpoint and runs the weight loaders under its
+layer-wise reload, which processes a layer as soon as its last copy is done; there the
+copies are read as they are made (still only each box), not deferred.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ArgumentError
+from ..keywords import check_keywords
+from ..remote import RemoteOptions
+from ..report import MemorySampler, size
+from ..stored import StoredCheckpoint
+from .lazy_tensor import LazyTensor
+from .reads import BoxReads, ReadOptions
+
+FORMAT = "lazyload"
+
+# Keywords of load_into that do not apply inside vLLM, and why (named in the error).
+NOT_HERE = {
+    "rank_timeout": "vLLM's workers load independently (no lazyload agreement between them)",
+    "device": "vLLM places the parameters", "dtype": "vLLM's dtype= sets the parameters' dtype",
+    "plan": "vLLM's weight loaders split the tensors", "mesh": "vLLM's tensor_parallel_size sets the split",
+    "quantize": "use vLLM's quantization=", "strict": "vLLM checks that every parameter was loaded",
+    "shards_only": "vLLM's weight loaders split the tensors", "cooperative": "not supported inside vLLM",
+    "missing": "vLLM checks that every parameter was loaded", "key_map": "vLLM's weight loaders map the names",
+}
+
+REPORTS: list["WorkerReport"] = []  # this process's reports, the latest last (tests read them over collective_rpc)
+
+
+def _extra_config(reader: str = "auto", max_host_bytes: int | None = None, release_pages: bool = False,
+                  trust_pickle: bool = False, remote: dict | None = None, iteration: int | None = None) -> None:
+    """The keys `model_loader_extra_config` takes (this signature is their list)."""
+
+
+@dataclass
+class LoaderConfig:
+    read: ReadOptions
+    trust_pickle: bool = False
+    remote: RemoteOptions | None = None
+    iteration: int | None = None
+
+    @classmethod
+    def of(cls, extra: Any) -> "LoaderConfig":
+        """From `model_loader_extra_config`; a key it does not take is an ArgumentError."""
+        extra = dict(extra or {})
+        for key in extra:
+            if key in NOT_HERE:
+                raise ArgumentError(f"model_loader_extra_config key {key!r} does not apply to load_format="
+                                    f"'{FORMAT}': {NOT_HERE[key]}.")
+        unknown = {k: v for k, v in extra.items() if k not in _known()}
+        check_keywords(f"load_format='{FORMAT}' (model_loader_extra_config)", unknown, _extra_config)
+        remote = extra.pop("remote", None)
+        if remote is not None and not isinstance(remote, (dict, RemoteOptions)):
+            raise ArgumentError(f"model_loader_extra_config 'remote' must be a dict of RemoteOptions' fields, "
+                                f"got {type(remote).__name__}.")
+        if isinstance(remote, dict):
+            remote = RemoteOptions(**remote)
+        read = ReadOptions(**{k: extra.pop(k) for k in ("reader", "max_host_bytes", "release_pages") if k in extra})
+        return cls(read, remote=remote, **extra)
+
+
+def _known() -> set[str]:
+    import inspect
+
+    return set(inspect.signature(_extra_config).parameters)
+
+
+@dataclass
+class WorkerReport:
+    """What one worker's load (or reload) read: `bytes_read` tensor bytes (`bytes_planned`:
+    the boxes its weight loaders copied; a fallback reads more; the pread reader may read
+    across a small gap; `bytes_repeated` of them were boxes copied again: vLLM's layer-wise
+    reload replays some loads), `header_bytes` of the checkpoint's headers, `read_syscall_bytes`
+    what the worker process read through read()/pread() meanwhile (the kernel's count,
+    not lazyload's: with reader "pread" about `bytes_read` + `header_bytes`), `fallbacks` (tensor, operation) read whole because a weight
+    loader did something no box records, `peak_rss`/`peak_anon` of the worker process."""
+
+    checkpoint: str
+    rank: int
+    world: int
+    reload: bool
+    tensors: int = 0
+    boxes: int = 0
+    bytes_read: int = 0
+    bytes_planned: int = 0
+    bytes_repeated: int = 0
+    header_bytes: int = 0
+    checkpoint_bytes: int = 0
+    seconds: float = 0.0
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    peak_rss: int = 0
+    peak_anon: int = 0
+    read_syscall_bytes: int | None = None  # the worker's read()/pread() bytes during the load (/proc/self/io rchar)
+    reader: str = ""
+    remote: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        what = "reload" if self.reload else "load"
+        share = self.bytes_read / self.checkpoint_bytes if self.checkpoint_bytes else 0.0
+        return (f"lazyload {what} of {self.checkpoint}, TP rank {self.rank}/{self.world}: read {size(self.bytes_read)} "
+                f"({share:.0%} of {size(self.checkpoint_bytes)}; {self.boxes} boxes of {self.tensors} tensors, "
+                f"reader {self.reader}) + {size(self.header_bytes)} of headers in {self.seconds:.2f} s; "
+                f"{len(self.fallbacks)} fallbacks"
+                + (f", {size(self.bytes_repeated)} asked for again" if self.bytes_repeated else "")
+                + f"; peak RSS {size(self.peak_rss)}, anonymous {size(self.peak_anon)}"
+                + (f"; fallbacks: {self.fallbacks[:8]}" if self.fallbacks else ""))
+
+
+def tp_rank_world() -> tuple[int, int]:
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    try:
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (AssertionError, RuntimeError):  # no TP group (a loader used outside a worker)
+        return 0, 1
+
+
+def checkpoint_of(model_config: Any, config: LoaderConfig) -> StoredCheckpoint:
+    from ..checkpoint import LazyCheckpoint
+
+    return LazyCheckpoint(model_config.model, trust_pickle=config.trust_pickle, remote=config.remote,
+                          iteration=config.iteration)
+
+
+def lazy_weights(reads: BoxReads) -> Generator[tuple[str, LazyTensor], None, None]:
+    """Every checkpoint tensor, in layer order, as a lazy tensor whose copies go to `reads`."""
+    for name in reads.checkpoint.index.natural_names():
+        yield name, reads.tensor(name)
+
+
+def has_online_processing(model: nn.Module) -> bool:
+    """Layers vLLM processes during loading (online quantization): copies cannot wait."""
+    return any(getattr(getattr(m, "quant_method", None), "uses_meta_device", False) for m in model.modules())
+
+
+class Load:
+    """One worker's load or reload: the checkpoint, its reads, the report."""
+
+    def __init__(self, model_config: Any, config: LoaderConfig, reload: bool):
+        self.started = time.perf_counter()
+        self.rank, self.world = tp_rank_world()
+        self.checkpoint = checkpoint_of(model_config, config)
+        self.reads = BoxReads(self.checkpoint, config.read, self.world)
+        self.reload = reload
+        self.memory = MemorySampler()
+        self.rchar = read_syscall_bytes()
+
+    def report(self) -> WorkerReport:
+        totals, index = self.reads.totals, self.checkpoint.index
+        report = WorkerReport(str(self.checkpoint.paths), self.rank, self.world, self.reload, tensors=len(index),
+                              boxes=totals.boxes, bytes_read=totals.bytes_read, bytes_planned=totals.bytes_planned,
+                              bytes_repeated=totals.bytes_repeated,
+                              header_bytes=index.header_bytes_read, checkpoint_bytes=index.total_bytes,
+                              seconds=time.perf_counter() - self.started, fallbacks=list(totals.fallbacks),
+                              peak_rss=self.memory.peak_rss, peak_anon=self.memory.peak_anon, reader=totals.reader,
+                              read_syscall_bytes=None if self.rchar is None else read_syscall_bytes() - self.rchar,
+                              remote=dict(totals.fields))
+        REPORTS.append(report)
+        logger().info("%s", report)
+        return report
+
+
+def read_syscall_bytes() -> int | None:
+    """Bytes this process has read through read()/pread() (Linux /proc/self/io rchar; None elsewhere)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.lazyload")  # under vLLM's logger: its handlers print it
+
+
+def loader_class() -> type:
+    """The vLLM model loader class (made on first use: it subclasses vLLM's own)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    class LazyLoadModelLoader(DefaultModelLoader):
+        """load_format='lazyload' (see the module docstring). It reuses DefaultModelLoader's
+        strict check (`track_weights_loading`) and nothing of its file iteration."""
+
+        def __init__(self, load_config: Any):
+            self.load_config = load_config
+            self.config = LoaderConfig.of(load_config.model_loader_extra_config)
+            self.local_expert_ids = None
+            self._encoder_only_lm_prefixes = None
+            self._encoder_only_weights_mapper = None
+            self.enable_weights_track = None
+            self.last_report: WorkerReport | None = None
+
+        def download_model(self, model_config: Any) -> None:
+            """Nothing to download: the checkpoint is read where it is (a path or URL)."""
+
+        def load_weights(self, model: nn.Module, model_config: Any) -> None:
+            load = Load(model_config, self.config, reload=False)
+            deferred = not has_online_processing(model)
+            load.reads.deferred = deferred
+            with load.memory, torch.no_grad():
+                loaded = model.load_weights(lazy_weights(load.reads))
+                load.reads.run()
+            self.last_report = load.report()
+            if model_config.quantization is None and loaded is not None:
+                self.track_weights_loading(model, loaded, quantized=False)
+
+        def get_all_weights(self, model_config: Any, model: nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
+            """The checkpoint's tensors for vLLM's reload (`reload_weights`): each copy is read
+            as it is made (vLLM processes each layer once its copies are done)."""
+            load = Load(model_config, self.config, reload=True)
+            load.reads.deferred = False
+            with load.memory:
+                yield from lazy_weights(load.reads)
+            self.last_report = load.report()
+
+    return LazyLoadModelLoader
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: registers load_format='lazyload' (run in every
+    vLLM process; registering twice is harmless)."""
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
+
+    if FORMAT not in _LOAD_FORMAT_TO_MODEL_LOADER:
+        register_model_loader(FORMAT)(loader_class())
+
+
+def last_reports(worker: Any = None) -> list[dict]:
+    """This worker's reports as dicts (for `llm.collective_rpc(last_reports)`)."""
+    return [dataclasses.asdict(r) for r in REPORTS]
+
+
+__all__ = ["register", "LoaderConfig", "WorkerReport", "REPORTS", "last_reports", "FORMAT"]
