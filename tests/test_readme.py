@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def ci_test_command() -> str:
-    """The line of .ci/run that installs and runs the main suite (the vLLM step follows it)."""
+    """The line of .ci/run that installs and runs the main suite, then the vLLM step."""
     return next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                 if line.startswith("pip install torch==2.13.0"))
 
@@ -20,14 +20,15 @@ def ci_test_command() -> str:
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     command = ci_test_command()
-    assert command.endswith("python -m pytest")
+    assert command.endswith("python -m pytest && tests/in_vllm/run.sh")
     assert command in readme
 
 
 def test_ci_runs_the_vllm_step_last():
-    """After the main suite, CI runs the vLLM cases in their own venv (tests/in_vllm/run.sh)."""
+    """After the main suite, CI runs the vLLM cases in their own venv (tests/in_vllm/run.sh),
+    on its last line: a failure anywhere in the chain is the script's exit status."""
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert ci[-1] == "tests/in_vllm/run.sh" and ci.index(ci_test_command()) < len(ci) - 1
+    assert ci[-1] == ci_test_command() and ci[-1].endswith("&& tests/in_vllm/run.sh")
     assert os.access(ROOT / "tests" / "in_vllm" / "run.sh", os.X_OK)
 
 
@@ -53,7 +54,7 @@ def test_readme_opens_with_the_two_commands():
     first = [line.strip() for line in readme.splitlines() if line.startswith("    python3 -m venv")]
     assert len(first) >= 2
     assert first[0].endswith("python examples/load_llama.py")
-    assert first[1].endswith("python -m pytest")
+    assert first[1].endswith("python -m pytest && tests/in_vllm/run.sh")
 
 
 def test_the_test_extra_installs_deepspeed_without_building_ops():
