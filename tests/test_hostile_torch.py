@@ -3,8 +3,9 @@
 a CheckpointError naming the file while indexing, with work bounded by the input:
 
 - pickles whose object graph multiplies (pickle's memo and DUP: an 81-byte tuple of 2**40
-  leaves) or nests a million deep are refused before anything unpickles them, in
-  `.metadata`, in a chunk's `data.pkl` and in a `.pt` (locally and over HTTP);
+  leaves), nests a million deep or puts an object at a memo index of billions are refused
+  before anything unpickles them, in `.metadata`, in a chunk's `data.pkl` and in a `.pt`
+  (locally and over HTTP);
 - integers too long to print, nesting that would overflow a repr;
 - zips that are not torch.save's: a local header naming another record, a record outside
   the archive's directory, a record outside the chunk's bytes, broken zip64 fields;
@@ -33,13 +34,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lazyload import CheckpointError, LazyCheckpoint
 from remote_servers import RangeServer
 
 GRAPH = b")" + b"2\x86" * 40  # EMPTY_TUPLE, then (DUP, TUPLE2) x 40: 81 bytes, a tuple of 2**40 leaves
-# The same through the memo (torch.load's unpickler has no DUP): put, get, TUPLE2, x 40.
-MEMO_GRAPH = b")" + (b"r\xa0\x86\x01\x00" + b"j\xa0\x86\x01\x00" + b"\x86") * 40
+# The same through the memo (torch.load's unpickler has no DUP): put, get, TUPLE2, x 40, at
+# memo index 400 (one the pickle does not use).
+MEMO_GRAPH = b")" + (b"r\x90\x01\x00\x00" + b"j\x90\x01\x00\x00" + b"\x86") * 40
 DEEP = b")" + b"\x85" * 1_000_000  # a million nested one-item tuples (hashing one overflows the C stack)
 MEMORY = 3 << 30  # the subprocess's address space
 WEIGHT, OTHER, BIAS = "hostile_weight", "hostile_other", "hostile_bias"
@@ -75,11 +79,13 @@ def write_metadata(directory: Path, metadata, text: str | None = None, ops: byte
     """The metadata pickled back; `text`: the string whose pickle opcodes `ops` replace (in
     a pickle without frames, which give their lengths: the unpickler reads one without)."""
     raw = pickle.dumps(metadata, protocol=4)
-    if text is not None:
-        frames = [pos for op, _, pos in pickletools.genops(raw) if op.name == "FRAME"]  # each 9 bytes
-        raw = b"".join(raw[a:b] for a, b in zip([0] + [pos + 9 for pos in frames], frames + [len(raw)]))
-        raw = with_ops(raw, text, ops)
-    (directory / ".metadata").write_bytes(raw)
+    (directory / ".metadata").write_bytes(raw if text is None else with_ops(unframed(raw), text, ops))
+
+
+def unframed(raw: bytes) -> bytes:
+    """A protocol 4 pickle without its FRAME opcodes (each 9 bytes)."""
+    frames = [pos for op, _, pos in pickletools.genops(raw) if op.name == "FRAME"]
+    return b"".join(raw[a:b] for a, b in zip([0] + [pos + 9 for pos in frames], frames + [len(raw)]))
 
 
 def with_ops(raw: bytes, text: str, ops: bytes) -> bytes:
@@ -158,7 +164,7 @@ def big_endian(records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
 
 def long4(n: int) -> bytes:
     """LONG4: the integer `n` in pickle's opcodes."""
-    data = n.to_bytes(n.bit_length() // 8 + 1, "little")
+    data = n.to_bytes(n.bit_length() // 8 + 1, "little", signed=True)
     return b"\x8b" + struct.pack("<i", len(data)) + data
 
 
@@ -190,6 +196,16 @@ def metadata_path_graph(base, directory):
     metadata = read_metadata(directory)
     metadata.storage_meta.checkpoint_id = Path("hostile_path_part")
     write_metadata(directory, metadata, "hostile_path_part", GRAPH)
+    return directory
+
+
+def metadata_memo_index(base, directory):
+    """A path part memoized at index 1.3e9 (LONG_BINPUT, 5 bytes): the C unpickler grows its
+    memo array to that, zero-filled (20 GB)."""
+    directory = copy_dcp(base, directory)
+    metadata = read_metadata(directory)
+    metadata.storage_meta.checkpoint_id = Path("hostile_path_part")
+    write_metadata(directory, metadata, "hostile_path_part", b"\x8c\x01x" + b"r" + struct.pack("<I", 1_300_000_000))
     return directory
 
 
@@ -255,6 +271,7 @@ ISOLATED = {  # case -> (how its file is made, what the refusal says); the crash
     "http-metadata-path-graph": (metadata_path_graph, "expand to more than"),
     "chunk-pid-graph": (chunk_pid_graph, "expand to more than"),
     "pt-graph": (pt_graph, "expand to more than"),
+    "metadata-memo-index": (metadata_memo_index, "memo index 1300000000"),
     "metadata-inductor": (metadata_inductor, "names the class torch._inductor"),
     "chunk-inductor": (chunk_inductor, "names torch._inductor"),
     "metadata-deep-key": (metadata_deep_key, "nests objects more than 100 deep"),
@@ -406,6 +423,34 @@ def test_two_chunks_in_the_same_bytes(base, tmp_path):
     metadata.storage_data[index_] = storage_of(metadata, WEIGHT)
     write_metadata(directory, metadata)
     refused(directory, ".metadata", OTHER, WEIGHT, "overlapping bytes of '__0_0.distcp'")
+
+
+# What replaces a value of `.metadata` in the fuzz: opcodes that build, share, nest and
+# memoize, and the integers and strings they act on.
+PALETTE = [b"2", b"\x85", b"\x86", b"\x87", b")", b"(", b"t", b"l", b"d", b"}", b"s", b"u", b"\x94", b"h\x01",
+           b"r\x00\x00\x00\x40", b"0", b"1", b"a", b"e", b"b", b"R", b"\x81", b"N", b"K\x07", b"\x8c\x01x",
+           GRAPH, b")" + b"\x85" * 5000, long4(10 ** 3000), long4(-1)]
+
+
+@settings(max_examples=300, deadline=2000, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.lists(st.sampled_from(PALETTE), min_size=1,
+                                                                              max_size=3)), min_size=1, max_size=4))
+def test_fuzzed_metadata_only_raises_checkpoint_errors(base, edits):
+    """`.metadata` with some of its values (strings, integers) replaced by other opcodes:
+    parsed, or a CheckpointError, in bounded time."""
+    from lazyload.formats.dcp_metadata import parse_metadata
+
+    raw = unframed((base / "dcp" / ".metadata").read_bytes())
+    values = [(pos, op) for op, _, pos in pickletools.genops(raw) if op.name in
+              ("SHORT_BINUNICODE", "BININT1", "BININT2", "BININT", "NONE", "EMPTY_TUPLE")]
+    for where, ops in sorted({int(w * len(values)): b"".join(ops) for w, ops in edits}.items(), reverse=True):
+        pos, op = values[where]
+        length = {"BININT1": 2, "BININT2": 3, "BININT": 5, "NONE": 1, "EMPTY_TUPLE": 1}.get(op.name, 2 + raw[pos + 1])
+        raw = raw[:pos] + ops + raw[pos + length:]
+    try:
+        parse_metadata(raw, "fuzzed/.metadata")
+    except CheckpointError:
+        pass
 
 
 # ------------------------------------------------------- one zip named by every chunk

@@ -9,8 +9,9 @@ instead of objects, in one pass, nothing unpickled or decoded, and says what is 
 the objects that opcodes put into containers, arguments or state add up, each at its tree
 size, to more than a fixed multiple of the pickle's bytes (so any walk of what it
 unpickles is linear in its size); objects nest deeper than any checkpoint's; an integer
-is too long to print (`str()` refuses over 4,300 digits); or the opcodes do not form a
-pickle.
+is too long to print (`str()` refuses over 4,300 digits); a memo index past the pickle's
+length (the C unpickler grows its memo array to the index, zero-filled); or the opcodes
+do not form a pickle.
 """
 from __future__ import annotations
 
@@ -80,23 +81,24 @@ def _scan(raw: bytes, limit: int) -> str | None:
     stack: list[int] = []
     marks: list[int] = []  # where each open MARK is in the stack
     memo: dict[int, int] = {}
-    push, work, pos = stack.append, 0, 0
+    push, work, pos, end, fence = stack.append, 0, 0, len(raw), 0  # fence: the innermost open MARK
     while True:
         op = raw[pos]
         step = _LEAF_STEP[op]
-        if step:  # the common leaves first: constants, small ints, short strings
+        if step:  # the common opcodes first: leaves (constants, small ints, short strings) and the memo
             pos += step if step > 0 else 2 + raw[pos + 1]
             push(_LEAF)
             continue
         if op == 0x94:  # MEMOIZE
-            if len(stack) == (marks[-1] if marks else 0):
+            if len(stack) == fence:
                 raise _Malformed("a memo entry of nothing")
             memo[len(memo)] = stack[-1]
             pos += 1
             continue
-        if op == 0x68:  # BINGET
-            push(memo[raw[pos + 1]])
-            pos += 2
+        if op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+            width = 1 if op == 0x68 else 4
+            push(memo[int.from_bytes(raw[pos + 1:pos + 1 + width], "little")])
+            pos += 1 + width
             continue
         effect, k, layout = _TABLE[op]
         start = pos = pos + 1
@@ -106,12 +108,16 @@ def _scan(raw: bytes, limit: int) -> str | None:
             pos = raw.index(b"\n", pos) + 1
         elif layout:
             pos = _skip(raw, pos, layout)
-        if pos > len(raw):
+        if pos > end:
             raise _Malformed("an argument runs past the end")
-        if effect == _GET:
-            push(memo[_argument(raw, start, pos, layout)])
-        elif effect >= _BUILD:  # _BUILD, _BUILD_MARK, _ADD, _ADD_MARK
-            base = marks.pop() if effect == _BUILD_MARK or effect == _ADD_MARK else _base(stack, marks, k)
+        if effect >= _BUILD:  # _BUILD, _BUILD_MARK, _ADD, _ADD_MARK
+            if effect == _BUILD_MARK or effect == _ADD_MARK:
+                base = marks.pop()
+                fence = marks[-1] if marks else 0
+            else:
+                base = len(stack) - k
+                if base < fence:
+                    raise _Malformed("an opcode takes more objects than there are")
             size = depth = 0
             for item in stack[base:]:
                 size += item >> 8
@@ -120,10 +126,12 @@ def _scan(raw: bytes, limit: int) -> str | None:
             del stack[base:]
             work += size
             if effect >= _ADD:  # into the object below them
-                below = stack.pop() if len(stack) > (marks[-1] if marks else 0) else _nothing()
+                if len(stack) == fence:
+                    raise _Malformed("an opcode adds to an object that is not there")
+                below = stack.pop()
                 size, depth = size + (below >> 8) - 1, max(depth, below & 255)
             if work > limit:
-                return (f"its objects expand to more than {limit:,} nodes in {len(raw):,} bytes (shared references "
+                return (f"its objects expand to more than {limit:,} nodes in {end:,} bytes (shared references "
                         "nested to multiply)")
             if depth > MAX_DEPTH:
                 return f"it nests objects more than {MAX_DEPTH} deep"
@@ -132,22 +140,32 @@ def _scan(raw: bytes, limit: int) -> str | None:
             if op in _LONG_INTS and pos - start > MAX_INT_BYTES + 5:
                 return f"it holds an integer of {pos - start} bytes, beyond any checkpoint's values"
             push(_LEAF)
-        elif effect == _MARK:
-            marks.append(len(stack))
+        elif effect == _GET:
+            push(memo[_argument(raw, start, pos, layout)])
         elif effect == _PUT:
-            if len(stack) == (marks[-1] if marks else 0):
+            if len(stack) == fence:
                 raise _Malformed("a memo entry of nothing")
-            memo[_argument(raw, start, pos, layout)] = stack[-1]
-        elif effect == _DUP:
-            push(stack[_base(stack, marks, 1)])
-        elif effect == _POP:
-            del stack[_base(stack, marks, 1):]
-        elif effect == _POP_MARK:
+            index = _argument(raw, start, pos, layout)
+            if index > end:  # the unpickler would grow its memo array to it, zeroed: gigabytes from 5 bytes
+                return (f"it puts an object at memo index {index}, more objects than a pickle of {end:,} bytes "
+                        "holds (the unpickler would allocate every index below it)")
+            memo[index] = stack[-1]
+        elif effect == _MARK:
+            fence = len(stack)
+            marks.append(fence)
+        elif effect == _POP_MARK or (effect == _POP and marks and len(stack) == fence):  # POP takes a mark too
             del stack[marks.pop():]
+            fence = marks[-1] if marks else 0
+        elif effect == _NOTHING:  # PROTO, FRAME
+            continue
+        elif len(stack) == fence:  # DUP, POP, STOP need an object
+            raise _Malformed("an opcode needs an object where there is none")
+        elif effect == _DUP:
+            push(stack[-1])
+        elif effect == _POP:
+            stack.pop()
         elif effect == _STOP:
-            _base(stack, marks, 1)
             return None
-        # PROTO and FRAME change nothing
 
 
 def _skip(raw: bytes, pos: int, layout: int) -> int:
@@ -159,18 +177,6 @@ def _skip(raw: bytes, pos: int, layout: int) -> int:
     if layout == _LEN1:
         return pos + 1 + raw[pos]
     return pos + 8 + int.from_bytes(raw[pos:pos + 8], "little")
-
-
-def _base(stack: list, marks: list, k: int) -> int:
-    """Where the top k items begin, checked to be above the open mark."""
-    base = len(stack) - k
-    if base < (marks[-1] if marks else 0):
-        raise _Malformed("an opcode takes more objects than there are")
-    return base
-
-
-def _nothing():
-    raise _Malformed("an opcode adds to an object that is not there")
 
 
 def _argument(raw: bytes, start: int, end: int, layout: int) -> int:
