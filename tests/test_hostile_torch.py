@@ -1,6 +1,7 @@
-"""Hostile torch.save zips and pickles: a torch DCP checkpoint's `.metadata` and chunks, and
-`.pt` files, written by `dcp.save` / `torch.save` and then edited byte by byte here. Each is
-a CheckpointError naming the file while indexing, with work bounded by the input:
+"""Hostile torch.save zips and pickles: a torch DCP checkpoint's `.metadata` and chunks,
+`.pt` files and Megatron's `common.pt`, written by `dcp.save` / `torch.save` and then edited
+byte by byte here. Each is a CheckpointError naming the file while indexing, with work
+bounded by the input:
 
 - pickles whose object graph multiplies (pickle's memo and DUP: an 81-byte tuple of 2**40
   leaves), nests a million deep or puts an object at a memo index of billions are refused
