@@ -55,11 +55,11 @@ def measure_index(directory):
             "checkpoint_bytes": index.total_bytes}
 
 
-def meta_model(directory):
+def meta_model(directory, **config_fields):
     import torch
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(directory)
+    config = transformers.AutoConfig.from_pretrained(directory, **config_fields)
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
     with torch.device("meta"):  # in the checkpoint's dtype, as from_pretrained(dtype="auto") builds it
         return getattr(transformers, config.architectures[0])._from_config(config, dtype=dtype)

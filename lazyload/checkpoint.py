@@ -15,6 +15,7 @@ from .agreement import agreement
 from .digest import load_facts
 from .errors import LazyLoadError
 from .executor import execute
+from .fit import check_fit
 from .hints import explain
 from .keywords import check_keywords
 from .mapping import KeyMap
@@ -67,6 +68,12 @@ class LazyCheckpoint(StoredCheckpoint):
 
         Every input error (arguments, keys, shapes, casts, rank/world, plan) is a
         LazyLoadError raised before any tensor byte is read, leaving the model untouched.
+        So is a load that cannot fit: when this rank's destinations and staging budget
+        exceed what its device holds now (CPU: MemAvailable and the memory cgroup's room,
+        shared by this host's LOCAL_WORLD_SIZE ranks; GPU: `torch.cuda.mem_get_info`), a
+        PlanError names the bytes, the largest replicated tensors and what would fit (the
+        other plan, quantize="int8", a larger world), instead of the kernel killing the
+        process (`lazyload.fit`; LAZYLOAD_FIT_CHECK=0 skips it).
 
         - `model`: an `nn.Module`, on the meta device (or built under accelerate's
           `init_empty_weights()`), or real (then overwritten in place).
@@ -150,6 +157,7 @@ class LazyCheckpoint(StoredCheckpoint):
             except LazyLoadError as exc:
                 explain(exc, self, model, world, options)  # one shard of several, configs that differ, worlds
                 raise
+            check_fit(load_plan, self, model)  # a load that cannot fit its device: refused, not killed
             # every rank's input is good, and replicas planned the same load: only now may any model change
             agree.reached("planned", facts=load_facts(load_plan))
             return execute(load_plan, model, agree, started)

@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes per file and per layer (headers only)")
     p.add_argument("path", help=PATH_HELP)
     _iteration_option(p)
-    p = sub.add_parser("plan", help="per rank bytes to read, tensors and warnings for a TP world (headers only)")
+    p = sub.add_parser("plan", help="per rank bytes to read, tensors and warnings for a TP world (headers only); "
+                                    "a rank that cannot fit this host's memory is an error, as load_into refuses it "
+                                    "(LAZYLOAD_FIT_CHECK=0: plan for another host)")
     p.add_argument("path", help=PATH_HELP)
     _iteration_option(p)
     p.add_argument("--world", type=int, required=True, help=world)

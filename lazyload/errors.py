@@ -3,7 +3,29 @@ parameter concerned and says what to do about it. A message never shows a creden
 it is redacted when the error is made (`redact.redact`)."""
 from __future__ import annotations
 
+import reprlib
+
 from .redact import redact
+
+
+class _Shown(reprlib.Repr):
+    """reprlib's short repr, whose integers past 128 bits are shown by their size: Python
+    refuses str() of one over 4,300 digits (a ValueError in place of the message)."""
+
+    def repr_int(self, x, level):
+        if x.bit_length() <= 128:
+            return super().repr_int(x, level)
+        return f"<{'negative ' if x < 0 else ''}integer of {x.bit_length()} bits>"
+
+
+_shown = _Shown()
+_shown.maxlist, _shown.maxtuple, _shown.maxdict, _shown.maxstring, _shown.maxlong = 8, 8, 4, 200, 40
+
+
+def shown(value) -> str:
+    """A value from a checkpoint file, as a message shows it: short whatever it is (a
+    100000-dim shape, a 1 MB string, a 5000-digit integer, lists nested thousands deep)."""
+    return _shown.repr(value)
 
 
 class LazyLoadError(Exception):

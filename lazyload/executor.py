@@ -200,7 +200,7 @@ def _report(plan: LoadPlan, reader: Reader, dests: dict[str, Destination], stats
                       bytes_read=reader.bytes_read, bytes_mapped=plan.bytes_mapped,
                       bytes_received=received, seconds=seconds,
                       peak_rss=memory.peak_rss, peak_anon=memory.peak_anon, peak_file=memory.peak_file,
-                      rank=plan.rank, world=plan.world, reader=reader.name, prefetched=reader.prefetching,
+                      rank=plan.rank, world=plan.world, plan=plan.plan_used, reader=reader.name, prefetched=reader.prefetching,
                       released_pages=plan.release_pages, pinned_bytes=stats.pinned_bytes,
                       quantized=[name.rpartition(".")[0] for name in quantized],
                       quantized_to=plan.quantization.describe(len(torchao)) if quantized else "",

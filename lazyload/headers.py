@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import reprlib
 import stat
 import struct
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any, BinaryIO, Callable, Mapping as MappingT, TypeVar
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, shown
 
 # safetensors dtype names -> torch dtypes (only those this torch build has).
 DTYPES: dict[str, torch.dtype] = {
@@ -46,11 +45,7 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
 
 MAX_HEADER = 100_000_000  # safetensors' own limit, in bytes; also caps an index json
 _MAX_RANK = 64  # far above any real tensor; refuses shapes of 100000 dims
-_MAX_INT64 = 2**63 - 1  # torch sizes and strides are int64
-
-_repr = reprlib.Repr()  # hostile values (a 100000-dim shape, a 1 MB string) stay short in messages
-_repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxlong = 8, 4, 200, 40
-_short = _repr.repr
+MAX_INT64 = 2**63 - 1  # torch sizes and strides are int64
 _CORRUPT = "the file is corrupt or not safetensors; re-download or re-save it."
 
 
@@ -113,7 +108,7 @@ def _unique_keys(path: str, pairs: list[tuple[str, Any]]) -> dict:
     obj: dict = {}
     for key, value in pairs:
         if key in obj:
-            raise CheckpointError(f"{path}: key {_short(key)} appears twice in one JSON object (a tensor or field "
+            raise CheckpointError(f"{path}: key {shown(key)} appears twice in one JSON object (a tensor or field "
                                   "given twice; which one is meant is unknowable); re-download or re-save it.")
         obj[key] = value
     return obj
@@ -136,7 +131,7 @@ def load_json(path: str, raw: bytes, what: str) -> Any:
         raise CheckpointError(f"{path}: {what} is not UTF-8 ({exc.reason} at byte {exc.start}); the file is "
                               "corrupt, re-download or re-save it.") from exc
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting thousands deep
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({_short(str(exc))}); the file is corrupt, "
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({shown(str(exc))}); the file is corrupt, "
                               "re-download or re-save it.") from exc
 
 
@@ -212,7 +207,7 @@ def _check_metadata(path: str, metadata: Any) -> None:
         return
     if not (isinstance(metadata, dict) and all(isinstance(v, str) and _is_utf8(k) and _is_utf8(v)
                                                for k, v in metadata.items())):
-        raise CheckpointError(f"{path}: __metadata__ is {_short(metadata)}, not an object of strings; "
+        raise CheckpointError(f"{path}: __metadata__ is {shown(metadata)}, not an object of strings; "
                               f"safetensors refuses it too, {_CORRUPT}")
 
 
@@ -225,7 +220,7 @@ def _is_shape(shape: Any) -> bool:
     """torch refuses sizes whose product (zeros aside: they still count in strides) passes
     int64, e.g. [0, 2**40, 2**40]; no real tensor has more than a handful of dims."""
     return (isinstance(shape, list) and len(shape) <= _MAX_RANK and all(_is_size(d) for d in shape)
-            and math.prod(max(d, 1) for d in shape) <= _MAX_INT64)
+            and math.prod(max(d, 1) for d in shape) <= MAX_INT64)
 
 
 def _entry(path: str, key: str, info: Any, data_start: int) -> TensorEntry:
@@ -239,14 +234,14 @@ def _entry(path: str, key: str, info: Any, data_start: int) -> TensorEntry:
                 and all(type(d) is int and d >= 0 for d in shape) and type(offsets) is list and len(offsets) == 2
                 and type(offsets[0]) is int and type(offsets[1]) is int and 0 <= offsets[0] <= offsets[1]
                 and math.prod(shape) * dtype.itemsize == offsets[1] - offsets[0]
-                and (offsets[1] - offsets[0] or _is_shape(shape)) and offsets[1] - offsets[0] <= _MAX_INT64
+                and (offsets[1] - offsets[0] or _is_shape(shape)) and offsets[1] - offsets[0] <= MAX_INT64
                 and _is_utf8(key)):
             return TensorEntry(path, key, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
     return _checked_entry(path, key, info, data_start)
 
 
 def _checked_entry(path: str, key: str, info: Any, data_start: int) -> TensorEntry:
-    where = f"{path}: tensor {_short(key)}"
+    where = f"{path}: tensor {shown(key)}"
     if not _is_utf8(key):
         raise CheckpointError(f"{where}: the name holds an unpaired UTF-16 surrogate; {_CORRUPT}")
     if not isinstance(info, dict):
@@ -258,20 +253,20 @@ def _checked_entry(path: str, key: str, info: Any, data_start: int) -> TensorEnt
     name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     dtype = DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
-        raise CheckpointError(f"{where} has dtype {_short(name)}, which lazyload cannot read "
+        raise CheckpointError(f"{where} has dtype {shown(name)}, which lazyload cannot read "
                               f"(known: {', '.join(sorted(DTYPES))}); convert the checkpoint.")
     if not _is_shape(shape):
-        raise CheckpointError(f"{where} has shape {_short(shape)}; lazyload takes a list of at most {_MAX_RANK} "
+        raise CheckpointError(f"{where} has shape {shown(shape)}; lazyload takes a list of at most {_MAX_RANK} "
                               f"non-negative integers whose product, zeros aside, fits torch's int64 sizes; {_CORRUPT}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(x) for x in offsets)):
-        raise CheckpointError(f"{where} has data_offsets {_short(offsets)}; they must be two non-negative "
+        raise CheckpointError(f"{where} has data_offsets {shown(offsets)}; they must be two non-negative "
                               f"integers [begin, end]; {_CORRUPT}")
     begin, stop = offsets
     if begin > stop:
         raise CheckpointError(f"{where} has data_offsets [{begin}, {stop}], which end before they begin; {_CORRUPT}")
     needed = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
     if stop - begin != needed:
-        raise CheckpointError(f"{where} spans {stop - begin} bytes but shape {_short(shape)} of {name} needs "
+        raise CheckpointError(f"{where} spans {stop - begin} bytes but shape {shown(shape)} of {name} needs "
                               f"{needed}; {_CORRUPT}")
     return TensorEntry(path, key, dtype, tuple(shape), data_start + begin, data_start + stop)
 
@@ -281,15 +276,15 @@ def _check_layout(path: str, entries: list[TensorEntry], data_start: int, size: 
     header's end to the file's end: no byte past the end, no overlap, no gap."""
     last = max(entries, key=attrgetter("end"), default=None)
     if last is not None and last.end > size:
-        raise CheckpointError(f"{path}: tensor {_short(last.key)} ends at byte {last.end}, past the end of the file "
+        raise CheckpointError(f"{path}: tensor {shown(last.key)} ends at byte {last.end}, past the end of the file "
                               f"({size} bytes); the file is truncated (re-download it).")
     end, prev = data_start, None
     for e in sorted(entries, key=attrgetter("start", "end")):
         if e.start < end:
-            raise CheckpointError(f"{path}: tensor {_short(e.key)} (bytes {e.start}..{e.end}) overlaps tensor "
-                                  f"{_short(prev.key)} (bytes {prev.start}..{prev.end}); {_CORRUPT}")
+            raise CheckpointError(f"{path}: tensor {shown(e.key)} (bytes {e.start}..{e.end}) overlaps tensor "
+                                  f"{shown(prev.key)} (bytes {prev.start}..{prev.end}); {_CORRUPT}")
         if e.start > end:
-            raise CheckpointError(f"{path}: bytes {end}..{e.start} before tensor {_short(e.key)} belong to no tensor "
+            raise CheckpointError(f"{path}: bytes {end}..{e.start} before tensor {shown(e.key)} belong to no tensor "
                                   f"(safetensors allows no gap); {_CORRUPT}")
         end, prev = e.end, e
     if end != size:
@@ -328,7 +323,7 @@ def weight_map_of(index_json: str, doc: Any) -> dict[str, str]:
     """The checked weight_map of a parsed index json `doc`."""
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index_json}: no 'weight_map' object (found {_short(weight_map)}); this is not a "
+        raise CheckpointError(f"{index_json}: no 'weight_map' object (found {shown(weight_map)}); this is not a "
                               "safetensors index json, re-download or re-save the checkpoint.")
     normalized: dict[str, str] = {}  # a few hundred shard names for 100k keys: each checked once
     out = {}
@@ -346,7 +341,7 @@ def _shard_name(index_json: str, key: str, name: Any) -> str:
     norm = os.path.normpath(name) if isinstance(name, str) and name and "\0" not in name else None
     if (norm is None or not _is_utf8(key) or not _is_utf8(norm) or os.path.isabs(norm)
             or norm in (os.curdir, os.pardir) or norm.startswith(os.pardir + os.sep)):
-        raise CheckpointError(f"{index_json}: weight_map entry {_short(key)} names {_short(name)}, which is not a "
+        raise CheckpointError(f"{index_json}: weight_map entry {shown(key)} names {shown(name)}, which is not a "
                               "file inside the index json's directory; shard names must be relative and stay "
                               "inside it (fix or re-download the index json).")
     return norm

@@ -41,9 +41,9 @@ def config_differences(model: nn.Module, config_json: tuple[str, bytes] | None) 
         return []
     try:
         stored = json.loads(config_json[1])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested thousands deep
         return []
-    return _differences(config.to_dict(), stored, "")
+    return _differences(config.to_dict(), stored, "") if isinstance(stored, dict) else []
 
 
 def _differences(mine: dict, theirs: dict, prefix: str) -> list[str]:

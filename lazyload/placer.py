@@ -43,11 +43,17 @@ def allocate_quantized(target: TargetPlan, grid: Grid, device: torch.device, ful
 
 def allocate(target: TargetPlan, slot: Slot, device: torch.device) -> TensorDest:
     """The model's own tensor when it is real and fits (filled in place), else a new one."""
-    existing = local_tensor(current_tensor(slot))
-    if (existing.device == device and existing.dtype == target.dtype
-            and tuple(existing.shape) == target.local_shape and existing.is_contiguous()):
-        return TensorDest(existing.data)
+    if fills_in_place(target, slot, device):
+        return TensorDest(local_tensor(current_tensor(slot)).data)
     return TensorDest(torch.empty(target.local_shape, dtype=target.dtype, device=device))
+
+
+def fills_in_place(target: TargetPlan, slot: Slot, device: torch.device) -> bool:
+    """Whether the model's own tensor is the target's destination: on `device`, of its
+    dtype and local shape, contiguous (nothing new is allocated for it)."""
+    existing = local_tensor(current_tensor(slot))
+    return (existing.device == device and existing.dtype == target.dtype
+            and tuple(existing.shape) == target.local_shape and existing.is_contiguous())
 
 
 def viewable(targets: list[TargetPlan], items: list[ReadItem], slots: dict[str, Slot]) -> dict[str, ReadItem]:

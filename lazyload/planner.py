@@ -30,8 +30,9 @@ from .errors import ArgumentError, DtypeError, PlanError
 from .index import CheckpointIndex
 from .mapping import KeyMap, Mapping, check_casts, check_mapping, held_by, map_model, prefix_hint
 from .missing import check_choice, initial_values, unfilled_on_meta
-from .tp.parallel_plan import ParallelPlan, check_process_group, parallel_plan_of_load
+from .tp.parallel_plan import ParallelPlan, check_process_group, made_parallel, parallel_plan_of_load
 from .tp.placements import Resolved, resolve_placements
+from .tp.styles import plan_in_use
 from .placer import viewable, whole_scratch
 from .plan import REPLICATE, ReadItem, TargetPlan, check_rank, local_regions, plan_for_rank
 from .quant.formats import Quantization as PreQuantized, detect
@@ -155,6 +156,18 @@ class LoadPlan:
         return sum(part.nbytes for item in self.items for part in item.reads())
 
     @property
+    def plan_used(self) -> str:
+        """The split this load follows: "tp" (the model's TP plan, else the structural rule),
+        "ep" (whole experts per rank), "custom" (a plan= dict over the default), "none"
+        (plan={}), "model" (the model holds its split already); "" at world 1."""
+        plan = self.options.plan
+        if self.world == 1:
+            return ""
+        if made_parallel(self.placements):
+            return "model"
+        return plan if isinstance(plan, str) else "custom" if plan else "none"
+
+    @property
     def tensors(self) -> int:
         return len(self.targets)
 
@@ -176,6 +189,8 @@ def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, wor
     or memory probes of this host.
     `mapped`: an earlier plan's `mapped`, reused when this rank's index is the same."""
     options = options.checked(model, checkpoint.paths if checkpoint.remote else None)
+    if world > 1:  # the plan this load follows, named in its report and digest ("tp" or "ep" for None)
+        options = replace(options, plan=plan_in_use(model, options.plan))
     qconfig = Quantization.of(options.quantize)
     check_rank(rank, world)
     index = checkpoint.index.for_rank(rank, world)  # copies of a replicated piece: this rank's own file

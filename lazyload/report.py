@@ -129,6 +129,10 @@ class LoadReport:
       sampled from /proc/self/status every 5 ms (0 where unavailable): the whole process
       (Python, torch, anything else it holds), not the load's own growth.
     - `rank`, `world`: the share this report is for.
+    - `plan`: the split followed at world > 1: "tp" (the model's TP plan, else the structural
+      rule), "ep" (whole experts per rank: `plan="ep"`, and the default for MoE models whose
+      TP plan leaves the experts whole), "custom" (a plan= dict), "none" (plan={}), "model"
+      (the model held its split already); "" at world 1.
     - `reader`: the reader that ran, "mmap" or "pread".
     - `prefetched`: True when this rank's pages were cold and each layer's page ranges were
       announced to the kernel a layer ahead.
@@ -170,6 +174,7 @@ class LoadReport:
     peak_file: int = 0
     rank: int = 0
     world: int = 1
+    plan: str = ""
     reader: str = ""
     prefetched: bool = False
     released_pages: bool = False
@@ -191,7 +196,8 @@ class LoadReport:
         return not (self.missing or self.unexpected or self.mismatched)
 
     def __str__(self) -> str:
-        lines = [f"lazyload: rank {self.rank}/{self.world}, {len(self.loaded)} tensors loaded, "
+        lines = [f"lazyload: rank {self.rank}/{self.world}" + (f" ({self.plan} plan)" if self.plan else "")
+                 + f", {len(self.loaded)} tensors loaded, "
                  f"{size(self.bytes_read)} read" + (f", {size(self.bytes_mapped)} mapped" if self.bytes_mapped else "")
                  + (f", {size(self.bytes_received)} from replicas" if self.bytes_received else "")
                  + f" in {self.seconds:.2f} s of load_into (no imports, no model construction; "

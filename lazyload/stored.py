@@ -144,7 +144,7 @@ def transformers_config(stored: StoredCheckpoint, config: Any = None, option: st
             f.write(found[1])
         try:
             return AutoConfig.from_pretrained(copy)
-        except (OSError, ValueError, KeyError) as exc:
+        except Exception as exc:  # whatever transformers meets: a RecursionError, its field validation, TypeError
             raise ArgumentError(f"{found[0]}: not a config transformers can read ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0] if str(exc) else ''}).") from exc
 

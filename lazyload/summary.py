@@ -11,6 +11,7 @@ from typing import Any
 
 from .digest import plan_data
 from .expr import Cat, Expr, Packed4
+from .fit import check_fit
 from .formats import format_named
 from .errors import ArgumentError, MappingError, PlanError
 from .hints import one_of_several, worlds_that_plan
@@ -107,7 +108,8 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None, *, q
     a directory/file holding config.json; default: the one beside the checkpoint, for a URL
     its store's); `iteration`: that one of a Megatron save directory. Returns (plans,
     warnings). A world that cannot be planned is a PlanError naming the worlds that can, a checkpoint none of whose keys fit the model a MappingError,
-    meta buffers the model's init cannot compute a MetaBufferError (as `load_into` says)."""
+    meta buffers the model's init cannot compute a MetaBufferError, a rank that cannot fit
+    this host's memory a PlanError (as `load_into` says: `fit.check_fit`)."""
     check_rank(0, world)
     stored = StoredCheckpoint(path, iteration=iteration)
     model = meta_model(transformers_config(stored, config, "--config"))
@@ -130,6 +132,8 @@ def plan_ranks(path: str, world: int, config: Any = None, plan: Any = None, *, q
                         f"{', '.join(map(str, worlds)) or 'none'}.") from exc
     for planned in ranks:  # what each rank's load computes before reading, refused as load_into refuses it
         check_values(planned, model)
+    for planned in ranks:  # and a rank that cannot fit this host (fit.py)
+        check_fit(planned, stored, model, preview=True)
     heads = model_heads(model)
     if world > 1 and heads.kv_heads and world > heads.kv_heads and any(
             p.groups for p in ranks[-1].placements.placements.values()):
@@ -150,7 +154,8 @@ def format_plan(path: str, world: int, config: Any = None, *, single_file: bool 
     if as_json:
         return json.dumps({"path": path, "world": world, "warnings": warnings, "ranks": [plan_data(r) for r in ranks]},
                           indent=1, ensure_ascii=False)
-    lines = [f"{path}: world {world}", f"{'rank':>4}  {'bytes to read':>15}  {'tensors':>7}  {'sharded':>7}"]
+    split = f" ({ranks[0].plan_used} plan)" if ranks[0].plan_used else ""
+    lines = [f"{path}: world {world}{split}", f"{'rank':>4}  {'bytes to read':>15}  {'tensors':>7}  {'sharded':>7}"]
     lines += [f"{r.rank:>4}  {r.bytes_to_read:>15,}  {r.tensors:>7}  {r.sharded:>7}" for r in ranks]
     lines += [f"warning: {w}" for w in warnings]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import mmap
 import os
 
 import numpy as np
+import psutil
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MADV_RANDOM = 1
@@ -126,39 +127,92 @@ def file_mappings(path: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def _cgroup_paths() -> list[str]:
-    """Files holding this process's memory limit, from its cgroup up to the root
+# A memory cgroup's files, by version: its limit, its usage, and the memory.stat entries of
+# its page cache (counted in its usage, but reclaimed before the limit kills anything).
+_CGROUP_FILES = {"v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "total_active_file")),
+                 "v2": ("memory.max", "memory.current", ("inactive_file", "active_file"))}
+
+
+def _memory_cgroups() -> list[tuple[str, str]]:
+    """(directory, version) of this process's memory cgroups, from its own up to the root
     (v1 memory controller, v2 unified hierarchy, or both on hybrid hosts)."""
-    paths = []
+    found = []
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
     except OSError:
-        return paths
+        return found
     for line in lines:
         _, controllers, group = line.split(":", 2)
         if "memory" in controllers.split(","):
-            roots, name = ["/sys/fs/cgroup/memory"], "memory.limit_in_bytes"
+            roots, version = ["/sys/fs/cgroup/memory"], "v1"
         elif controllers == "":
-            roots, name = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"], "memory.max"
+            roots, version = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"], "v2"
         else:
             continue
         for root in roots:
             parts = [p for p in group.split("/") if p]
             for depth in range(len(parts), -1, -1):
-                paths.append(os.path.join(root, *parts[:depth], name))
-    return paths
+                found.append((os.path.join(root, *parts[:depth]), version))
+    return found
+
+
+def _read_bytes(path: str) -> int | None:
+    """A cgroup file's number of bytes (None: absent, unreadable, or "max"/unlimited)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) < (1 << 60) else None  # v1 writes "unlimited" as ~2**63
 
 
 def memory_limit() -> int | None:
     """The tightest memory cgroup limit over this process (None when unlimited or unknown)."""
-    limits = []
-    for path in _cgroup_paths():
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < (1 << 60):  # v1 writes "unlimited" as ~2**63
-            limits.append(int(text))
+    limits = [limit for directory, version in _memory_cgroups()
+              if (limit := _read_bytes(os.path.join(directory, _CGROUP_FILES[version][0]))) is not None]
     return min(limits) if limits else None
+
+
+def _page_cache(directory: str, keys: tuple[str, ...]) -> int:
+    """A cgroup's file pages (memory.stat), which it reclaims before it runs out."""
+    total = 0
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                total += int(value) if key in keys else 0
+    except (OSError, ValueError):
+        return 0
+    return total
+
+
+def memory_available() -> tuple[int, str]:
+    """The bytes this process can still allocate, and where that number comes from: the
+    least of the host's MemAvailable (/proc/meminfo; psutil's estimate where there is none)
+    and, for every memory cgroup over this process that has a limit, that limit less its
+    usage that is not page cache (file pages are reclaimed before the limit kills anything)."""
+    available = _meminfo_available()
+    best = (available, "MemAvailable in /proc/meminfo") if available is not None else (
+        psutil.virtual_memory().available, "the host's available memory (psutil)")
+    for directory, version in _memory_cgroups():
+        limit_file, usage_file, cache_keys = _CGROUP_FILES[version]
+        limit = _read_bytes(os.path.join(directory, limit_file))
+        usage = _read_bytes(os.path.join(directory, usage_file))
+        if limit is None or usage is None:
+            continue
+        room = max(limit - max(usage - _page_cache(directory, cache_keys), 0), 0)
+        if room < best[0]:
+            best = (room, f"the memory cgroup {directory}: {limit_file} {limit:,} less {limit - room:,} in use")
+    return best
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

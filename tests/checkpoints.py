@@ -26,6 +26,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 ATTN = "eager"  # same attention code on both sides of every comparison
 
+# Tensor parallel inside every fused expert (gate|up halves each cut by rows, down_proj by
+# columns): transformers' own TP plan for its MoE models up to 5.24. 5.25 left the experts out
+# of the TP plans (they are only in `ep_plan`), so tests of that split name it in plan=.
+EXPERTS_TP = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+              "layers.*.mlp.experts": "moe_tp_experts"}
+
+
+def default_experts(config) -> str:
+    """How `plan=None` splits a MoE model's experts, read off transformers' own plans: "tp"
+    where its TP plan splits them (transformers <= 5.24), else "ep" (whole experts per rank)."""
+    tp = getattr(config, "base_model_tp_plan", None) or {}
+    return "tp" if any(".experts." in k for k in tp) else "ep"
+
 
 _TOWER = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
 
@@ -60,6 +73,13 @@ def make_config(arch: str, **overrides):
                   num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                   max_position_embeddings=128, layer_types=["full_attention"] * 2, tie_word_embeddings=False)
         cls = tf.GptOssConfig
+    elif arch == "deepseek_v3":  # not in ARCHS: MLA attention, shared + routed fused experts, a dense first layer
+        kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                  first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                  n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=16,
+                  kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                  max_position_embeddings=128, tie_word_embeddings=False)
+        cls = tf.DeepseekV3Config
     elif arch == "opt":  # not in ARCHS: Linear layers and no transformers TP plan (lazyload's structural rule)
         kw = dict(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=128, word_embed_proj_dim=64)
@@ -260,6 +280,21 @@ def rewrite_tensor_in_checkpoint(directory, *, drop: str | None = None,
     idx = json.loads(index_json(directory).read_text())
     idx["weight_map"] = wm
     index_json(directory).write_text(json.dumps(idx, indent=2))
+
+
+def edit_tensor(directory, key: str, edit) -> None:
+    """Replace stored tensor ``key`` of the checkpoint at ``directory`` (a ``copy_checkpoint``
+    copy) by ``edit(tensor)``: its shard is written as a new file, never through the link."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        if key in tensors:
+            tensors[key] = edit(tensors[key]).contiguous()
+            shard.unlink()
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+            return
+    raise KeyError(f"{directory}: no tensor {key!r}")
 
 
 def rchar() -> int | None:

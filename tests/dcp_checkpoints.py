@@ -71,3 +71,33 @@ def dcp_reference(directory, prefix: str = ""):
     dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     model.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()})
     return model
+
+
+def save_chunked(directory, fqn: str, n: int, values: int = 100) -> None:
+    """A DCP checkpoint whose float32 tensor `fqn` of size [1, n] is saved as n chunks of
+    [1, 1], laid out as FileSystemWriter lays them (each chunk a torch.save zip in
+    `__0_0.distcp`, `.metadata` a pickle of torch's own Metadata classes). Chunk j holds
+    j % `values`: `values` distinct zips, each written once by torch.save and repeated."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    zips = []
+    for value in range(values):
+        buffer = io.BytesIO()
+        torch.save(torch.tensor([[float(value)]]), buffer)
+        zips.append(buffer.getvalue())
+    chunks, storage, offset = [], {}, 0
+    with open(directory / "__0_0.distcp", "wb") as f:
+        for j in range(n):
+            raw = zips[j % values]
+            f.write(raw)
+            chunks.append(ChunkStorageMetadata(torch.Size([0, j]), torch.Size([1, 1])))
+            storage[MetadataIndex(fqn, torch.Size([0, j]))] = _StorageInfo("__0_0.distcp", offset, len(raw))
+            offset += len(raw)
+    tensor = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([1, n]), chunks)
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(Metadata({fqn: tensor}, storage_data=storage), f)

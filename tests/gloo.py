@@ -15,7 +15,13 @@ once per session (FORKSERVER_PRELOAD): a rank starts in a fraction of a second i
 importing them itself (several seconds each on 2 cores). The server only imports: it runs no
 torch op and starts no thread before it forks (no OpenMP pool, no gloo group; each rank makes
 its process group after the fork), and each rank takes the test's environment as it is at
-start (os.environ, sys.path and the working directory), as a spawned one would."""
+start (os.environ, sys.path and the working directory), as a spawned one would.
+
+A job leaves no process behind. Each rank leads a process group of its own and stops what it
+started when it ends (`end_rank`: megatron-core's save starts a multiprocessing Manager in
+every rank, which os._exit would leave running, orphaned, for ever); after the job the test
+kills whatever is left in the ranks' groups, whatever way they ended, and a job that succeeded
+but left a process fails, naming it."""
 from __future__ import annotations
 
 import faulthandler
@@ -30,6 +36,7 @@ import time
 import traceback
 from typing import Callable, NoReturn
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -93,7 +100,9 @@ def _worker(rank, world, init_file, run_case, cases, errors):
 
 def end_rank() -> NoReturn:
     """The end of a rank that succeeded: destroy the process group, then exit 0 at once
-    (os._exit), so that no interpreter teardown runs beside gloo threads that torch kept."""
+    (os._exit), so that no interpreter teardown runs beside gloo threads that torch kept, after
+    stopping the processes the rank started (os._exit runs no multiprocessing finalizer)."""
+    _stop(psutil.Process().children(recursive=True))
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -113,7 +122,9 @@ JOB_TIMEOUT = float(os.environ.get("LAZYLOAD_TEST_JOB_TIMEOUT", 900))
 
 def _traced(rank: int, stacks: str, worker: Callable, *args) -> None:
     """A rank that prints every thread's stack to its file in `stacks` on SIGUSR1 (a hung job's
-    ranks are asked for theirs before they are killed), then runs `worker(rank, *args)`."""
+    ranks are asked for theirs before they are killed), then runs `worker(rank, *args)`, in a
+    process group of its own (what the rank starts is in it, found after the rank is gone)."""
+    os.setpgid(0, 0)
     out = open(os.path.join(stacks, f"rank{rank}.txt"), "w")  # noqa: SIM115 (held for the process's life)
     faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
     worker(rank, *args)
@@ -144,6 +155,40 @@ def spawn_collecting(worker: Callable, args: tuple, nprocs: int, timeout: float 
                 if process.is_alive():
                     process.kill()
                     process.join(5)
+            left = [p for process in job.processes for p in _group(process.pid)]
+            named = [f"{p.pid} {_cmdline(p)[:200]}" for p in left]
+            _stop(left)
+    if left:
+        pytest.fail(f"the job's ranks ended but left {len(left)} process(es) running (killed now): " + "; ".join(named))
+
+
+def _group(pgid: int) -> list[psutil.Process]:
+    """The live processes of process group `pgid` (a rank's, and what it started)."""
+    members = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(process)
+        except (ProcessLookupError, psutil.Error):  # ended since listed
+            pass
+    return members
+
+
+def _stop(processes: list[psutil.Process]) -> None:
+    """Kill `processes` and wait until they are gone."""
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=10)
+
+
+def _cmdline(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return "(ended)"
 
 
 def _stacks_of(processes: list, stacks: str) -> str:

@@ -12,16 +12,27 @@ Megatron calls `torch.cuda.current_device()` and `torch.cuda.synchronize()` whil
 and its RNG tracker's `fork()` in the forward; on a CPU-only machine the writer replaces
 those three with CPU no-ops (nothing written changes). Its router's gating also names
 `te_general_gemm`, which 0.16.1 only defines when TransformerEngine imports: set to None,
-the router takes its own torch.mm path."""
+the router takes its own torch.mm path.
+
+`save_megatron_019` writes the Llama by megatron-core 0.19.2, whose saves have no common.pt
+(since 0.17 the common state, Megatron's args with it, is a DCP byte item in the .distcp
+files): its wheels are for Python >= 3.12, but the code the writer runs imports on 3.11, so
+the wheel is downloaded from PyPI and unpacked onto the sys.path of a writer process of its
+own (with triton, which 0.19.2 imports unconditionally)."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import os
+import re
+import sys
+import tempfile
+import zipfile
 
 import torch
 
-from gloo import spawn_cases
+from gloo import run_job, spawn_cases
 
 HEADS, GROUPS, HIDDEN, FFN, LAYERS, VOCAB, SEQ = 4, 2, 64, 128, 2, 256, 12
 EXPERTS, TOP_K, EXPERT_FFN, SHARED_FFN = 4, 2, 32, 48
@@ -199,3 +210,39 @@ def save_megatron(tmp_path, checkpoints: list[tuple[str, str]]) -> None:
     logits for `tokens()` beside it (and a MoE one's `reference.pt`), for (directory, kind)
     pairs, all in one spawned job."""
     spawn_cases(2, [(str(d), kind) for d, kind in checkpoints], tmp_path, _save)
+
+
+MEGATRON_019 = "megatron-core==0.19.2"
+TRITON = "triton==3.9.0"  # megatron-core 0.19 imports it at import (its MoE paged-stash kernels)
+# The GPU toolchain in triton's wheel (CUDA / ROCm libraries and compilers, the profiler's
+# library; 0.5 of its 1 GB unpacked): nothing here compiles a kernel, so it is not unpacked.
+_GPU_TOOLCHAIN = re.compile(r"^triton/(backends/[^/]+/(lib|bin|include)/|instrumentation/.*\.so$|_C/libproton\.so$|"
+                            r"plugins/)")
+
+
+def _unpacked_019(site: str) -> None:
+    """megatron-core 0.19.2 and triton, from PyPI, unpacked in `site` (a sys.path entry)."""
+    wheels = os.path.join(site, ".wheels")
+    for spec, options in ((MEGATRON_019, ["--python-version", "3.12"]), (TRITON, [])):
+        pip = run_job([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", wheels,
+                       *options, spec], timeout=600)
+        assert pip.returncode == 0, f"pip download {spec} failed (PyPI unreachable?):\n{pip.stdout}\n{pip.stderr}"
+    for wheel in glob.glob(os.path.join(wheels, "*.whl")):
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(site, [name for name in archive.namelist() if not _GPU_TOOLCHAIN.match(name)])
+
+
+def save_megatron_019(directory) -> None:
+    """The Llama's save directory (as `save_megatron` writes it) written by megatron-core
+    0.19.2, in a process whose sys.path starts with 0.19.2 unpacked (removed after)."""
+    with tempfile.TemporaryDirectory(prefix="megatron-core-0.19-") as site:
+        _unpacked_019(site)
+        directory = os.path.abspath(directory)
+        code = (f"import sys; sys.path[:0] = [{site!r}, {os.path.dirname(os.path.abspath(__file__))!r}]\n"
+                "from pathlib import Path\n"
+                "import megatron.core\n"
+                "from megatron_dist_checkpoints import save_megatron\n"
+                "assert megatron.core.__version__ == '0.19.2', megatron.core.__version__\n"
+                f"save_megatron(Path({os.path.dirname(directory)!r}), [(Path({directory!r}), 'llama')])")
+        job = run_job([sys.executable, "-c", code])
+        assert job.returncode == 0, f"megatron-core 0.19.2's save failed:\n{job.stdout[-4000:]}\n{job.stderr[-8000:]}"

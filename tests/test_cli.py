@@ -164,3 +164,20 @@ def test_inspect_into_a_closed_pipe_prints_no_traceback(checkpoint):
     child.stdout.close()  # as `| head` does once it has its lines; long before the child prints
     err = child.stderr.read().decode()
     assert child.wait() == 0 and err == "", err
+
+
+def test_plan_names_the_default_moe_split_and_each_rank_reads_its_experts(checkpoint, capsys):
+    """`lazyload plan` plans as load_into does: a Mixtral whose TP plan leaves the experts
+    whole (transformers 5.25) gets whole experts per rank, and says so; each rank reads
+    about half the checkpoint, not all of its experts."""
+    from checkpoints import default_experts
+
+    from lazyload.cli import main
+
+    directory, config = checkpoint("mixtral")
+    assert main(["plan", str(directory), "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"{directory}: world 2 ({default_experts(config)} plan)" in out.splitlines()
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    total = tensor_bytes(shard_files(directory))
+    assert len(rows) == 2 and all(int(row[1].replace(",", "")) < 0.6 * total for row in rows), (rows, total)

@@ -5,17 +5,26 @@ Llama saved by 4 gloo ranks) load into meta-built transformers models bit-exact 
 checkpoint; bad metadata or chunks are CheckpointErrors before any tensor byte is read."""
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import pickle
+import re
 import shutil
+import struct
+import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from checkpoints import build_model
-from dcp_checkpoints import dcp_reference, llama, save_fsdp_tp, save_plain
-from gloo import spawn_cases
+from dcp_checkpoints import dcp_reference, llama, save_chunked, save_fsdp_tp, save_plain
+from gloo import run_job, spawn_cases
 from lazyload import CheckpointError, LazyCheckpoint
+from lazyload.formats.dcp import check_chunks
+from lazyload.formats.dcp_metadata import Chunk, TensorMeta
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 
@@ -192,3 +201,189 @@ def test_bad_dcp_checkpoints_are_refused_before_any_tensor_byte(saved, tmp_path,
         LazyCheckpoint(path).load_into(model, progress=False)
     assert Q_PROJ in str(info.value) or "posix.system" in str(info.value)
     assert all(t.is_meta for t in model.state_dict().values())  # untouched: every tensor still on meta
+
+
+# ----------------------------------------------------------------------------- many chunks
+
+INDEX_CHUNKED = """
+import sys
+from lazyload import LazyCheckpoint
+index = LazyCheckpoint(sys.argv[1]).index
+print(index.shape("w"), len(index.expr("w").keys()))
+"""
+
+
+def test_tens_of_thousands_of_chunks_index_in_linear_time(tmp_path):
+    """A [1, 40000] tensor saved as 40,000 chunks of [1, 1]: the chunks' tiling is checked
+    without comparing pairs of them (all-pairs took minutes here), so indexing ends within
+    a generous bound."""
+    save_chunked(tmp_path, "w", 40_000)
+    result = run_job([sys.executable, "-c", INDEX_CHUNKED, str(tmp_path)], timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["(1,", "40000)", "40000"]
+
+
+@st.composite
+def chunked_tensors(draw):
+    """A small tensor and chunks of it: a grid's cells (an exact tiling), some of them
+    moved, dropped or repeated."""
+    size = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    cuts = [sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else [] for n in size]
+    spans = [list(zip([0, *c], [*c, n])) for c, n in zip(cuts, size)]
+    chunks = [Chunk(tuple(a for a, _ in cell), tuple(b - a for a, b in cell)) for cell in itertools.product(*spans)]
+    for _ in range(draw(st.integers(0, 2))):
+        if not chunks:
+            break
+        i = draw(st.integers(0, len(chunks) - 1))
+        c = chunks[i]
+        offsets = tuple(draw(st.integers(0, n - s)) for n, s in zip(size, c.sizes))
+        action = draw(st.sampled_from(["move", "drop", "repeat"]))
+        if action == "drop":
+            chunks.pop(i)
+        elif offsets not in {c.offsets for c in chunks}:
+            chunks[i:i + 1] = [Chunk(offsets, c.sizes)] + ([c] if action == "repeat" else [])
+    return TensorMeta(torch.float32, size, tuple(chunks))
+
+
+def _coverage(meta: TensorMeta) -> torch.Tensor:
+    """How many chunks hold each element, counted element by element."""
+    count = torch.zeros(meta.size, dtype=torch.int64)
+    for c in meta.chunks:
+        count[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))] += 1
+    return count
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunked_tensors())
+def test_chunk_check_agrees_with_counting_every_element(meta):
+    """check_chunks refuses exactly the chunk lists that do not hold every element once,
+    and an overlap it names is one: both chunks hold the element it found."""
+    count = _coverage(meta)
+    if bool((count == 1).all()):
+        assert len(check_chunks("m", "w", meta)) == len(meta.chunks)
+        return
+    with pytest.raises(CheckpointError) as info:
+        check_chunks("m", "w", meta)
+    message = str(info.value)
+    if int(count.sum()) < count.numel():
+        assert "do not cover the tensor" in message, message
+        return
+    assert "overlapping chunks" in message, message
+    named = re.search(r"at (\[[\d, ]*\]) and (\[[\d, ]*\])", message)
+    if named:
+        a, b = ([c for c in meta.chunks if list(c.offsets) == json.loads(at)][0] for at in named.groups())
+        assert all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def test_chunks_cut_along_too_many_dims_are_refused():
+    """The tiling check costs 2^dims per chunk of the dims chunks are cut along: a tensor
+    cut along more dims than any mesh shards is refused, naming it."""
+    size = (2,) * 7
+    cells = [Chunk(offsets, (1,) * 7) for offsets in itertools.product((0, 1), repeat=7)]
+    with pytest.raises(CheckpointError, match="'w' of size .* is cut into chunks along 7 dims"):
+        check_chunks("m", "w", TensorMeta(torch.float32, size, tuple(cells)))
+    assert len(check_chunks("m", "w", TensorMeta(torch.float32, size[:6], tuple(Chunk(c.offsets[:6], c.sizes[:6])
+                                                                             for c in cells[::2])))) == 64
+
+
+# ----------------------------------------------------------------------------- hostile values
+# Python's str() refuses integers over 4,300 digits; above int64 no size or offset is real.
+HUGE, BEYOND_INT64 = 10 ** 5000, 2 ** 64
+
+
+def _set_chunk(field, value):
+    def edit(metadata, _):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        first = _chunks(metadata)[0]
+        fields = {"offsets": first.offsets, "sizes": first.sizes, field: torch.Size([value, 0])}
+        _chunks(metadata)[0] = ChunkStorageMetadata(fields["offsets"], fields["sizes"])
+    return edit
+
+
+def _set_size(value):
+    def edit(metadata, _):
+        metadata.state_dict_metadata[Q_PROJ].size = torch.Size([value, 64])
+    return edit
+
+
+def _set_storage(field, value):
+    def edit(metadata, _):
+        for index, info in metadata.storage_data.items():
+            if index.fqn == Q_PROJ:
+                setattr(info, field, value)
+    return edit
+
+
+def _int_fqn(metadata, _):
+    metadata.state_dict_metadata[HUGE] = metadata.state_dict_metadata.pop(Q_PROJ)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set_chunk("offsets", HUGE), "a chunk offset of"),
+    (_set_chunk("offsets", BEYOND_INT64), "a chunk offset of"),
+    (_set_chunk("sizes", HUGE), "a chunk size of"),
+    (_set_chunk("sizes", BEYOND_INT64), "a chunk size of"),
+    (_set_size(HUGE), "the size of"),
+    (_set_size(-HUGE), "the size of"),
+    (_set_size(BEYOND_INT64), "the size of"),
+    (_set_storage("offset", HUGE), "the storage of"),
+    (_set_storage("offset", BEYOND_INT64), "the storage of"),
+    (_set_storage("length", BEYOND_INT64), "the storage of"),
+    (_set_storage("relative_path", "__0_\x000.distcp"), "the storage of"),
+    (_set_storage("transform_descriptors", [HUGE]), "the storage of"),
+    (_int_fqn, "is not a named storage record"),
+], ids=["offset-huge", "offset-2**64", "size-huge", "size-2**64", "tensor-huge", "tensor-negative-huge",
+        "tensor-2**64", "storage-offset-huge", "storage-offset-2**64", "storage-length-2**64", "relative-path-nul",
+        "transform-int", "fqn-int"])
+def test_hostile_metadata_values_are_checkpoint_errors(saved, tmp_path, edit, message):
+    """Integers too long to print or beyond int64, a NUL in a file name, a transform that
+    is no name: a CheckpointError naming the .metadata (and the tensor), never Python's
+    ValueError, before any tensor byte is read."""
+    path = _copy(saved, tmp_path, edit)
+    model = build_model("llama", llama()[1], torch.bfloat16)
+    with pytest.raises(CheckpointError) as info:
+        LazyCheckpoint(path).load_into(model, progress=False)
+    text = str(info.value)
+    assert ".metadata" in text and len(text) < 2000, text
+    if message != "is not a named storage record":
+        assert message in text and Q_PROJ in text, text
+    assert all(t.is_meta for t in model.state_dict().values())
+
+
+def _rewrite_header(path, edit) -> None:
+    """The safetensors file at `path` with its header JSON changed in place by `edit(header)`."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def _sharding_info(header) -> dict:
+    return json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+
+
+def _offsets_of_q_proj(value):
+    def edit(header):
+        info = _sharding_info(header)
+        info[Q_PROJ]["saved_offsets"] = [value, 0]
+        header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_offsets_of_q_proj(10 ** 4300 - 1), "no saved_offsets list"),  # 4300 digits: the size adds a 4301st
+    (_offsets_of_q_proj(BEYOND_INT64), "no saved_offsets list"),
+    (lambda h: h["__metadata__"].update(DCP_SHARDING_INFO="[" * 100_000 + "]" * 100_000), "no readable"),
+    (lambda h: h.update(__metadata__=["DCP_SHARDING_INFO"]), "no readable"),
+], ids=["offset-4300-digits", "offset-2**64", "sharding-info-nested-deep", "metadata-a-list"])
+def test_hostile_dcp_safetensors_headers_are_checkpoint_errors(saved, tmp_path, edit, message):
+    directory = tmp_path / "sharded"
+    shutil.copytree(saved["hf_sharded"][0], directory)
+    shard = sorted(directory.glob("*.safetensors"))[0]
+    _rewrite_header(shard, edit)
+    with pytest.raises(CheckpointError, match=message) as info:
+        LazyCheckpoint(str(directory)).index
+    assert shard.name in str(info.value) and len(str(info.value)) < 2000

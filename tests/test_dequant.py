@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from checkpoints import build_model, meta_tensors, reference_model, shard_files
+from checkpoints import (EXPERTS_TP, build_model, copy_checkpoint, default_experts, edit_tensor, meta_tensors,
+                         reference_model, shard_files)
 from lazyload import LazyCheckpoint, Placement
-from lazyload.errors import CheckpointError
+from lazyload.errors import CheckpointError, CorruptValuesError
 from lazyload.expr import Dequant, box_shape
 from lazyload.quant.dequant import QuantizedBox, dequantize_into
 from quant_checkpoints import (FP8, dequantize, quantize_fp8_blocks, write_compressed_checkpoint,
@@ -189,11 +190,13 @@ def test_mixtral_experts_stacked_from_quantized_per_expert_weights(checkpoint, t
     gate_up = torch.stack([torch.cat([dq[e, "w1"], dq[e, "w3"]]) for e in range(config.num_local_experts)])
     down = torch.stack([dq[e, "w2"] for e in range(config.num_local_experts)])
     prefix = "model.layers.0.mlp.experts."
-    for plan in (None, "ep"):
+    for plan in (EXPERTS_TP, "ep", None):  # None: the default, whole experts where the TP plan leaves them whole
+        split = plan if isinstance(plan, str) else "tp" if plan else default_experts(config)
         for rank in range(2):
             model = build_model("mixtral", config, torch.bfloat16)
-            assert LazyCheckpoint(str(directory)).load_into(model, rank, 2, plan=plan, progress=False).ok
-            if plan == "ep":
+            report = LazyCheckpoint(str(directory)).load_into(model, rank, 2, plan=plan, progress=False)
+            assert report.ok and report.plan == ("custom" if isinstance(plan, dict) else split)
+            if split == "ep":
                 mine = slice(rank * 2, rank * 2 + 2)
                 assert torch.equal(model.get_parameter(prefix + "gate_up_proj"), gate_up[mine])
                 assert torch.equal(model.get_parameter(prefix + "down_proj"), down[mine])
@@ -253,6 +256,25 @@ def test_a_quantized_weight_without_its_scale_is_refused_even_with_strict_false(
     with pytest.raises(CheckpointError, match="o_proj.weight.*no scale"):
         LazyCheckpoint(str(broken)).load_into(model, strict=False, progress=False)
     assert len(meta_tensors(model)) == len(list(model.parameters())) + len(list(model.buffers()))
+
+
+@pytest.mark.parametrize("scale, dtype, message", [
+    (1e38, torch.bfloat16, r"scales up to 1e\+38 .* inf or NaN in bfloat16"),  # 448 x 1e38: inf
+    (float("nan"), torch.bfloat16, r"scales up to nan .* inf or NaN in bfloat16"),
+    (1000.0, torch.float16, r"scales up to 1000 .* inf or NaN in float16"),  # 448000: past float16's 65504
+], ids=["1e38", "nan", "1000-into-float16"])
+def test_scales_that_make_inf_or_nan_weights_are_refused_naming_the_tensor(fp8_llama, tmp_path, scale, dtype,
+                                                                          message):
+    """A block's scale that turns its FP8 weights (up to 448) into inf or NaN in the model's
+    dtype: a CorruptValuesError naming the tensor and file, the weight left unloaded."""
+    directory, config = fp8_llama
+    broken = copy_checkpoint(directory, tmp_path / "broken")
+    victim = "model.layers.1.self_attn.o_proj.weight"
+    edit_tensor(broken, victim + "_scale_inv", lambda s: torch.full_like(s, scale))
+    model = build_model("llama", config, dtype)
+    with pytest.raises(CorruptValuesError, match=rf"{message}.*reading tensor '{victim}' of \S*{broken}") as info:
+        LazyCheckpoint(str(broken)).load_into(model, progress=False)
+    assert victim in info.value.not_loaded
 
 
 def test_unsupported_methods_are_refused_before_reading(fp8_llama, tmp_path):

@@ -4,7 +4,9 @@ published layout from known tensors and loaded into transformers models exactly,
 and at split and merged worlds."""
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 
 import pytest
 import torch
@@ -239,6 +241,80 @@ def test_megatron_checkpoint_loads_exactly(checkpoint, tmp_path, arch, version, 
     LazyCheckpoint(str(directory)).load_into(model, progress=False)
     assert_same_weights(model, ref)
     _local_equal(directory, arch, config, torch.float32, original, [w for w in worlds if w > 1])
+
+
+def _megatron_llama(checkpoint, directory, change=None):
+    """A Megatron-LM Llama (TP 2, grouped-query, layout 3.0) in `directory`, each rank file's
+    saved dict passed through `change` (in place) when given."""
+    original, config = checkpoint("llama", num_key_value_heads=2)
+    _write_megatron(reference_model("llama", original, torch.float32).state_dict(), config, directory, 2, 3.0, True)
+    for f in sorted(directory.glob("release/mp_rank_*/model_optim_rng.pt")) if change else []:
+        saved = torch.load(f, weights_only=False)
+        change(saved)
+        torch.save(saved, f)
+    return directory, config
+
+
+def _megatron_refused(path, config, match, **kwargs):
+    """Loading `path` is a CheckpointError matching `match`, the model untouched."""
+    model = build_model("llama", config, torch.float32)
+    with pytest.raises(CheckpointError, match=match):
+        LazyCheckpoint(str(path), **kwargs).load_into(model, progress=False)
+    assert all(t.is_meta for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("tag", ["{other}", "../other/release", "\u00b2", "\u0661\u0660", "1" * 30])
+def test_a_megatron_tracker_naming_no_iteration_is_refused(checkpoint, tmp_path, tag):
+    """An iteration number or `release` is all Megatron writes in its tracker: a path loaded
+    another directory, '²' raised int()'s ValueError, '١٠' was read as 10."""
+    save, config = _megatron_llama(checkpoint, tmp_path / "save")
+    _megatron_llama(checkpoint, tmp_path / "other")
+    shutil.copytree(save / "release", save / "iter_0000010")
+    (save / "latest_checkpointed_iteration.txt").write_text(tag.format(other=tmp_path / "other" / "release"))
+    _megatron_refused(save, config, r"latest_checkpointed_iteration\.txt: holds .*, not an iteration number")
+
+
+def _set_args(**values):
+    def change(saved):
+        saved["args"] = argparse.Namespace(**(vars(saved["args"]) | values))
+    return change
+
+
+def _set(**values):
+    return lambda saved: saved.update(values)
+
+
+def _rename_layer(new: str):
+    def change(saved):
+        encoder = saved["model"]["language_model"]["encoder"]
+        encoder[f"layers.{new}.input_layernorm.weight"] = encoder.pop("layers.1.input_layernorm.weight")
+    return change
+
+
+_HUGE = 10 ** 5000  # str() of it raises ValueError (over 4,300 digits); trust_pickle reads it
+
+
+@pytest.mark.parametrize("change,match", [
+    (_set_args(num_query_groups=0), "args.num_query_groups is 0, not a count"),
+    (_set_args(num_query_groups="2"), "args.num_query_groups is '2', not a count"),
+    (_set_args(num_attention_heads=_HUGE), "args.num_attention_heads is <integer of 16610 bits>, not a count"),
+    (_set_args(kv_channels=None, hidden_size=[_HUGE]), "args.hidden_size is [<integer of 16610 bits>], not a count"),
+    (_set_args(tensor_model_parallel_size=_HUGE), "written for tensor-parallel size <integer of 16610 bits>"),
+    (_set(checkpoint_version=_HUGE), "checkpoint_version is <integer of 16610 bits>, not a version number"),
+    (_set(checkpoint_version="x"), "checkpoint_version is 'x', not a version number"),
+    (_rename_layer("\u0661"), "Megatron key 'encoder.layers.\u0661.input_layernorm.weight' is not one lazyload knows"),
+    (_rename_layer("1" * 5000), "Megatron key 'encoder.layers.1111"),
+], ids=["groups-0", "groups-str", "heads-huge", "hidden-list", "tp-huge", "version-huge", "version-str",
+        "layer-arabic-indic", "layer-5000-digits"])
+def test_megatron_args_and_keys_that_are_no_model_are_refused(checkpoint, tmp_path, change, match):
+    """Heads, groups, sizes and versions that are 0, a string, a list or an integer of 5,000
+    digits, and layer numbers that are not ASCII digits: a CheckpointError naming the file
+    and the value (an integer too big for str() by its size), not ZeroDivisionError,
+    TypeError, OverflowError or ValueError; '١' was read as layer 1."""
+    import re
+
+    directory, config = _megatron_llama(checkpoint, tmp_path / "megatron", change)
+    _megatron_refused(directory, config, re.escape(match), trust_pickle=True)
 
 
 # ----------------------------------------------------------------------------- DeepSpeed json

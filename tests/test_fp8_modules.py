@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import build_model
+from checkpoints import EXPERTS_TP, build_model, default_experts
 from gloo import spawn_cases
 from quant_checkpoints import QUANTIZED, expand, fp8_model, write_fp8_checkpoint
 from test_dequant import read_all
@@ -43,10 +43,13 @@ def stored(raw: dict, name: str, experts: int) -> torch.Tensor:
     return torch.stack([torch.cat([raw[f"{prefix}.{e}.{p}.{leaf}"] for p in parts]) for e in range(experts)])
 
 
-def share(name: str, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+def share(name: str, full: torch.Tensor, rank: int, world: int, experts: str = "tp") -> torch.Tensor:
     """A rank's share under transformers' TP plans (Llama, Mixtral), weight and scale alike:
-    colwise rows, rowwise columns, the experts' gate|up halves each split."""
+    colwise rows, rowwise columns, the experts' gate|up halves each split; experts="ep" (the
+    default plan where the TP plan leaves the experts whole): whole experts per rank."""
     attr = name.removesuffix(SCALE).rpartition(".")[2]
+    if experts == "ep" and ".experts." in name:
+        return full.chunk(world, 0)[rank]
     module = name.removesuffix(SCALE).removesuffix(".weight").rpartition(".")[2]
     if attr == "gate_up_proj":
         return torch.cat([half.chunk(world, 1)[rank] for half in full.chunk(2, 1)], 1)
@@ -78,12 +81,12 @@ def _experts(config) -> int:
     return getattr(config, "num_local_experts", 0)
 
 
-def _check_filled(model, directory, config, rank, world):
+def _check_filled(model, directory, config, rank, world, experts=None):
     raw = read_all(directory)
     got = fp8_tensors(model)
     assert len(got) == 2 * (7 if not _experts(config) else 6) * config.num_hidden_layers
     for name, tensor in got.items():
-        want = share(name, stored(raw, name, _experts(config)), rank, world)
+        want = share(name, stored(raw, name, _experts(config)), rank, world, experts or default_experts(config))
         assert tensor.dtype == want.dtype and torch.equal(bits(tensor), bits(want)), f"rank {rank}/{world}: {name}"
 
 
@@ -104,16 +107,17 @@ def test_fp8_layers_hold_the_stored_bytes_and_dequantize_to_the_dequantized_load
             assert torch.equal(dequantized(weight, got[name + SCALE]), full.get_parameter(name).detach()), name
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
-def test_every_rank_gets_its_weight_slice_and_its_scale_blocks(fp8_checkpoints, arch):
+@pytest.mark.parametrize("arch,experts", [("llama", None), ("mixtral", None), ("mixtral", "tp")])
+def test_every_rank_gets_its_weight_slice_and_its_scale_blocks(fp8_checkpoints, arch, experts):
     """World 2 from rank and world alone: each rank's FP8 weights are its slices of the
-    stored bytes and its scales the blocks of those slices (the experts' scales split as
-    their packed gate|up weight, not left whole)."""
+    stored bytes and its scales the blocks of those slices (experts="tp": the experts' scales
+    split as their packed gate|up weight, not left whole)."""
     directory, config = fp8_checkpoints[arch]
     for rank in range(2):
         model = fp8_model(arch, config)
-        assert LazyCheckpoint(directory).load_into(model, rank, 2, progress=False).ok
-        _check_filled(model, directory, config, rank, 2)
+        plan = EXPERTS_TP if experts == "tp" else None
+        assert LazyCheckpoint(directory).load_into(model, rank, 2, plan=plan, progress=False).ok
+        _check_filled(model, directory, config, rank, 2, experts)
 
 
 def _case_gloo(arch, directory, rank, world):

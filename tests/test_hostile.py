@@ -20,8 +20,8 @@ from safetensors import SafetensorError, safe_open
 
 from checkpoints import (assert_same_weights, build_model, copy_checkpoint, index_json, reference_model,
                          shard_files, weight_map, write_raw_safetensors)
-from lazyload import LazyCheckpoint
-from lazyload.errors import CheckpointError, LazyLoadError
+from lazyload import LazyCheckpoint, Quantization, load_model, save_sharded
+from lazyload.errors import ArgumentError, CheckpointError, LazyLoadError, ShapeMismatchError
 from lazyload.index import CheckpointIndex
 
 
@@ -556,3 +556,99 @@ def test_fuzz_structured_headers_agree_with_safetensors_long(raw):
 @given(byte_mutated_files() | random_files)
 def test_fuzz_random_bytes_only_raise_lazyload_errors_long(raw):
     fuzz_one(raw, compare=False)
+
+
+# ------------------------------------------------------- config.json of a quantized checkpoint
+# Its quantization_config (as compressed-tensors and transformers' FP8 write it) with fields
+# of the wrong type, or config.json nested deeper than Python's json can parse.
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A bf16 Llama's directory ("bf16"), it as int8 compressed-tensors per group of 32
+    ("ct") and as FP8 blocks of 32 x 32 ("fp8"), and its config ("config")."""
+    from checkpoints import write_checkpoint
+    from quant_checkpoints import write_compressed_checkpoint, write_fp8_checkpoint
+
+    src, config = write_checkpoint("llama", "bf16", tmp_path_factory.mktemp("llama"))
+    return {"bf16": src, "config": config,
+            "ct": write_compressed_checkpoint(src, tmp_path_factory.mktemp("ct") / "ct", "int", "group", 32),
+            "fp8": write_fp8_checkpoint(src, tmp_path_factory.mktemp("fp8") / "fp8", (32, 32))}
+
+
+def _with_config(source, tmp_path, edit) -> Path:
+    """A copy of `source` whose config.json's quantization_config `edit(q)` changed."""
+    directory = copy_checkpoint(source, tmp_path / "bad")
+    config = json.loads((directory / "config.json").read_text())
+    edit(config["quantization_config"])
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _group(q) -> dict:
+    return q["config_groups"]["group_0"]
+
+
+@pytest.mark.parametrize("kind, edit, field", [
+    ("ct", lambda q: q.update(config_groups=["group_0"]), "config_groups is ['group_0']"),
+    ("ct", lambda q: q.update(config_groups="group_0"), "config_groups is 'group_0'"),
+    ("ct", lambda q: q["config_groups"].update(group_0=["Linear"]), "config_groups.group_0 is ['Linear']"),
+    ("ct", lambda q: _group(q).update(weights=[8]), "config_groups.group_0 is {"),
+    ("ct", lambda q: _group(q)["weights"].update(group_size="32"), "group_0.weights.group_size is '32'"),
+    ("ct", lambda q: _group(q)["weights"].update(group_size=0), "group_0.weights.group_size is 0"),
+    ("ct", lambda q: _group(q)["weights"].update(group_size=10 ** 4000), "group_size is <integer of"),
+    ("ct", lambda q: _group(q)["weights"].update(strategy="block"), "block_structure is None"),
+    ("fp8", lambda q: q.update(weight_block_size=32), "weight_block_size is 32"),
+    ("fp8", lambda q: q.update(weight_block_size=["32", "32"]), "weight_block_size is ['32', '32']"),
+    ("fp8", lambda q: q.update(weight_block_size=[0, 32]), "weight_block_size is [0, 32]"),
+], ids=["groups-list", "groups-str", "group-list", "weights-list", "group-size-str", "group-size-0",
+        "group-size-huge", "block-structure-none", "block-size-int", "block-size-strs", "block-size-0"])
+def test_quantization_config_of_the_wrong_type(quantized, tmp_path, kind, edit, field):
+    """A CheckpointError naming config.json and the field, never AttributeError, TypeError,
+    ValueError or ZeroDivisionError, before any tensor byte is read."""
+    directory = _with_config(quantized[kind], tmp_path, edit)
+    model = build_model("llama", quantized["config"], torch.bfloat16)
+    with pytest.raises(CheckpointError, match="config.json: quantization_config") as info:
+        LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    assert field in str(info.value) and len(str(info.value)) < 1000, str(info.value)
+    assert all(t.is_meta for t in model.state_dict().values())
+
+
+def test_config_json_nested_too_deep(quantized, tmp_path, caplog):
+    """config.json nested deeper than Python's json parses: the quantized weights are found
+    from the tensors alone (as for any unreadable config.json, with a warning), and a model
+    built from it is an ArgumentError naming the file: no RecursionError either way."""
+    directory = copy_checkpoint(quantized["fp8"], tmp_path / "deep")
+    (directory / "config.json").write_text('{"quantization_config": ' + DEEP + "}")
+    model = build_model("llama", quantized["config"], torch.bfloat16)
+    with caplog.at_level("WARNING", logger="lazyload"):
+        with pytest.raises(CheckpointError, match="cannot tell the block size"):  # 32 x 32 blocks, undeclared
+            LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    assert "config.json: not read" in caplog.text
+    (directory / "config.json").write_text('{"model_type": "llama", "a": ' + "[" * 900 + "]" * 900 + "}")
+    with pytest.raises(ArgumentError, match="config.json: not a config transformers can read"):
+        load_model(str(directory))
+
+
+def test_save_sharded_refuses_a_source_config_json_it_cannot_parse(quantized, tmp_path):
+    """The writer adds quantization_config to the source's config.json: one nested too deep
+    to parse is a CheckpointError naming the source, and nothing is written."""
+    directory = copy_checkpoint(quantized["bf16"], tmp_path / "src")
+    (directory / "config.json").write_text(DEEP)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="its config.json is not valid JSON") as info:
+        save_sharded(str(directory), str(out), 1, model=build_model("llama", quantized["config"], torch.float32),
+                     quantize=Quantization("int8", group_size=32))
+    assert str(directory) in str(info.value) and not out.exists()
+
+
+@pytest.mark.parametrize("text", ["[1]", DEEP], ids=["a-list", "nested-deep"])
+def test_mismatch_hint_survives_a_config_json_it_cannot_read(quantized, tmp_path, text):
+    """A model that does not fit the checkpoint: its MappingError is raised as it is when
+    the config.json the hint compares with is no object, or too deep to parse."""
+    directory = copy_checkpoint(quantized["bf16"], tmp_path / "src")
+    (directory / "config.json").write_text(text)
+    config = quantized["config"].__class__(**{**quantized["config"].to_dict(), "vocab_size": 300})
+    with pytest.raises(ShapeMismatchError):
+        LazyCheckpoint(str(directory)).load_into(build_model("llama", config, torch.bfloat16), progress=False)

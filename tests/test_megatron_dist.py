@@ -4,10 +4,14 @@ Megatron's forward within 1e-5, at world 2 under gloo each rank's shards equal w
 bit for bit while reading less than 0.75x the checkpoint; the save directory, the iteration
 directory and a NeMo 2 `weights/` directory are all entry points. A MoE GPTModel (saved at
 TP 2 x EP 2) loads into a meta-built Qwen3-MoE bit-exact against Megatron's own load
-converted, with Megatron's logits (so its routing), at world 1 and at world 2 (TP, EP)."""
+converted, with Megatron's logits (so its routing), at world 1 and at world 2 (TP, EP). The
+dense one written by megatron-core 0.19.2 (its args in a DCP byte item, no common.pt) loads
+as the 0.16.1 one. Hostile trackers, args, layer numbers and byte items are CheckpointErrors
+naming the file, the model untouched."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -17,7 +21,7 @@ pytest.importorskip("megatron.core", reason="megatron-core (the test extra) writ
 
 from gloo import spawn_cases  # noqa: E402
 from lazyload import CheckpointError, LazyCheckpoint  # noqa: E402
-from megatron_dist_checkpoints import hf_config, save_megatron, tokens  # noqa: E402
+from megatron_dist_checkpoints import hf_config, save_megatron, save_megatron_019, tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,15 @@ def saved(written):
 @pytest.fixture(scope="module")
 def saved_moe(written):
     return written / "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def saved_019(tmp_path_factory):
+    """The Llama saved by megatron-core 0.19.2 (no common.pt: its args are in the DCP byte
+    item `common_state/shard_0_1`), the same weights as the 0.16.1 one (the same seed)."""
+    directory = tmp_path_factory.mktemp("megatron_019") / "megatron_0_19"
+    save_megatron_019(directory)
+    return directory
 
 
 def _meta_llama():
@@ -70,6 +83,45 @@ def _megatron_logits_match(model, path):
 
 def test_megatron_logits_match_megatrons_forward(saved):
     _megatron_logits_match(_loaded(saved)[0], saved)
+
+
+def test_a_megatron_core_0_19_checkpoint_loads_as_the_0_16_one(saved, saved_019):
+    """megatron-core 0.19.2's save (its common state a byte item in the .distcp files, no
+    common.pt, metadata.json without common_backend) loads to the tensors of the 0.16.1
+    save of the same model, bit for bit, and its logits are Megatron 0.19.2's."""
+    import json
+
+    iteration = saved_019 / "iter_0000100"
+    assert not (iteration / "common.pt").exists()
+    assert "common_backend" not in json.loads((iteration / "metadata.json").read_text())
+    model = _loaded(saved_019)[0]
+    want = _loaded(saved)[0].state_dict()
+    got = model.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    _megatron_logits_match(model, saved_019)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(length=1 << 40), r"1099511627776 bytes, over the 268435456 a common state takes"),
+    (dict(offset=1 << 30), r"the file ends inside byte item 'common_state/shard_0_1'"),
+    (dict(transform_descriptors=["zstd"]), r"stored transformed \(zstd\)"),
+], ids=["huge", "past-the-end", "compressed"])
+def test_a_common_state_byte_item_that_cannot_be_megatrons_is_refused(saved_019, tmp_path, change, match):
+    """The byte item holding 0.19's args, said to be a terabyte, past its file's end or
+    compressed: a CheckpointError naming it, before anything of it is read."""
+    import dataclasses
+    import pickle
+
+    directory = tmp_path / "iter"
+    shutil.copytree(saved_019 / "iter_0000100", directory)
+    with open(directory / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    index = next(i for i in metadata.storage_data if i.fqn == "common_state/shard_0_1")
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **change)
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    _refused(directory, r"\.distcp( \(Megatron's common state, byte item 'common_state/shard_0_1'\))?: .*" + match)
 
 
 def _equals_megatrons_own_load(path):
@@ -129,7 +181,7 @@ def _case_world2(case, rank, world):
         if full.shape != want[key].shape:  # expert parallel: this rank's whole experts
             assert plan == "ep" and key.endswith(("gate_up_proj", "down_proj")), key
             want[key] = want[key].chunk(world, 0)[rank]
-        assert torch.equal(full, want[key]), f"rank {rank} plan {plan}: {key}"
+        assert torch.equal(full, want[key]), f"rank {rank} plan {plan!r}: {key}"
     if moe:
         assert experts_cut, f"plan {plan}: no rank-local experts"
         _megatron_logits_match(model, path)
@@ -137,10 +189,12 @@ def _case_world2(case, rank, world):
     assert report.bytes_read + report.bytes_mapped < 0.75 * total, (report.bytes_read, report.bytes_mapped, total)
 
 
-def test_megatron_loads_at_world_2_under_gloo(saved, saved_moe, tmp_path):
-    """One spawned job: the dense checkpoint, and the MoE one at TP (each expert's gate and
-    up rows cut) and at EP (whole experts per rank)."""
-    cases = [(str(saved), None), (str(saved_moe), None), (str(saved_moe), "ep")]
+def test_megatron_loads_at_world_2_under_gloo(saved, saved_019, saved_moe, tmp_path):
+    """One spawned job: the dense checkpoint (as megatron-core 0.16.1 and 0.19.2 save it), and
+    the MoE one at TP (each expert's gate and up rows cut) and at EP (whole experts per rank)."""
+    from checkpoints import EXPERTS_TP
+
+    cases = [(str(saved), None), (str(saved_019), None), (str(saved_moe), EXPERTS_TP), (str(saved_moe), "ep")]
     spawn_cases(2, cases, tmp_path, _case_world2)
 
 
@@ -178,16 +232,13 @@ def test_cli_plans_and_reshards_a_megatron_checkpoint(saved, tmp_path, capsys):
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_a_megatron_key_lazyload_does_not_know_is_named(saved, tmp_path):
-    """A per-expert key (as Megatron's singleton_local_shards names them; here a renamed fc2)
-    is refused naming the key and what lazyload expected, before any tensor byte."""
+def _with_key_renamed(saved, directory, old: str, new: str):
+    """A copy of the checkpoint's iteration in `directory`, its tensor `old` named `new` in its .metadata."""
     import pickle
 
-    directory = tmp_path / "iter"
     shutil.copytree(saved / "iter_0000100", directory)
     with open(directory / ".metadata", "rb") as f:
         metadata = pickle.load(f)
-    old, new = "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.experts.experts.0.linear_fc2.weight"
     metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
     for index in list(metadata.storage_data):
         if index.fqn == old:
@@ -195,10 +246,75 @@ def test_a_megatron_key_lazyload_does_not_know_is_named(saved, tmp_path):
             metadata.storage_data[type(index)(new, index.offset, index.index)] = info
     with open(directory / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
+    return directory
+
+
+def _refused(path, match):
+    """Loading `path` is a CheckpointError matching `match`, the model untouched."""
     model = _meta_llama()
-    with pytest.raises(CheckpointError, match=r"decoder\.layers\.mlp\.experts\.experts\.0\.linear_fc2\.weight.*expected"):
-        LazyCheckpoint(str(directory)).load_into(model, progress=False)
+    with pytest.raises(CheckpointError, match=match):
+        LazyCheckpoint(str(path)).load_into(model, progress=False)
     assert all(t.is_meta for t in model.state_dict().values())
+
+
+def test_a_megatron_key_lazyload_does_not_know_is_named(saved, tmp_path):
+    """A per-expert key (as Megatron's singleton_local_shards names them; here a renamed fc2)
+    is refused naming the key and what lazyload expected, before any tensor byte."""
+    directory = _with_key_renamed(saved, tmp_path / "iter", "decoder.layers.mlp.linear_fc2.weight",
+                                  "decoder.layers.mlp.experts.experts.0.linear_fc2.weight")
+    _refused(directory, r"decoder\.layers\.mlp\.experts\.experts\.0\.linear_fc2\.weight.*expected")
+
+
+@pytest.mark.parametrize("layer", ["\u00b2", "\u0661", "1" * 5000], ids=["superscript", "arabic-indic", "5000-digits"])
+def test_a_layer_number_that_is_not_ascii_digits_is_refused(saved, tmp_path, layer):
+    """`decoder.layers.N.` with N not ASCII digits ('²' raised int()'s ValueError, '١' was
+    read as layer 1, 5,000 digits over int()'s limit): a CheckpointError naming the key."""
+    directory = _with_key_renamed(saved, tmp_path / "iter", "decoder.layers.mlp.linear_fc2.weight",
+                                  f"decoder.layers.{layer}.mlp.linear_fc2.weight")
+    _refused(directory, r"\.metadata: Megatron key 'decoder\.layers\..*: its layer number .* is not one")
+
+
+@pytest.mark.parametrize("tag", ["{other}", "../other/iter_0000100", "iter_0000100", "\u00b2", "\u0661\u0660\u0660",
+                                 "1" * 30, "+100", ""])
+def test_a_tracker_naming_no_iteration_is_refused(saved, tmp_path, tag):
+    """Megatron writes an iteration number or `release` in latest_checkpointed_iteration.txt:
+    a path there (absolute, or up and into another save directory) loaded that directory, '²'
+    raised int()'s ValueError, '١٠٠' was read as 100."""
+    save, other = tmp_path / "save", tmp_path / "other"
+    for root in (save, other):
+        shutil.copytree(saved / "iter_0000100", root / "iter_0000100")
+    (save / "latest_checkpointed_iteration.txt").write_text(tag.format(other=other / "iter_0000100"))
+    _refused(save, r"latest_checkpointed_iteration\.txt: holds .*, not an iteration number")
+
+
+_HUGE = 2 ** 2000  # 603 digits: torch's safe unpickler reads no longer integer (pickle's LONG4)
+
+
+@pytest.mark.parametrize("change,what", [
+    (dict(num_attention_heads=0), "Megatron's args.num_attention_heads is 0, not a count"),
+    (dict(num_attention_heads="4"), "Megatron's args.num_attention_heads is '4', not a count"),
+    (dict(num_attention_heads=True), "Megatron's args.num_attention_heads is True, not a count"),
+    (dict(num_query_groups=0), "Megatron's args.num_query_groups is 0, not a count"),
+    (dict(num_query_groups="2"), "Megatron's args.num_query_groups is '2', not a count"),
+    (dict(num_attention_heads=_HUGE), "Megatron's args.num_attention_heads is <integer of 2001 bits>, not a count"),
+    (dict(kv_channels=_HUGE), "Megatron's args.kv_channels is <integer of 2001 bits>, not a count"),
+    (dict(kv_channels=[_HUGE]), "Megatron's args.kv_channels is [<integer of 2001 bits>], not a count"),
+    (dict(kv_channels=None, hidden_size=_HUGE), "Megatron's args.hidden_size is <integer of 2001 bits>, not a count"),
+    (dict(kv_channels=None, hidden_size=2), "4 attention heads in 2 query groups of head size 0: no such attention"),
+    (dict(num_query_groups=3), "4 attention heads in 3 query groups of head size 16: no such attention"),
+], ids=lambda v: "" if isinstance(v, str) else ",".join(f"{k}={type(x).__name__}" for k, x in v.items()))
+def test_megatron_args_that_are_no_heads_are_refused(saved, tmp_path, change, what):
+    """Megatron's args in common.pt with heads, groups or head size of 0, a string, a bool or
+    a huge integer: a CheckpointError naming common.pt and the value (an integer of over 64
+    bits by its size), not ZeroDivisionError, TypeError or a message of 600 digits."""
+    import argparse
+
+    directory = tmp_path / "iter"
+    shutil.copytree(saved / "iter_0000100", directory)
+    common = torch.load(directory / "common.pt", weights_only=False)
+    common["args"] = argparse.Namespace(**(vars(common["args"]) | change))
+    torch.save(common, directory / "common.pt")
+    _refused(directory, r"common\.pt: " + re.escape(what))
 
 
 # ----------------------------------------------------------------------------- iterations, URLs

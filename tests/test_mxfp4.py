@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import assert_same_weights, build_model, copy_checkpoint, reference_model
+from checkpoints import assert_same_weights, build_model, copy_checkpoint, edit_tensor, reference_model
 from quant_checkpoints import write_mxfp4_checkpoint
 
 import lazyload
@@ -112,23 +112,24 @@ def test_a_world_that_cuts_a_group_is_refused_before_any_byte(mxfp4):
     assert all(p.is_meta for p in model.parameters())  # untouched
 
 
-def test_a_nan_scale_is_refused_naming_the_tensor(mxfp4, tmp_path):
-    from safetensors.torch import load_file, save_file
-
+@pytest.mark.parametrize("scale, message", [
+    (255, r"an MXFP4 scale is 255 \(E8M0 NaN\)"),
+    (254, r"MXFP4 scales up to 254 \(2\^127\) make \d+ of the weights read with this box inf or NaN in bfloat16"),
+], ids=["nan-255", "finite-254"])
+def test_a_scale_that_makes_nan_or_inf_weights_is_refused_naming_the_tensor(mxfp4, tmp_path, scale, message):
+    """255 is E8M0's NaN; 254 is finite, but 2^127 times an E2M1 value of 2 or more passes
+    bfloat16's range: its group's weights would be inf."""
     directory, config = mxfp4
     broken = copy_checkpoint(directory, tmp_path / "broken")
-    key = "model.layers.1.mlp.experts.down_proj_scales"
-    for shard in sorted(broken.glob("*.safetensors")):
-        tensors = load_file(str(shard))
-        if key in tensors:
-            tensors[key][2, 5, 1] = 255
-            shard.unlink()  # a hard link to the fixture's shard: write a new file
-            save_file(tensors, str(shard), metadata={"format": "pt"})
+
+    def edit(scales):
+        scales[2, 5, 1] = scale
+        return scales
+    edit_tensor(broken, "model.layers.1.mlp.experts.down_proj_scales", edit)
     model = build_model("gpt_oss", config, torch.bfloat16)
     # Found once its scales are read (a value, not a shape): a CheckpointError naming the
     # tensor and file, with the failure path's account (the target left unloaded).
-    with pytest.raises(CorruptValuesError,
-                       match=rf"an MXFP4 scale is 255 \(E8M0 NaN\).*down_proj_blocks' of \S*{broken}") as info:
+    with pytest.raises(CorruptValuesError, match=rf"{message}.*down_proj_blocks' of \S*{broken}") as info:
         LazyCheckpoint(str(broken)).load_into(model, progress=False)
     assert info.value.not_loaded == ["model.layers.1.mlp.experts.down_proj"]
 

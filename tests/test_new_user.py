@@ -93,7 +93,7 @@ def test_plan_prints_the_plan_and_no_third_party_noise(checkpoint):
     directory, _ = checkpoint("llama")
     out = _cli("plan", str(directory), "--world", "2")
     assert out.returncode == 0 and out.stderr == "", out.stderr
-    assert out.stdout.splitlines()[0] == f"{directory}: world 2", out.stdout
+    assert out.stdout.splitlines()[0] == f"{directory}: world 2 (tp plan)", out.stdout
 
 
 def test_reshard_quantize_takes_group_size_and_skip(checkpoint, tmp_path):

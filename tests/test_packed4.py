@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import (assert_same_weights, build_model, copy_checkpoint, reference_model, weight_map,
-                         write_checkpoint)
+from checkpoints import (assert_same_weights, build_model, copy_checkpoint, edit_tensor, reference_model,
+                         weight_map, write_checkpoint)
 from quant_checkpoints import (modelopt_dequantized, write_ct_experts_checkpoint, write_ct_packed_checkpoint,
                                write_modelopt_checkpoint)
 
@@ -133,14 +133,7 @@ def test_the_nvfp4_dequantizers_refuse_nan_scales_and_zero_global_scales():
 
 def _set_tensor(directory, key: str, value) -> None:
     """Write `value` into stored tensor `key` of the copy at `directory`."""
-    from safetensors.torch import load_file, save_file
-
-    for shard in sorted(directory.glob("*.safetensors")):
-        tensors = load_file(str(shard))
-        if key in tensors:
-            tensors[key] = torch.as_tensor(value, dtype=tensors[key].dtype).reshape(tensors[key].shape)
-            shard.unlink()  # a hard link to the fixture's shard: write a new file
-            save_file(tensors, str(shard), metadata={"format": "pt"})
+    edit_tensor(directory, key, lambda t: torch.as_tensor(value, dtype=t.dtype).reshape(t.shape))
 
 
 @pytest.mark.parametrize("fmt,key,quantize", [("nvfp4", "weight_global_scale", None),
@@ -161,6 +154,36 @@ def test_a_zero_global_scale_is_refused_naming_the_tensor(written, fmt, key, qua
         LazyCheckpoint(str(broken)).load_into(model, quantize=quantize, progress=False)
     assert "model.layers.1.mlp.down_proj.weight" in info.value.not_loaded
     assert {name: type(m) for name, m in model.named_modules()} == before
+
+
+def _set_first(value):
+    def edit(tensor):
+        tensor.view(-1)[0] = value
+        return tensor
+    return edit
+
+
+def _fill(value):
+    return lambda tensor: torch.full_like(tensor, value)
+
+
+# Finite scales whose product passes bfloat16's range: every one an inf (or NaN) weight.
+@pytest.mark.parametrize("fmt,edits", [
+    ("nvfp4", {"weight_global_scale": _fill(1e-40)}),  # 448 / 1e-40: inf in float32
+    ("modelopt", {"weight_scale_2": _fill(1e38), "weight_scale": _set_first(448.0)}),
+    ("int4", {"weight_scale": _fill(3e38)}),  # bfloat16 3e38 x (q = -8)
+], ids=["nvfp4-global-1e-40", "modelopt-scale_2-1e38", "int4-scale-3e38"])
+def test_finite_scales_that_make_inf_weights_are_refused_naming_the_tensor(written, fmt, edits, tmp_path):
+    directory, _, config = written(fmt)
+    broken = copy_checkpoint(directory, tmp_path / "broken")
+    for suffix, edit in edits.items():
+        edit_tensor(broken, f"model.layers.1.mlp.down_proj.{suffix}", edit)
+    model = build_model("llama", config, torch.bfloat16)
+    with pytest.raises(CorruptValuesError, match=r"inf or NaN in bfloat16.*reading tensor "
+                                                 rf"'model.layers.1.mlp.down_proj.weight\w*' of \S*{broken}") as info:
+        LazyCheckpoint(str(broken)).load_into(model, progress=False)
+    assert "model.layers.1.mlp.down_proj.weight" in info.value.not_loaded
+    assert all(torch.isfinite(p).all() for p in model.parameters() if not p.is_meta)
 
 
 def test_a_weight_shape_that_disagrees_with_the_packed_data_is_refused_before_any_byte(written, tmp_path):

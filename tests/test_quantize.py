@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import build_model, fixed_input, reference_model
+from checkpoints import EXPERTS_TP, build_model, fixed_input, reference_model
 from quant_checkpoints import needs_torchao
 from gloo import spawn_cases
 
@@ -234,7 +234,8 @@ def test_fp8_per_expert_checkpoint_kept_quantized_in_fused_experts(checkpoint, t
     inter = config.intermediate_size
     for rank in range(world):
         model = build_model("mixtral", config, torch.bfloat16)
-        LazyCheckpoint(directory).load_into(model, rank, world, quantize=own_holder("fp8"), progress=False)
+        LazyCheckpoint(directory).load_into(model, rank, world, quantize=own_holder("fp8"), plan=EXPERTS_TP,
+                                            progress=False)
         for name, module in _experts(model).items():
             want = full.get_submodule(name)
             rows = [r for part in (0, inter) for r in range(part + rank * inter // world,
@@ -332,7 +333,7 @@ def _case_tp(arch, directory, qdtype, rank, world, plan=None):
 
     ref, model, config = _quantized_pair(arch, directory, rank, world, own_holder(qdtype, group_size=TP_GROUP),
                                          plan)
-    label = f"{arch} {qdtype} world={world} plan={plan}"
+    label = f"{arch} {qdtype} world={world} plan={'experts tp' if isinstance(plan, dict) else plan}"
     assert any(isinstance(m, QuantizedLinear) for m in model.modules()), label
     if arch in ("mixtral", "qwen3_moe"):  # fused experts quantized too, weight and scale split alike
         experts, dim = model.model.layers[0].mlp.experts, (0 if plan == "ep" else -1)  # by expert, or columns
@@ -409,7 +410,8 @@ def _run_case(case, rank, world):
     if kind == "per_row":
         _case_per_row(*args, rank, world)
     else:
-        _case_tp(*args, rank, world, plan="ep" if kind == "ep" else None)
+        moe = args[0] in ("mixtral", "qwen3_moe")  # "tp": inside every expert, as transformers <= 5.24 planned it
+        _case_tp(*args, rank, world, plan="ep" if kind == "ep" else EXPERTS_TP if moe else None)
 
 
 @pytest.mark.parametrize("world,cases", [

@@ -108,9 +108,16 @@ def test_deepseek_v3_shaped_fp8_checkpoint_plans_whole_experts_per_rank(scale, d
 # Rank plans of the 4-layer DeepSeek-V3 checkpoint as they were before the index, mapping and
 # plan hot paths were made fast: (read items, bytes, digest of every item's file name, key,
 # boxes, ops, target and scale blocks, in plan order).
+# Planned under transformers 5.24's DeepSeek-V3 TP plan, pinned here so that the digests are
+# of one plan on every transformers version (5.25 split MLA attention and left the experts out).
 PLANNED = {(8, None, 0): (821, 2779568384, "d30810b7dd1e6974"), (8, None, 3): (821, 2779568384, "03c7c68508ffdac6"),
            (8, "ep", 0): (149, 2779568384, "8e97980b1fe812eb"), (8, "ep", 3): (149, 2779568384, "6093e3674722ed7a"),
            (64, None, 5): (821, 1005969856, "81516dea75dfde96"), (64, "ep", 63): (65, 1005816256, "e9abe19ae19913f1")}
+DEEPSEEK_V3_TP_PLAN_524 = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts", "layers.*.mlp.shared_experts.gate_proj": "colwise",
+    "layers.*.mlp.shared_experts.up_proj": "colwise", "layers.*.mlp.shared_experts.down_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
 
 
 def _digest(items):
@@ -126,10 +133,22 @@ def _digest(items):
 
 
 def test_deepseek_v3_rank_plans_are_the_ones_planned_before_the_fast_paths(scale, deepseek):
-    model = scale.meta_model(deepseek)
+    model = scale.meta_model(deepseek, base_model_tp_plan=DEEPSEEK_V3_TP_PLAN_524)
     for (world, plan, rank), expected in PLANNED.items():
         _, items, _, _ = scale.rank_plan(deepseek, model, world, rank, plan)
         assert (len(items), sum(i.nbytes for i in items), _digest(items)) == expected, (world, plan, rank)
+
+
+def test_deepseek_v3_default_plan_is_expert_parallel_where_the_tp_plan_leaves_experts_whole(scale, deepseek):
+    """transformers' own plan of the installed version: where it leaves the experts whole
+    (5.25), the default plan is "ep"'s, item for item; where it splits them, its own."""
+    from checkpoints import default_experts
+
+    model = scale.meta_model(deepseek)
+    planned = {plan: [(i.entry.key, i.src_box, i.target, i.dst_box) for i in scale.rank_plan(deepseek, model, 8, 3,
+                                                                                              plan)[1]]
+               for plan in (None, "ep")}
+    assert (planned[None] == planned["ep"]) == (default_experts(model.config) == "ep")
 
 
 def test_llama4_maverick_shaped_checkpoint_plans_expert_parallel_where_heads_do_not_split(scale, tmp_path):

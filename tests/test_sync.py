@@ -458,6 +458,128 @@ def _uneven(rank, world):
     assert report.bytes_received + report.bytes_local == sum(t.nbytes for t in full.values())
 
 
+def _recast(rank, world):
+    """A source cast after planning (float32 -> bfloat16, the same shapes): the next sync
+    fails on every rank (each message would carry bf16 bytes into float32 slots), naming the
+    tensor and both dtypes; the target keeps the last sync's weights, and a source cast back
+    syncs again."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    trainer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    fully_shard(trainer, mesh=mesh)
+    with torch.device("meta"):
+        server = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh, plan={}, rank_timeout=30)
+    sync()
+    before = {n: t.clone() for n, t in server.state_dict().items()}
+    trainer.to(torch.bfloat16)
+    with pytest.raises(lazyload.SyncError) as caught:
+        sync()
+    assert "'0.weight'" in str(caught.value) and "bfloat16" in str(caught.value) and "float32" in str(caught.value)
+    assert all(torch.equal(t, before[n]) for n, t in server.state_dict().items())
+    trainer.to(torch.float32)  # the values rounded to bfloat16 on the way
+    sync()
+    now = {n: t.full_tensor() for n, t in trainer.state_dict().items()}
+    assert all(torch.equal(t, now[n]) and not torch.equal(t, before[n]) for n, t in server.state_dict().items())
+
+
+def _replica_groups(rank, world):
+    """One WeightSync per replica group: trainer ranks 0-1 (FSDP2) serve replica 2 over the
+    group [0, 1, 2] and replica 3 over [0, 1, 3]; the trainers construct both, each server
+    its own. Each group's store keys and tags are its own: both replicas exact, twice."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    roles = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    replicas = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replica", "tp"))
+    groups = {2: dist.new_group([0, 1, 2]), 3: dist.new_group([0, 1, 3])}
+    trainer = _trainer(roles["x"]) if rank < 2 else None
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1) if trainer is not None else None
+    import lazyload
+
+    syncs = {r: lazyload.WeightSync(source=trainer, target=_meta_server() if rank == r else None,
+                                    target_mesh=replicas["tp"] if rank == r else None, group=groups[r],
+                                    rank_timeout=60)
+             for r in (2, 3) if rank in (0, 1, r)}
+    for _ in range(2):
+        for r, sync in syncs.items():
+            report = sync()
+            _check_exact_all(sync, trainer, sync.target, report)
+        if trainer is not None:
+            _step(trainer, optimizer)
+
+
+def _store_size(rank, world):
+    """The store holds as many keys after 200 syncs (a failed one among them) as after the
+    third: each sync's keys are deleted two syncs later."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    mesh, store = init_device_mesh("cpu", (world,)), _get_default_store()
+    with torch.device("meta"):
+        target = torch.nn.Linear(4, 8, bias=False)
+    sync = lazyload.WeightSync(source={"weight": torch.arange(32.0).reshape(8, 4)} if rank == 0 else None,
+                               target=target, target_mesh=mesh, plan={}, rank_timeout=30)
+    sizes = []
+    for n in range(1, 201):
+        if n == 100 and rank == 1:
+            with pytest.raises(lazyload.SyncError):  # rank 1's own transfer fails once
+                _failing_once(sync)
+        elif n == 100:
+            with pytest.raises(lazyload.SyncError):
+                sync()
+        else:
+            sync()
+        dist.barrier()
+        if n in (3, 10, 200):
+            sizes.append(store.num_keys())
+        dist.barrier()
+    assert torch.equal(target.weight, torch.arange(32.0).reshape(8, 4))
+    assert sizes[0] == sizes[1] == sizes[2], sizes
+
+
+def _failing_once(sync):
+    import lazyload.sync.transfer as transfer
+
+    def failing(works, ends, what):
+        raise RuntimeError("injected: a rank fails its sync")
+    transfer.wait_polling, original = failing, transfer.wait_polling
+    try:
+        sync()
+    finally:
+        transfer.wait_polling = original
+
+
+def _digests_differ(rank, world):
+    """A rank that derives another sync plan from the exchanged requests (stood in for by a
+    patched digest on rank 3): every rank fails at construction naming rank 3, no byte moved."""
+    import dataclasses
+
+    import lazyload
+    import lazyload.sync.weight_sync as weight_sync
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        target = torch.nn.Linear(4, 8, bias=False)
+    routes_for = weight_sync.routes_for
+    if rank == 3:
+        weight_sync.routes_for = lambda me, wanted: dataclasses.replace(routes_for(me, wanted), digest="0" * 16)
+    try:
+        with pytest.raises(lazyload.RankFailedError) as caught:
+            lazyload.WeightSync(source={"weight": torch.ones(8, 4)} if rank == 0 else None, target=target,
+                                target_mesh=mesh, plan={}, rank_timeout=30)
+    finally:
+        weight_sync.routes_for = routes_for
+    assert list(caught.value.ranks) == [3] and "same lazyload version" in str(caught.value)
+    assert target.weight.is_meta
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -482,6 +604,14 @@ def _run_case(case, rank, world):
         _mismatched(rank, world)
     elif case == "fault":
         _fault(rank)
+    elif case == "recast":
+        _recast(rank, world)
+    elif case == "replica-groups":
+        _replica_groups(rank, world)
+    elif case == "digests-differ":
+        _digests_differ(rank, world)
+    elif case == "store-size":
+        _store_size(rank, world)
     else:
         raise AssertionError(case)
 
@@ -491,7 +621,8 @@ def test_sync(tmp_path):
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
-             "uneven", "renamed", "mismatched", "fault"]
+             "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups", "store-size",
+             "digests-differ"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from checkpoints import build_model, meta_tensors, shard_files
+from checkpoints import EXPERTS_TP, build_model, default_experts, meta_tensors, shard_files
 from lazyload import LazyCheckpoint, Placement
 from lazyload.errors import PlanError
 from lazyload.summary import plan_ranks
@@ -60,9 +60,14 @@ def test_mixtral_experts_tp_and_ep(checkpoint):
     world, E = 2, config.num_local_experts
     for rank in range(world):
         tp = build_model("mixtral", config, torch.float32)
-        LazyCheckpoint(str(directory)).load_into(tp, rank, world, progress=False)
+        LazyCheckpoint(str(directory)).load_into(tp, rank, world, plan=EXPERTS_TP, progress=False)
         ep = build_model("mixtral", config, torch.float32)
         LazyCheckpoint(str(directory)).load_into(ep, rank, world, plan="ep", progress=False)
+        default = build_model("mixtral", config, torch.float32)
+        assert LazyCheckpoint(str(directory)).load_into(default, rank, world, progress=False).plan == \
+            default_experts(config)
+        same = ep if default_experts(config) == "ep" else tp
+        assert all(torch.equal(t, same.state_dict()[k]) for k, t in default.state_dict().items())
         for layer in range(config.num_hidden_layers):
             prefix = f"model.layers.{layer}.mlp.experts."
             gate_up, down = full[prefix + "gate_up_proj"].detach(), full[prefix + "down_proj"].detach()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import build_model, fixed_input
+from checkpoints import EXPERTS_TP, build_model, default_experts, fixed_input
 from gloo import spawn_cases
 
 ATOL = RTOL = 1e-5
@@ -31,7 +31,7 @@ def _expected_local(name: str, full: torch.Tensor, local: torch.Tensor, rank: in
     if last == "c_attn":  # GPT-2 fused qkv, Conv1D weight [in, 3 * out]: each part sliced
         dim = full.dim() - 1
         return torch.cat([part.chunk(world, dim)[rank] for part in full.chunk(3, dim)], dim)
-    if last == "experts":  # Llama-4's fused experts, expert parallel: whole experts per rank
+    if last == "experts":  # fused experts, expert parallel: whole experts per rank
         return full.chunk(world, 0)[rank]
     if last == "c_fc":
         return full.chunk(world, full.dim() - 1)[rank]
@@ -74,6 +74,23 @@ def _case_forward(arch, directory, rank, world, plan=None):
     _check_shards(model, ref, rank, world, kv, label)
     got, want = _logits(model, config), _logits(ref, config)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: {m}")
+    return model, report
+
+
+def _case_moe_default(arch, directory, rank, world):
+    """A MoE model under the default plan: whole experts per rank where transformers' TP plan
+    leaves them whole (5.25; it splits them inside on 5.24): either way each rank holds
+    1/world of the experts' bytes, its shards are world 1's and its logits world 1's."""
+    from transformers import AutoConfig
+
+    model, report = _case_forward(arch, directory, rank, world)
+    assert report.plan == default_experts(AutoConfig.from_pretrained(directory)), (arch, report.plan)
+    held = full = 0
+    for name, param in model.named_parameters():
+        if ".experts." in name:  # routed experts (not DeepSeek's shared_experts)
+            held += (param.to_local() if hasattr(param, "to_local") else param).numel()
+            full += param.numel() if hasattr(param, "to_local") else param.numel() * world
+    assert full and held * world == full, f"{arch} rank {rank}/{world}: holds {held} of {full // world * world}"
 
 
 def _reference_mesh_and_meta_model(directory, world):
@@ -147,6 +164,8 @@ def _run_case(case, rank, world):
     kind, args = case[0], case[1:]
     if kind == "forward":
         _case_forward(*args[:2], rank, world, *args[2:])
+    elif kind == "moe_default":
+        _case_moe_default(*args, rank, world)
     elif kind == "torch_styles":
         _case_torch_styles(args[0], rank, world)
     elif kind == "fsdp2":
@@ -165,8 +184,9 @@ def test_world2_all_architectures(checkpoint, tmp_path):
     cases = [
         ("forward", "llama", str(llama1)),  # one KV head at world 2: replicated
         ("forward", "qwen2", str(checkpoint("qwen2")[0])),
-        ("forward", "mixtral", str(checkpoint("mixtral")[0])),  # TP inside every expert
+        ("forward", "mixtral", str(checkpoint("mixtral")[0]), EXPERTS_TP),  # TP inside every expert
         ("forward", "mixtral", str(checkpoint("mixtral")[0]), "ep"),  # whole experts per rank
+        *_moe_defaults(checkpoint),
         ("forward", "llama4_text", str(checkpoint("llama4_text")[0])),
         ("forward", "llama4_text", str(checkpoint("llama4_text")[0]), "ep"),  # derived: whole experts per rank
         ("forward", "gpt2", str(checkpoint("gpt2")[0])),  # no TP plan: structural rule, fused Conv1D
@@ -183,5 +203,13 @@ def test_world4_kv_replication_and_experts(checkpoint, tmp_path):
         ("forward", "llama", str(checkpoint("llama")[0])),  # 2 KV heads at world 4
         ("forward", "mixtral", str(checkpoint("mixtral")[0]), "ep"),  # one expert per rank
         ("forward", "gpt2", str(checkpoint("gpt2")[0])),
+        *_moe_defaults(checkpoint),
     ]
     _spawn(4, cases, tmp_path)
+
+
+def _moe_defaults(checkpoint):
+    """The default plan on the MoE architectures whose experts transformers 5.25's TP plans
+    leave whole (4 experts each: one or two per rank)."""
+    return [("moe_default", arch, str(checkpoint(arch)[0])) for arch in ("mixtral", "qwen3_moe", "deepseek_v3",
+                                                                          "gpt_oss")]

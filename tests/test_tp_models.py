@@ -140,5 +140,6 @@ def test_an_embedding_that_normalizes_its_rows_stays_whole():
         cls = getattr(transformers, name)
         with torch.device("meta"):
             plans[name] = model_tp_plan(cls(sweep.shrink(cls.config_class())))
-    assert "model.embed_tokens" not in plans["InklingForCausalLM"]
+    # left out (lazyload drops the entry), or "replicate" (transformers' own plan since 5.25)
+    assert plans["InklingForCausalLM"].get("model.embed_tokens", "replicate") == "replicate"
     assert plans["LlamaForCausalLM"]["model.embed_tokens"] == "embedding_rowwise"

@@ -66,11 +66,11 @@ def _case_world2(case, rank, world):
 
     from lazyload import LazyCheckpoint
 
-    directory, cls_name = case
+    directory, cls_name, plan = case
     ref = _meta_model(cls_name, directory)
     LazyCheckpoint(directory).load_into(ref, progress=False)
     model = _meta_model(cls_name, directory)
-    report = LazyCheckpoint(directory).load_into(model, rank, world, progress=False)
+    report = LazyCheckpoint(directory).load_into(model, rank, world, plan=plan, progress=False)
     assert report.read_whole
     want = dict(ref.named_parameters())
     sharded = 0
@@ -89,8 +89,12 @@ def _case_world2(case, rank, world):
 
 
 def test_world_2_ranks_hold_world_1_slices_of_a_whole_conversion(tmp_path):
-    """Inkling2's experts' gate_up_proj (an Interleave of the checkpoint's w13) is
-    column-parallel in its TP plan: each rank reads w13 whole, interleaves, keeps its slice
-    of the gates and of the ups."""
+    """Inkling2's experts' gate_up_proj (an Interleave of the checkpoint's w13), column-parallel
+    as transformers 5.24's TP plan split it: each rank reads w13 whole, interleaves, keeps its
+    slice of the gates and of the ups; by default (whole experts per rank), its experts."""
     sweep.sweep_one("inkling2_text", "Inkling2TextModel", str(tmp_path))
-    spawn_cases(2, [(str(tmp_path / "Inkling2TextModel"), "Inkling2TextModel")], tmp_path, _case_world2)
+    directory = str(tmp_path / "Inkling2TextModel")
+    inside = {"layers.*.mlp.experts.gate_up_proj": "colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+              "layers.*.mlp.experts": "moe_tp_experts"}
+    spawn_cases(2, [(directory, "Inkling2TextModel", inside), (directory, "Inkling2TextModel", None)], tmp_path,
+                _case_world2)

@@ -19,6 +19,8 @@ when an HF model's state dict was saved; a leading `model.` wrapper the mapping 
 """
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from typing import Any
 
@@ -110,11 +112,12 @@ def check_chunks(where: str, fqn: str, meta: TensorMeta) -> list[Chunk]:
         raise CheckpointError(f"{where}: tensor {fqn!r} of size {list(meta.size)}: its {len(chunks)} chunk(s) hold "
                               f"{total} of its {numel} elements: the chunks do not cover the tensor (a rank's "
                               "save missing?); the checkpoint is incomplete.")
-    if total > numel or (len(chunks) > 1 and _overlap(chunks)):
-        pair = _overlap(chunks)
-        raise CheckpointError(f"{where}: tensor {fqn!r}: overlapping chunks"
-                              f"{f' at {list(pair[0].offsets)} and {list(pair[1].offsets)}' if pair else ''}; "
-                              "the checkpoint is corrupt.")
+    point = _first_miscovered(where, fqn, meta.size, chunks) if numel else None
+    if point is not None:  # as many elements as the tensor, or more: some lie in two chunks
+        pair = [c for c in chunks if all(o <= p < o + s for o, s, p in zip(c.offsets, c.sizes, point))][:2]
+        at = (f" at {list(pair[0].offsets)} and {list(pair[1].offsets)}" if len(pair) == 2
+              else f" (the element at {list(point)} is in none)")
+        raise CheckpointError(f"{where}: tensor {fqn!r}: overlapping chunks{at}; the checkpoint is corrupt.")
     return chunks
 
 
@@ -122,17 +125,37 @@ def box_of(chunk: Chunk) -> tuple[tuple[int, int], ...]:
     return tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
 
 
-def _overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
-    """Two chunks whose boxes intersect, if any (sweep along dim 0)."""
-    ordered = sorted(chunks, key=lambda c: c.offsets)
-    for i, a in enumerate(ordered):
-        for b in ordered[i + 1:]:
-            if b.offsets[0] >= a.offsets[0] + a.sizes[0]:
-                break
-            if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in
-                   zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                return a, b
-    return None
+MAX_CUT_DIMS = 6  # dims a tensor's chunks are cut along (a DTensor shards along its mesh's few dims)
+
+
+def _first_miscovered(where: str, fqn: str, size: tuple[int, ...], chunks: list[Chunk]) -> tuple[int, ...] | None:
+    """The first element (row-major) that is not in exactly one chunk; None when the chunks
+    tile the tensor exactly. Linear in the chunks (no pair of them is compared):
+
+    A box [a, b) is the product over its dims of (step up at a_k, step down at b_k), so the
+    sum of the chunks' indicators, minus the tensor's, has as its mixed difference the signed
+    corners (-1 per upper bound) of every chunk minus those of the tensor. They cancel
+    exactly when every element is covered once; else the smallest corner left (a minimal
+    one) is an element covered other than once. Dims no chunk is cut along are left out."""
+    cut = [d for d, n in enumerate(size) if any(c.sizes[d] != n for c in chunks)]
+    if len(cut) > MAX_CUT_DIMS:
+        raise CheckpointError(f"{where}: tensor {fqn!r} of size {list(size)} is cut into chunks along {len(cut)} "
+                              f"dims; lazyload reads tensors chunked along at most {MAX_CUT_DIMS}. The metadata is "
+                              "corrupt, or the tensor was sharded in a way lazyload does not know.")
+    corners: dict[tuple[int, ...], int] = {}
+    whole = Chunk(tuple(0 for _ in size), size)
+    for chunk, weight in [(whole, -1)] + [(c, 1) for c in chunks]:
+        ends = [((chunk.offsets[d], 1), (chunk.offsets[d] + chunk.sizes[d], -1)) for d in cut]
+        for corner in itertools.product(*ends):
+            key = tuple(at for at, _ in corner)
+            corners[key] = corners.get(key, 0) + weight * math.prod(sign for _, sign in corner)
+    left = [key for key, count in corners.items() if count]
+    if not left:
+        return None
+    point, first = [0] * len(size), min(left)
+    for d, at in zip(cut, first):
+        point[d] = at
+    return tuple(point)
 
 
 def _storage_of(where: str, metadata: DcpMetadata, fqn: str, chunk: Chunk) -> StorageInfo:

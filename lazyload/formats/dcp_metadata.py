@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ..dtypes import TORCH_DTYPES
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shown
+from ..headers import MAX_INT64
 from .pickle_bounds import problem
 
 METADATA = ".metadata"
@@ -145,9 +146,9 @@ def _bad(path: str, what: str) -> CheckpointError:
 
 
 def _ints(value, path: str, what: str) -> tuple[int, ...]:
-    if not (isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not (isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT64
                                              for v in value)):
-        raise _bad(path, f"{what} is {str(value)[:80]}, not a tuple of sizes")
+        raise _bad(path, f"{what} is {shown(value)}, not a tuple of sizes (integers from 0 to 2**63 - 1)")
     return value
 
 
@@ -159,7 +160,7 @@ def _convert(root: _Record, path: str) -> DcpMetadata:
     tensors, byte_items = {}, []
     for fqn, item in entries.items():
         if not isinstance(fqn, str) or not isinstance(item, _Record):
-            raise _bad(path, f"entry {str(fqn)[:80]} is not a named storage record")
+            raise _bad(path, f"entry {shown(fqn)} is not a named storage record")
         if item.kind == "BytesStorageMetadata":
             byte_items.append(fqn)
             continue
@@ -199,9 +200,13 @@ def _storage(storage: dict, path: str) -> dict[tuple[str, tuple[int, ...]], Stor
         offset = () if offset is None else _ints(offset, path, f"the storage offset of {fqn!r}")
         rel, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
         transforms = info.get("transform_descriptors") or ()
-        if not (isinstance(rel, str) and isinstance(start, int) and isinstance(length, int) and start >= 0
-                and length >= 0 and isinstance(transforms, (list, tuple))
-                and all(isinstance(t, str) for t in transforms)):
-            raise _bad(path, f"the storage of {fqn!r} is not (relative_path, offset, length)")
+        if not (isinstance(rel, str) and "\0" not in rel and _offset(start) and _offset(length)
+                and isinstance(transforms, (list, tuple)) and all(isinstance(t, str) for t in transforms)):
+            raise _bad(path, f"the storage of {fqn!r} is not (relative_path, offset, length, transform names)")
         out[fqn, offset] = StorageInfo(rel, start, length, tuple(transforms))
     return out
+
+
+def _offset(value) -> bool:
+    """A byte offset or length a file can have."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT64

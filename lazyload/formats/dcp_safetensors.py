@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import re
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shown
 from ..expr import Source
-from ..headers import entries_of_header, header_length, load_json
+from ..headers import MAX_INT64, entries_of_header, header_length, load_json
 from ..index import INDEX_JSON, CheckpointIndex
 from .dcp import box_of, check_chunks, chunk_keys, layouts_of
 from .dcp_metadata import Chunk, TensorMeta
@@ -64,10 +64,11 @@ def _header(file: FileRanges) -> tuple[dict, int]:
 
 
 def _offsets(path: str, header: dict) -> dict[str, tuple[int, ...]]:
-    raw = (header.get("__metadata__") or {}).get(SHARDING_INFO)
+    metadata = header.get("__metadata__")
+    raw = metadata.get(SHARDING_INFO) if isinstance(metadata, dict) else None
     try:
         info = json.loads(raw) if isinstance(raw, str) else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested thousands deep
         info = None
     if not isinstance(info, dict):
         raise CheckpointError(f"{path}: no readable {SHARDING_INFO} in its header metadata; not a file of "
@@ -75,8 +76,10 @@ def _offsets(path: str, header: dict) -> dict[str, tuple[int, ...]]:
     out = {}
     for fqn, value in info.items():
         offsets = value.get("saved_offsets") if isinstance(value, dict) else None
-        if not (isinstance(offsets, list) and all(isinstance(o, int) and o >= 0 for o in offsets)):
-            raise CheckpointError(f"{path}: {SHARDING_INFO} gives {fqn!r} no saved_offsets list; corrupt header.")
+        if not (isinstance(offsets, list) and all(type(o) is int and 0 <= o <= MAX_INT64  # noqa: E721 (no bools)
+                                                  for o in offsets)):
+            raise CheckpointError(f"{path}: {SHARDING_INFO} gives {shown(fqn)} no saved_offsets list (integers from 0 "
+                                  f"to 2**63 - 1; found {shown(offsets)}); corrupt header.")
         out[fqn] = tuple(offsets)
     return out
 

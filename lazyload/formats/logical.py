@@ -55,15 +55,15 @@ def _tile(name: str, region: Box, parts: list[Part]) -> Expr:
     if len(parts) == 1 and parts[0].box == region:
         return parts[0].expr
     for dim, (lo, hi) in enumerate(region):
-        spans = sorted({part.box[dim] for part in parts})
+        by_span: dict[tuple[int, int], list[Part]] = {}
+        for part in parts:  # grouped in one pass: a tensor may have tens of thousands of pieces
+            by_span.setdefault(part.box[dim], []).append(part)
+        spans = sorted(by_span)
         if len(spans) < 2 or spans[0][0] != lo or spans[-1][1] != hi:
             continue
         if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
             continue  # gaps or overlaps along this dim: not the dim the pieces were cut on
-        children = []
-        for span in spans:
-            sub = region[:dim] + (span,) + region[dim + 1:]
-            children.append(_tile(name, sub, [p for p in parts if p.box[dim] == span]))
+        children = [_tile(name, region[:dim] + (span,) + region[dim + 1:], by_span[span]) for span in spans]
         return Cat(tuple(children), dim)
     boxes = sorted(part.box for part in parts)
     raise CheckpointError(f"logical tensor {name!r}: its pieces {boxes[:6]}{' ...' if len(boxes) > 6 else ''} do "

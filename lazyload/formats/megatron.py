@@ -25,17 +25,17 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shown
 from ..expr import Chunk, Expr, Source
 from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from . import torch_files
+from .megatron_dist import TRACKER, Heads, args_heads, iteration_dir
 from .logical import Layout, Part, check_part_shapes
 from .protocol import CheckpointSource, Format, OpenOptions, Storage
 
-TRACKER = "latest_checkpointed_iteration.txt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(_\d{3})?$")
-_LAYER = re.compile(r"^(?:encoder|transformer|decoder)\.layers\.(\d+)\.(.+)\.(weight|bias|layer_norm_weight|"
+_RANK_DIR = re.compile(r"^mp_rank_([0-9]{2})(_[0-9]{3})?$")
+_LAYER = re.compile(r"^(?:encoder|transformer|decoder)\.layers\.([0-9]{1,9})\.(.+)\.(weight|bias|layer_norm_weight|"
                     r"layer_norm_bias|_extra_state)$")
 # Megatron module (legacy and core names) -> role in a transformer layer.
 _LAYER_ROLES = {
@@ -69,21 +69,14 @@ _NAMES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Heads:
-    heads: int   # attention heads, all ranks
-    groups: int  # query groups (KV heads)
-    size: int    # head size (hn)
-
-
 def rank_files(path: str) -> list[str]:
     """The per-rank files of a Megatron checkpoint directory (its tracker's iteration, or
     the directory holding mp_rank_XX/), in rank order."""
     tracker = os.path.join(path, TRACKER)
     if os.path.isfile(tracker):
-        with open(tracker) as f:
-            tag = f.read().strip()
-        path = os.path.join(path, "release" if tag == "release" else f"iter_{int(tag):07d}" if tag.isdigit() else tag)
+        with open(tracker, "rb") as f:
+            tag = f.read(4096).decode("utf-8", "replace").strip()
+        path = os.path.join(path, iteration_dir(tag, tracker))
     ranks = sorted(n for n in (os.listdir(path) if os.path.isdir(path) else []) if _RANK_DIR.match(n))
     if any(_RANK_DIR.match(n).group(2) for n in ranks):
         raise CheckpointError(f"{path}: a pipeline-parallel Megatron checkpoint (mp_rank_XX_YYY); lazyload reads "
@@ -105,24 +98,33 @@ def is_megatron_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, TRACKER)) or any(_RANK_DIR.match(n) for n in os.listdir(path))
 
 
+def _layout_version(value: Any, path: str) -> float:
+    """The QKV layout version (checkpoint_version, or the DeepSpeed json's version) as a number."""
+    try:
+        number = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
+    except (ValueError, OverflowError):
+        number = None
+    if number is None or not 0 <= number < 100:
+        raise CheckpointError(f"{path}: checkpoint_version is {shown(value)}, not a version number (0, 1.0, 2.0, "
+                              "3.0: the layout of the fused QKV rows); the file is damaged: re-save it.")
+    return number
+
+
 def _heads(path: str, args: Any, version: float, tp: int) -> Heads:
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"{path}: no Megatron args in the file; lazyload needs them (num_attention_heads, "
                               "hidden_size) to find each head in the fused QKV rows.")
-    heads, hidden = getattr(args, "num_attention_heads", None), getattr(args, "hidden_size", None)
-    if not (isinstance(heads, int) and isinstance(hidden, int) and heads > 0):
-        raise CheckpointError(f"{path}: args lack num_attention_heads / hidden_size.")
-    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
-    size = getattr(args, "kv_channels", None) or hidden // heads
+    found = args_heads(args, path)
     saved_tp = getattr(args, "tensor_model_parallel_size", tp)
     if saved_tp != tp:
-        raise CheckpointError(f"{path}: written for tensor-parallel size {saved_tp}, but {tp} rank file(s) were "
-                              "found; pass every mp_rank_XX file.")
-    if heads % tp or groups % tp or heads % groups:
-        raise CheckpointError(f"{path}: {heads} heads in {groups} query groups do not split over {tp} ranks.")
-    if groups != heads and version < 2:
+        raise CheckpointError(f"{path}: written for tensor-parallel size {shown(saved_tp)}, but {tp} rank file(s) "
+                              "were found; pass every mp_rank_XX file.")
+    if found.heads % tp or found.groups % tp:
+        raise CheckpointError(f"{path}: {found.heads} heads in {found.groups} query groups do not split over {tp} "
+                              "ranks.")
+    if found.groups != found.heads and version < 2:
         raise CheckpointError(f"{path}: grouped-query attention in a version {version} checkpoint: no such layout.")
-    return Heads(heads, groups, size)
+    return found
 
 
 def _qkv_parts(version: float, heads: Heads, tp: int, pieces: list[tuple[Expr, TensorEntry]],
@@ -164,7 +166,7 @@ def open_index(files: list[str], trust_pickle: bool = False, version: float | No
     """The logical tensors of a Megatron checkpoint whose rank files are `files` (rank order).
     `version`: the QKV layout version, when the files do not say (DeepSpeed's json)."""
     entries, by_name, header_bytes, args, saved_version = _rank_pieces(files, trust_pickle)
-    version = float(version if version is not None else saved_version or 0)
+    version = _layout_version(version if version is not None else saved_version or 0, files[0])
     tp = len(files)
     heads = _heads(files[0], args, version, tp)
     llama = bool(getattr(args, "swiglu", False))

@@ -29,9 +29,13 @@ A save directory is read at the iteration its tracker names, or at `iteration=` 
 format has iterations: `protocol.resolve_in`); everything is read through the storage, so
 its URL loads too (NeMo 2's `weights/` is then named by the URL itself).
 
-The head counts come from Megatron's `args` in `common.pt` (read by torch's restricted
-unpickler, `argparse.Namespace` allowed) or else the `config.json` beside the checkpoint.
-Optimizer state, RNG state and `_extra_state` byte items are not read.
+The head counts come from Megatron's `args` in its common state: `common.pt`, or (since
+megatron-core 0.17, which writes no common.pt) the DCP byte item `common_state/shard_0_1` in
+the .distcp files, both read by torch's restricted unpickler, `argparse.Namespace` allowed;
+or else from the `config.json` beside the checkpoint. Each count is checked (a positive
+integer, the heads a multiple of the groups), and the tracker must hold an iteration number
+or `release`, as Megatron writes it. Optimizer state, RNG state and `_extra_state` byte items
+are not read.
 """
 from __future__ import annotations
 
@@ -40,16 +44,23 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shown
 from ..expr import Cat, Chunk, Expr, Source
 from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from . import dcp, torch_files
+from .dcp_metadata import DcpMetadata
 from .logical import Layout, Part
 from .protocol import CheckpointSource, Format, OpenOptions, Storage
 
 TRACKER = "latest_checkpointed_iteration.txt"
+_ITERATION_DIGITS = 20  # an iteration number of more is none (and int() refuses over 4,300 digits)
+_LAYER_DIGITS = 9  # a layer number of more is none
+MAX_COUNT = 1 << 31  # heads, query groups, head size: a count from 1 below this
 MAX_COMMON = 256 << 20  # common.pt: Megatron's args and small state, kilobytes in practice
+# megatron-core 0.17+ keeps the common state in the DCP checkpoint, as this byte item (the
+# unique key of its ShardedObject "common_state" of one shard); before, in common.pt
+COMMON_STATE = "common_state/shard_0_1"
 _STACKED = "decoder.layers."
 _PREFIXES = ("module.", "model.module.")  # NeMo 2 / DDP wrappers in front of Megatron's names
 _LAYER = "model.layers.{i}."
@@ -81,9 +92,9 @@ _SPLIT = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", 
 
 @dataclass(frozen=True)
 class Heads:
-    heads: int
-    groups: int
-    size: int
+    heads: int   # attention heads, all ranks
+    groups: int  # query groups (KV heads)
+    size: int    # head size
 
 
 @dataclass(frozen=True)
@@ -109,16 +120,30 @@ def checkpoint_dir(storage: Storage, path: str) -> str | None:
     tracker = storage.join(path, TRACKER)
     if storage.exists(tracker):
         tag = storage.read(tracker, "Megatron's latest_checkpointed_iteration.txt", 4096).decode("utf-8", "replace")
-        path = storage.join(path, iteration_dir(tag.strip()))
+        path = storage.join(path, iteration_dir(tag.strip(), tracker))
     if _is_torch_dist(storage, path):
         return path
     weights = storage.join(path, "weights")  # NeMo 2; for a URL a probe more per folder, so not asked
     return weights if not storage.remote and storage.is_dir(weights) and _is_torch_dist(storage, weights) else None
 
 
-def iteration_dir(tag: str) -> str:
-    """The directory of an iteration as Megatron names it (`iter_0000100`, `release`)."""
-    return f"iter_{int(tag):07d}" if tag.isdigit() else tag
+def iteration_dir(tag: str, tracker: str) -> str:
+    """The directory of the iteration the tracker names, as Megatron names it (`iter_0000100`,
+    `release`): Megatron writes an iteration number or `release` there, nothing else (a path
+    would load another directory)."""
+    if tag == "release":
+        return tag
+    if _is_number(tag, _ITERATION_DIGITS):
+        return f"iter_{int(tag):07d}"
+    raise CheckpointError(f"{tracker}: holds {tag[:60]!r}, not an iteration number (ASCII digits) or 'release', "
+                          "which is all Megatron writes there; point lazyload at the iteration's directory, or "
+                          "write its number in the file.")
+
+
+def _is_number(text: str, digits: int) -> bool:
+    """ASCII digits, at most `digits` of them (str.isdigit alone takes '²' and other scripts'
+    digits, which int() refuses or reads as another number)."""
+    return text.isascii() and text.isdigit() and len(text) <= digits
 
 
 def _is_torch_dist(storage: Storage, path: str) -> bool:
@@ -131,29 +156,82 @@ def _is_torch_dist(storage: Storage, path: str) -> bool:
         return False
 
 
-def heads_of(storage: Storage, path: str) -> Heads:
-    """Attention heads, query groups and head size from Megatron's args (common.pt) or the
+def args_heads(args: argparse.Namespace, where: str) -> Heads:
+    """Attention heads, query groups and head size from Megatron's `args` (read from `where`)."""
+    groups = "num_query_groups" if getattr(args, "group_query_attention", False) else None
+    return _heads(lambda name: getattr(args, name, None), "Megatron's args.", groups, "kv_channels", where)
+
+
+def _heads(value, prefix: str, groups_key: str | None, size_key: str, where: str) -> Heads:
+    """Heads, groups (`groups_key`'s value, else one a head) and head size (`size_key`'s,
+    else hidden_size over the heads) from `value(name)`, each checked to be a count."""
+    def count(name: str) -> int:
+        found = value(name)
+        if isinstance(found, bool) or not isinstance(found, int) or not 0 < found < MAX_COUNT:
+            raise CheckpointError(f"{where}: {prefix}{name} is {shown(found)}, not a count from 1 to {MAX_COUNT - 1}; "
+                                  "lazyload needs it to split Megatron's fused QKV rows. The file is damaged: re-save "
+                                  "or replace it.")
+        return found
+
+    heads = count("num_attention_heads")
+    groups = count(groups_key) if groups_key and value(groups_key) is not None else heads
+    size = count(size_key) if value(size_key) is not None else count("hidden_size") // heads
+    if size == 0 or heads % groups:
+        raise CheckpointError(f"{where}: {heads} attention heads in {groups} query groups of head size {size}: no "
+                              "such attention (the heads must split evenly into the groups, the head size be at "
+                              "least 1). The file is damaged: re-save or replace it.")
+    return Heads(heads, groups, size)
+
+
+def heads_of(storage: Storage, path: str, metadata: DcpMetadata) -> Heads:
+    """Attention heads, query groups and head size from Megatron's args (in its common state:
+    common.pt, or since megatron-core 0.17 the DCP byte item `common_state/shard_0_1`) or the
     config.json beside the checkpoint (or its parents, up to the save directory)."""
     refused = ""
-    common = storage.join(path, "common.pt")
-    if storage.exists(common):
+    common = _common_state(storage, path, metadata)
+    if common is not None:
+        where, raw, wrapped = common
         try:
-            raw = storage.read(common, "Megatron's common.pt", MAX_COMMON)
-            tree = torch_files.load_tree(common, False, [argparse.Namespace], data=raw)
+            tree = torch_files.load_tree(where, False, [argparse.Namespace], data=raw)
         except CheckpointError as exc:  # args holding classes (enums): the config.json is asked instead
-            tree, refused = None, f" (common.pt: {exc})"
+            tree, refused = None, f" ({exc})"
+        if wrapped:  # the byte item is a list of the common state (of its one shard)
+            tree = tree[0] if isinstance(tree, list) and len(tree) == 1 else None
         args = tree.get("args") if isinstance(tree, dict) else None
-        if isinstance(args, argparse.Namespace) and isinstance(getattr(args, "num_attention_heads", None), int):
-            heads = args.num_attention_heads
-            groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
-            return Heads(heads, groups, getattr(args, "kv_channels", None) or args.hidden_size // heads)
+        if isinstance(args, argparse.Namespace) and getattr(args, "num_attention_heads", None) is not None:
+            return args_heads(args, where)
     for folder in _up_to_save_dir(storage, path):
         config = storage.join(folder, "config.json")
         if storage.exists(config):
             return _config_heads(config, storage.read_json(config, "the model's config.json"))
-    raise CheckpointError(f"{path}: no Megatron args in common.pt{refused} and no config.json beside the checkpoint; "
-                          "lazyload needs the attention heads and query groups to split the fused QKV rows. Put the "
-                          "model's config.json in the checkpoint directory.")
+    raise CheckpointError(f"{path}: no Megatron args in its common state (common.pt, or the byte item "
+                          f"{COMMON_STATE!r}){refused} and no config.json beside the checkpoint; lazyload needs the "
+                          "attention heads and query groups to split the fused QKV rows. Put the model's config.json "
+                          "in the checkpoint directory.")
+
+
+def _common_state(storage: Storage, path: str, metadata: DcpMetadata) -> tuple[str, bytes, bool] | None:
+    """(what names it, its torch.save bytes, whether they are a list around it) of Megatron's
+    common state: common.pt, else megatron-core 0.17+'s DCP byte item; None when neither is
+    there. The byte item's file is one `data_files` checked to be inside the checkpoint."""
+    common = storage.join(path, "common.pt")
+    if storage.exists(common):
+        return common, storage.read(common, "Megatron's common.pt", MAX_COMMON), False
+    info = metadata.storage.get((COMMON_STATE, ()))
+    if COMMON_STATE not in metadata.byte_items or info is None:
+        return None
+    file = storage.join(path, info.relative_path)
+    where = f"{file} (Megatron's common state, byte item {COMMON_STATE!r})"
+    if info.transforms or info.length > MAX_COMMON:
+        raise CheckpointError(f"{where}: " + (f"stored transformed ({', '.join(info.transforms)})" if info.transforms
+                                              else f"{info.length} bytes, over the {MAX_COMMON} a common state takes")
+                              + "; lazyload reads megatron-core's own torch_dist saves. Re-save the checkpoint, or put "
+                              "the model's config.json beside it.")
+    ranges = storage.ranges({file: [(info.offset, info.offset + info.length)]})[file]
+    try:
+        return where, ranges.read(info.offset, info.length, f"byte item {COMMON_STATE!r}"), True
+    finally:
+        ranges.close()
 
 
 def _up_to_save_dir(storage: Storage, path: str) -> list[str]:
@@ -169,13 +247,10 @@ def _up_to_save_dir(storage: Storage, path: str) -> list[str]:
 
 
 def _config_heads(config: str, doc) -> Heads:
-    try:
-        heads = int(doc["num_attention_heads"])
-        return Heads(heads, int(doc.get("num_key_value_heads") or heads),
-                     int(doc.get("head_dim") or doc["hidden_size"] // heads))
-    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):
-        raise CheckpointError(f"{config}: no num_attention_heads / hidden_size in it; lazyload needs them to split "
-                              "Megatron's fused QKV rows.") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{config}: not a JSON object; lazyload needs the model's num_attention_heads / "
+                              "hidden_size from it to split Megatron's fused QKV rows.")
+    return _heads(doc.get, "", "num_key_value_heads", "head_dim", config)
 
 
 def is_model_tensor(fqn: str) -> bool:
@@ -254,6 +329,21 @@ def _transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) ->
     return out
 
 
+def _layer_number(fqn: str, where: str) -> int | None:
+    """N of a `decoder.layers.N.` key; None for any other (a stacked `decoder.layers.<module>`
+    key, whose module name is an identifier: it starts with no digit)."""
+    name = _unwrapped(fqn)
+    if not name.startswith(_STACKED):
+        return None
+    layer = name.removeprefix(_STACKED).partition(".")[0]
+    if not layer[:1].isnumeric():
+        return None
+    if not _is_number(layer, _LAYER_DIGITS):
+        raise CheckpointError(f"{where}: Megatron key {fqn[:200]!r}: its layer number {layer[:40]!r} is not one "
+                              f"(at most {_LAYER_DIGITS} ASCII digits); the checkpoint's metadata is damaged: re-save it.")
+    return int(layer)
+
+
 def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     """The index of a torch_dist checkpoint directory under transformers' names."""
     metadata, header = dcp.read_dcp_metadata(storage, directory)
@@ -265,19 +355,20 @@ def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     keys = dcp.chunk_keys([(fqn, chunk) for fqn, chunk, _ in planned])
     tiles: dict[str, list[Part]] = {}
     for (fqn, chunk, _), key in zip(planned, keys):
-        layer, _, rest = _unwrapped(fqn).removeprefix(_STACKED).partition(".")
-        if _unwrapped(fqn).startswith(_STACKED) and not layer.isdigit():
+        layer = _layer_number(fqn, where)
+        if _unwrapped(fqn).startswith(_STACKED) and layer is None:
             _per_layer(entries, tiles, fqn, chunk, key)
         else:  # a global tensor, or one layer's (`decoder.layers.N.`: layers of several kinds)
             box = tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
-            name = f"{int(layer)}:{rest}" if _unwrapped(fqn).startswith(_STACKED) else f":{_unwrapped(fqn)}"
+            rest = _unwrapped(fqn).removeprefix(_STACKED).partition(".")[2]
+            name = f"{layer}:{rest}" if layer is not None else f":{_unwrapped(fqn)}"
             tiles.setdefault(name, []).append(Part(Source(key), box))
     layouts = {}
     for key, parts in tiles.items():
         first = entries[parts[0].expr.keys()[0]]
         shape = tuple(max(p.box[d][1] for p in parts) for d in range(len(parts[0].box)))
         layouts[key] = Layout(key, shape, first.dtype, tuple(parts))
-    names = _transformers_names(layouts, heads_of(storage, directory), where)
+    names = _transformers_names(layouts, heads_of(storage, directory, metadata), where)
     return CheckpointIndex.of(files, entries.items(), names, header + zips, where, identities)
 
 

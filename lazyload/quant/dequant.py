@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from .finite import fits, refuse_non_finite
 from .fp4 import dequantize_mxfp4_into, dequantize_nvfp4_into, dequantize_nvfp4_modelopt_into
 from .int4 import dequantize_int4_into
 
@@ -72,6 +73,9 @@ def dequantize_into(out: torch.Tensor, box: QuantizedBox, start: tuple[int, ...]
     grid = _grid(start, q.shape, block)
     scale = box.scale.float().reshape(grid)
     zero = box.zero.float().reshape(grid) if box.zero is not None else None
+    top = float(scale.abs().max()) if scale.numel() else 0.0  # NaN for a NaN scale: then every value is checked
+    span = _code_max(q.dtype) + (float(zero.abs().max()) if zero is not None and zero.numel() else 0.0)
+    why = None if fits(span * top, out.dtype) else f"scales up to {top:g} (times weights up to {span:g})"
     rows = q.shape[0]
     chunk = GPU_CHUNK if q.device.type == "cuda" else CPU_CHUNK
     step = max(1, chunk // max(1, math.prod(q.shape[1:])))
@@ -82,7 +86,7 @@ def dequantize_into(out: torch.Tensor, box: QuantizedBox, start: tuple[int, ...]
         lo = (start[0] + r) // block[0] - start[0] // block[0] if grid[0] > 1 else 0
         hi = (start[0] + stop - 1) // block[0] - start[0] // block[0] + 1 if grid[0] > 1 else 1
         _dequantize_chunk(out[r:stop], q[r:stop], scale[lo:hi], zero[lo:hi] if zero is not None else None,
-                          at, block)
+                          at, block, why)
 
 
 def dequantized(weight: torch.Tensor, scale: torch.Tensor, group: int, axis: int, dtype: torch.dtype) -> torch.Tensor:
@@ -93,6 +97,11 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor, group: int, axis: int
     block[axis] = group
     dequantize_into(out, QuantizedBox(weight, scale), (0,) * weight.ndim, tuple(block))
     return out
+
+
+def _code_max(dtype: torch.dtype) -> float:
+    """The largest magnitude a stored 8-bit weight of `dtype` holds (448 for float8_e4m3fn)."""
+    return float(torch.finfo(dtype).max if dtype.is_floating_point else -torch.iinfo(dtype).min)
 
 
 def _grid(start, shape, block) -> tuple[int, ...]:
@@ -123,10 +132,11 @@ def _to_float32(values: torch.Tensor, q: torch.Tensor) -> None:
         values[codes == 0x7F] = float("nan")
 
 
-def _dequantize_chunk(out, q, scale, zero, start, block) -> None:
+def _dequantize_chunk(out, q, scale, zero, start, block, why: str | None) -> None:
     """One chunk: the box is placed in a float32 scratch padded to whole blocks along every
     dim it crosses blocks on, so that the scratch viewed as [blocks, block] per dim takes
-    the scales ([blocks, 1] per dim) by broadcasting."""
+    the scales ([blocks, 1] per dim) by broadcasting. `why`: the scales may give values out
+    of `out`'s range (they are then checked before they are placed)."""
     padded, inner, blocks, scales = [], [], [], []
     for a, n, b, m in zip(start, q.shape, block, scale.shape):
         if m == 1:  # one scale along this dim: no padding, broadcast
@@ -145,4 +155,6 @@ def _dequantize_chunk(out, q, scale, zero, start, block) -> None:
     if zero is not None:
         grouped.sub_(zero.reshape(scales))
     grouped.mul_(scale.reshape(scales))
+    if why is not None:
+        refuse_non_finite(values, (out.dtype,), why)
     out.copy_(values)  # the one rounding, to the destination dtype

@@ -34,11 +34,12 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shown
 from ..expr import Cat, Dequant, Expr, Packed4, Source
 from ..index import CheckpointIndex
 from .fp4 import mxfp4_leaves
 from .packed4 import packed4_leaves
+from .qconfig import block_shape, positive_int, weight_groups
 from .pieces import stored_file
 
 WEIGHT_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
@@ -107,7 +108,7 @@ def modelopt_config_of(where: str, raw: bytes) -> dict | None:
     ..., "exclude_modules": [...]}}) as a quantization_config (quant_method "modelopt")."""
     try:
         quant = json.loads(raw).get("quantization")
-    except (ValueError, AttributeError) as exc:
+    except (ValueError, AttributeError, RecursionError) as exc:  # RecursionError: nested thousands deep
         logger.warning("%s: not read (%s); quantized weights are found from the tensors alone", where, exc)
         return None
     return {"quant_method": "modelopt", **quant} if isinstance(quant, dict) else None
@@ -117,7 +118,7 @@ def quantization_config_of(where: str, raw: bytes) -> dict | None:
     """`quantization_config` of a config.json's bytes (`where`: its path or URL), if any."""
     try:
         config = json.loads(raw)
-    except ValueError as exc:  # the tensors alone still tell quantized weights
+    except (ValueError, RecursionError) as exc:  # the tensors alone still tell quantized weights
         logger.warning("%s: not read (%s); quantized weights are found from the tensors alone", where, exc)
         return None
     quant = config.get("quantization_config") if isinstance(config, dict) else None
@@ -254,8 +255,8 @@ def _check_unscaled(tensors: dict, index: CheckpointIndex, leaves: Collection[st
         if not any(re.search(p, name) for p in IGNORED):
             method = (config or {}).get("quant_method", "scaled 8-bit weights")
             raise CheckpointError(f"{stored_file(index, name)}: {name!r} is {dtype} in a checkpoint quantized "
-                                  f"with {method}, but has no scale ({name}_scale_inv or {name}_scale); a quantized "
-                                  "weight is never loaded without its scales. The checkpoint is incomplete.")
+                                  f"with {shown(method)}, but has no scale ({name}_scale_inv or {name}_scale); a "
+                                  "quantized weight is never loaded without its scales. The checkpoint is incomplete.")
 
 
 def _config_blocks(config: dict) -> list[tuple[int | None, int | None]]:
@@ -264,7 +265,7 @@ def _config_blocks(config: dict) -> list[tuple[int | None, int | None]]:
     method = config.get("quant_method")
     if method == "fp8":
         size = config.get("weight_block_size")
-        return [tuple(int(b) for b in size)] if size else [(None, None)]
+        return [block_shape(size, "weight_block_size")] if size else [(None, None)]
     if method == "compressed-tensors":
         return _compressed_tensors_blocks(config)
     if method == "mxfp4":  # its blocks and scales are found by their names (quant.fp4)
@@ -272,39 +273,36 @@ def _config_blocks(config: dict) -> list[tuple[int | None, int | None]]:
     if method == "modelopt":  # NVFP4 weights are found by their names (quant.packed4)
         if config.get("quant_algo") != "NVFP4":
             raise CheckpointError(f"config.json: the checkpoint is quantized by ModelOpt with "
-                                  f"{config.get('quant_algo')!r}; lazyload reads ModelOpt's NVFP4 only. Dequantize "
-                                  "it with ModelOpt first.")
+                                  f"{shown(config.get('quant_algo'))}; lazyload reads ModelOpt's NVFP4 only. "
+                                  "Dequantize it with ModelOpt first.")
         return []
-    raise CheckpointError(f"config.json: the checkpoint is quantized with {method!r}, which lazyload cannot "
+    raise CheckpointError(f"config.json: the checkpoint is quantized with {shown(method)}, which lazyload cannot "
                           f"dequantize (it reads {', '.join(METHODS)}); dequantize it with its own tools first.")
 
 
 def _compressed_tensors_blocks(config: dict) -> list[tuple[int | None, int | None]]:
     top = config.get("format")
     blocks = []
-    for name, group in (config.get("config_groups") or {}).items():
-        weights = (group or {}).get("weights")
-        if not weights:
-            continue
+    for name, group, weights in weight_groups(config):
         fmt = group.get("format") or top
         if fmt == "dense" or (fmt in PACKED4_FORMATS and weights.get("num_bits") == 4):
             continue  # 4-bit packed weights are found by their names (quant.packed4)
         if fmt not in COMPRESSED_FORMATS or weights.get("num_bits") != 8:
-            raise CheckpointError(f"config.json: compressed-tensors group {name!r} stores weights as {fmt!r} with "
-                                  f"{weights.get('num_bits')} bits; lazyload reads 8-bit weights in "
+            raise CheckpointError(f"config.json: compressed-tensors group {name!r} stores weights as {shown(fmt)} with "
+                                  f"{shown(weights.get('num_bits'))} bits; lazyload reads 8-bit weights in "
                                   f"{', '.join(COMPRESSED_FORMATS)}. Dequantize the checkpoint first.")
         strategy = weights.get("strategy")
         if strategy == "block":
-            blocks.append(tuple(int(b) for b in weights["block_structure"]))
+            blocks.append(block_shape(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure"))
         elif strategy == "group":
-            blocks.append((1, int(weights["group_size"])))
+            blocks.append((1, positive_int(weights.get("group_size"), f"config_groups.{name}.weights.group_size")))
         elif strategy == "channel":
             blocks.append((1, None))
         elif strategy == "tensor":
             blocks.append((None, None))
         else:
             raise CheckpointError(f"config.json: compressed-tensors group {name!r} quantizes weights per "
-                                  f"{strategy!r}, which lazyload cannot dequantize.")
+                                  f"{shown(strategy)}, which lazyload cannot dequantize.")
     return blocks
 
 

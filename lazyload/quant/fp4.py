@@ -15,18 +15,21 @@ at most two significant bits), which tests/test_mxfp4.py checks against its load
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
 from ..errors import CheckpointError
 from ..expr import Expr, Mxfp4, Transpose
 from ..index import CheckpointIndex
+from .finite import fits, refuse_non_finite
 from .pieces import paired, stored_file
 
 BLOCKS, SCALES = "_blocks", "_scales"
 E8M0_NAN = 255
 # E2M1 codes 0-15: bit 3 the sign, bits 0-2 the magnitude's index.
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_MAX = 6.0
 CHUNK = 1 << 18  # float32 scratch elements per chunk (1 MiB: stays in a CPU cache)
 _LUTS: dict[torch.device, torch.Tensor] = {}
 
@@ -66,22 +69,28 @@ def dequantize_mxfp4_into(out: torch.Tensor, blocks: torch.Tensor, scales: torch
         raise CheckpointError(f"an MXFP4 scale is {E8M0_NAN} (E8M0 NaN) at {at} of the scales read with this box "
                               "(the blocks' `_scales` tensor); the checkpoint is corrupt, a NaN scale makes every "
                               "one of its 32 weights NaN.")
+    top = int(scales.max()) if scales.numel() else 0
+    why = None if fits(math.ldexp(E2M1_MAX, top - 127), out.dtype) else f"MXFP4 scales up to {top} (2^{top - 127})"
     rows = max(1, CHUNK // (32 * blocks.shape[-2]))  # a chunk of rows through a float32 scratch
     for lead in itertools.product(*(range(n) for n in blocks.shape[:-3])):
         for r in range(0, blocks.shape[-3], rows):
             at = lead + (slice(r, r + rows),)
-            _dequantize_rows(out[at], blocks[at], scales[at])
+            _dequantize_rows(out[at], blocks[at], scales[at], why)
 
 
-def _dequantize_rows(out: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+def _dequantize_rows(out: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, why: str | None) -> None:
+    """`why`: the scales may give values out of range (then checked before they are placed)."""
     flat = _e2m1(blocks)  # [..., G, 32]
     torch.ldexp(flat, (scales.to(torch.int32) - 127).unsqueeze(-1), out=flat)
+    if why is not None:
+        refuse_non_finite(flat, (out.dtype,), why)
     out.copy_(flat.view(out.shape))  # the one rounding, to the destination dtype
 
 
 # NVFP4: E2M1 nibbles two to a uint8 [..., R, K/2] (element 2j low), one float8_e4m3fn
 # scale per 16 values [..., R, K/16], and one float32 scalar for the whole tensor.
 NV_GROUP = 16
+FP8_E4M3 = torch.float8_e4m3fn
 
 
 def dequantize_nvfp4_into(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -92,7 +101,8 @@ def dequantize_nvfp4_into(out: torch.Tensor, packed: torch.Tensor, scales: torch
     and transformers' `CompressedTensorsDequantize` compute it. A global scale that is zero,
     NaN or infinite is refused (it divides), as is a NaN scale."""
     divisor = _global(global_scale, "weight_global_scale", "it divides every scale")
-    _dequantize_nvfp4(out, packed, scales, lambda s: s / divisor, torch.bfloat16)
+    _dequantize_nvfp4(out, packed, scales, lambda s: s / divisor, torch.bfloat16,
+                      f"NVFP4 scales (weight_scale / weight_global_scale {float(divisor):g})")
 
 
 def dequantize_nvfp4_modelopt_into(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -100,7 +110,8 @@ def dequantize_nvfp4_modelopt_into(out: torch.Tensor, packed: torch.Tensor, scal
     """ModelOpt's NVFP4 into `out` [..., R, K]: `e2m1 * (float32(scale) * weight_scale_2)` in
     float32, then one rounding to `out`'s dtype, as `NVFP4QTensor.dequantize` computes it."""
     factor = _global(scale_2, "weight_scale_2", "it multiplies every scale")
-    _dequantize_nvfp4(out, packed, scales, lambda s: s * factor, None)
+    _dequantize_nvfp4(out, packed, scales, lambda s: s * factor, None,
+                      f"NVFP4 scales (weight_scale x weight_scale_2 {float(factor):g})")
 
 
 def _global(value: torch.Tensor, name: str, why: str) -> torch.Tensor:
@@ -113,14 +124,18 @@ def _global(value: torch.Tensor, name: str, why: str) -> torch.Tensor:
     return scalar
 
 
-def _dequantize_nvfp4(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scale_of, via) -> None:
+def _dequantize_nvfp4(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scale_of, via,
+                      what: str) -> None:
     """E2M1 values times `scale_of(float32 scales)` per 16, in float32 chunks of rows, then
-    rounded to `via` (if any) and to `out`'s dtype."""
-    nan = (scales.view(torch.uint8) & 0x7F) == 0x7F  # S.1111.111: float8_e4m3fn's NaN
+    rounded to `via` (if any) and to `out`'s dtype; `what`: that product, named in errors."""
+    magnitudes = scales.view(torch.uint8) & 0x7F  # float8_e4m3fn's magnitude codes are in its values' order
+    nan = magnitudes == 0x7F  # S.1111.111: float8_e4m3fn's NaN
     if bool(nan.any()):
         at = nan.nonzero()[0].tolist()
         raise CheckpointError(f"an NVFP4 weight_scale is NaN (float8_e4m3fn 0x7F) at {at} of the scales read with "
                               "this box; the checkpoint is corrupt, a NaN scale makes its 16 weights NaN.")
+    top = scale_of(magnitudes.max().view(FP8_E4M3).float()) if magnitudes.numel() else torch.tensor(0.0)
+    why = None if fits(E2M1_MAX * abs(float(top)), via, out.dtype) else f"{what} up to {float(top):g}"
     rows = max(1, CHUNK // max(1, 2 * packed.shape[-1]))
     lead = packed.shape[:-2]
     for at in itertools.product(*(range(n) for n in lead)):
@@ -129,6 +144,8 @@ def _dequantize_nvfp4(out: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
             values = _e2m1(packed[box])  # [rows, K] float32
             grouped = values.view(*values.shape[:-1], -1, NV_GROUP)
             grouped.mul_(scale_of(scales[box].float()).unsqueeze(-1))
+            if why is not None:
+                refuse_non_finite(values, (via, out.dtype), why)
             out[box].copy_(values.to(via) if via is not None and via != out.dtype else values)
 
 

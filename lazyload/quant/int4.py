@@ -20,9 +20,11 @@ import sys
 import torch
 
 from ..errors import CheckpointError
+from .finite import fits, refuse_non_finite
 
 CHUNK = 1 << 18  # float32 scratch elements per chunk (1 MiB: stays in a CPU cache)
 PER_WORD = 8  # 4-bit values per int32
+CODE_MAX = 8  # |q| of q in [-8, 7]
 
 
 def dequantize_int4_into(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
@@ -38,6 +40,8 @@ def dequantize_int4_into(out: torch.Tensor, packed: torch.Tensor, scales: torch.
                               "inf or NaN.")
     k = packed.shape[-1] * PER_WORD
     group = k // scales.shape[-1]
+    top = float(scales.abs().max()) if scales.numel() else 0.0
+    why = None if fits(CODE_MAX * top, scales.dtype, out.dtype) else f"INT4 weight_scale values (up to {top:g})"
     rows = max(1, CHUNK // max(1, k))
     for at in itertools.product(*(range(n) for n in packed.shape[:-2])):
         for r in range(0, packed.shape[-2], rows):
@@ -51,4 +55,6 @@ def dequantize_int4_into(out: torch.Tensor, packed: torch.Tensor, scales: torch.
             scale = scales[box]
             grouped.mul_(scale.float().unsqueeze(-1))
             flat = values.view(*nibbles.shape[:-1], k)
+            if why is not None:
+                refuse_non_finite(flat, (scale.dtype, out.dtype), why)
             out[box].copy_(flat.to(scale.dtype) if scale.dtype != out.dtype else flat)

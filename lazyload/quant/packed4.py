@@ -32,6 +32,7 @@ from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from ..readers.identity import RERUN, check_size, open_checked
 from .pieces import paired, stored_file
+from .qconfig import positive_int, weight_groups
 
 PACKED, SCALE, GLOBAL, SHAPE, ZERO, SCALE_2 = "_packed", "_scale", "_global_scale", "_shape", "_zero_point", "_scale_2"
 NVFP4, INT4, MODELOPT = "nvfp4", "int4", "nvfp4-modelopt"
@@ -175,10 +176,7 @@ def int4_group_sizes(config: dict | None) -> set[int]:
     if not config or config.get("quant_method") != "compressed-tensors":
         return set()
     out = set()
-    for group in (config.get("config_groups") or {}).values():
-        if not isinstance(group, dict):
-            continue  # a null group declares nothing (as `formats` reads it)
-        weights = group.get("weights") or {}
+    for name, group, weights in weight_groups(config):
         if (group.get("format") or config.get("format")) == "pack-quantized" and weights.get("group_size"):
-            out.add(int(weights["group_size"]))
+            out.add(positive_int(weights["group_size"], f"config_groups.{name}.weights.group_size"))
     return out

@@ -4,6 +4,7 @@ bounded by `rank_timeout`. A rank that fails publishes its error instead of its 
 every rank then raises: the rank itself its own error, the others a RankFailedError naming it."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import pickle
 from datetime import timedelta
@@ -11,15 +12,25 @@ from typing import Any, Callable
 
 from ..errors import RankFailedError
 
-_syncs = itertools.count()  # constructions are numbered per process: every rank constructs in the same order
+# Constructions are numbered per group of ranks: every rank of a group constructs that group's
+# WeightSyncs in the same order, while a rank in several groups (a trainer serving two replica
+# groups) counts each group apart, so the numbers (store keys, message tags) agree in every group.
+_constructions: dict[tuple[int, ...], itertools.count] = {}
+
+
+def construction(ranks: list[int]) -> tuple[str, int]:
+    """(store namespace, number) of the next WeightSync over `ranks` on this process."""
+    key = tuple(ranks)
+    number = next(_constructions.setdefault(key, itertools.count()))
+    group = hashlib.sha256(",".join(map(str, key)).encode()).hexdigest()[:16]
+    return f"lazyload/sync/{group}/{number}", number
 
 
 class Gather:
     """All-gathers of small Python values over `ranks` (global ranks, this one `rank`)."""
 
-    def __init__(self, store: Any, rank: int, ranks: list[int], timeout: float):
-        self.store, self.rank, self.ranks, self.timeout = store, rank, ranks, timeout
-        self.prefix = f"lazyload/sync/{next(_syncs)}@{ranks[0]}"
+    def __init__(self, store: Any, rank: int, ranks: list[int], timeout: float, prefix: str):
+        self.store, self.rank, self.ranks, self.timeout, self.prefix = store, rank, ranks, timeout, prefix
 
     def run(self, stage: str, compute: Callable[[], Any]) -> dict[int, Any]:
         """`compute()` on this rank, then every rank's value (global rank -> value). An

@@ -3,7 +3,6 @@ the slices each server rank holds moving, with one plan made at construction and
 every sync. See the package docstring for the stages."""
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,7 +13,7 @@ from torch import nn
 from ..agreement import Agreement
 from ..buffers import fill_meta_buffers
 from ..keywords import check_keywords
-from ..errors import ArgumentError, SyncError
+from ..errors import ArgumentError, RankFailedError, SyncError
 from ..executor import allocate_destinations, assign_loaded, make_parallel, swap_quantized_layers
 from ..mapping import KeyMap
 from ..mesh import ranks_of
@@ -26,9 +25,9 @@ from ..placer import allocate
 from ..targets import model_slots
 from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers, refuse_unsupported_holders
 from ..stored import StoredCheckpoint
-from .gather import Gather
+from .gather import Gather, construction
 from ..targets import local_tensor
-from .layout import source_layout, source_tensors
+from .layout import SourceTensor, source_layout, source_tensors
 from .routes import Request, Routes, requests_of, routes_for
 from .source_index import source_index
 from .transfer import Ends, Moved, transfer
@@ -52,7 +51,6 @@ class SyncReport:
     tensors: int = 0
 
 
-_tags = itertools.count(1)
 # gloo keys a point-to-point message by a 32-bit tag (torch passes it as a C int): bounded, so a
 # construction owns a block of _TAGS_EACH tags (constructions numbered mod the blocks that fit)
 _TAGS_EACH = 1 << 16
@@ -73,6 +71,26 @@ def own_holders(quantize: Any) -> Quantization | None:
     """`quantize=` kept in lazyload's quantized layers: torchao's holders would be new tensors,
     which later syncs could not update in place."""
     return None if quantize is None else replace(Quantization.of(quantize), torchao=False)
+
+
+def _check_same_plan(rank: int, digests: dict[int, str]) -> None:
+    """Every rank derived the same sync plan from the exchanged requests (its digest): a rank
+    running another lazyload, or planning otherwise, would pair messages of other sizes."""
+    if len(set(digests.values())) > 1:
+        counts = {d: sum(1 for v in digests.values() if v == d) for d in digests.values()}
+        ref = max(counts, key=lambda d: (counts[d], -min(r for r, v in digests.items() if v == d)))
+        other = {r: f"planned sync {d} where most ranks planned {ref}" for r, d in sorted(digests.items()) if d != ref}
+        raise RankFailedError(f"rank {rank}: the ranks planned different weight syncs from the same requests ("
+                              + "; ".join(f"rank {r}: {m}" for r, m in other.items()) + "): every rank must run "
+                              "the same lazyload version; no byte moved.", other)
+
+
+def _described(tensor: SourceTensor | None) -> str:
+    """A source tensor's dtype, shape and the boxes this rank holds, for a message."""
+    if tensor is None:
+        return "gone"
+    boxes = ", ".join("[" + ", ".join(f"{a}:{b}" for a, b in h.box) + "]" for h in tensor.held)
+    return f"{tensor.dtype} {list(tensor.shape)} holding {boxes or 'nothing'}"
 
 
 class WeightSync:
@@ -114,19 +132,21 @@ class WeightSync:
                                     reader="pread", max_host_bytes=max_host_bytes, quantize=own_holders(quantize),
                                     rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False)
         store = _get_default_store()
-        gather = Gather(store, self.rank, self.ranks, rank_timeout)
+        prefix, number = construction(self.ranks)
+        gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
         self._prefix = gather.prefix
         layouts = gather.run("layout", self._layout)
         self.index, self.pieces = source_index({r: v for r, v in layouts.items() if v is not None})
         wanted = gather.run("planned", self._plan_target)
         self.routes: Routes = routes_for(self.rank, wanted)
-        gather.close(("layout", "planned"))
+        _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
+        gather.close(("layout", "planned", "agreed"))
         self.plan_seconds = time.perf_counter() - started
         self._store, self._syncs, self._dests, self._slots, self._assigned = store, 0, None, None, False
         self._abandoned: list = []
         self._failures = 0  # failed syncs: each retry sends under a fresh tag
         self._announced = 0  # the last sync whose failure this rank announced
-        self._tag = next(_tags)
+        self._tag = number + 1
         # NCCL sends device memory; gloo host memory
         self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
                       else torch.device("cpu"))
@@ -134,27 +154,30 @@ class WeightSync:
         self._pinned = self._wire.type == "cpu" and (self._source_cuda or target_cuda)  # gloo, GPU tensors
 
     def _layout(self) -> list | None:
-        """This rank's source boxes (None: no source here); the local shapes are kept, to
-        check at each sync that the source still holds the shards the plan was made for."""
+        """This rank's source boxes (None: no source here); they are kept, to check at each
+        sync that the source still holds the shards the plan was made for."""
         self._source_cuda = False
         if self.source is None:
-            self._local_shapes: dict = {}
+            self._planned_layout: dict = {}
             return None
         tensors = source_tensors(self.source)
-        self._local_shapes = {name: tuple(local_tensor(t).shape) for name, t in tensors.items()}
         self._source_cuda = any(local_tensor(t).is_cuda for t in tensors.values())
-        return source_layout(tensors)
+        layout = source_layout(tensors)
+        self._planned_layout = {s.name: s for s in layout}
+        return layout
 
     def _source_now(self) -> dict:
-        """The source's tensors now, each still the shard the plan was made for."""
+        """The source's tensors now, each still the shard the plan was made for: the same
+        dtype (the messages carry the planned dtype's bytes), global shape and boxes held."""
         tensors = source_tensors(self.source)
-        for name, shape in self._local_shapes.items():
-            now = tuple(local_tensor(tensors[name]).shape) if name in tensors else None
-            if now != shape:
-                raise ArgumentError(f"WeightSync: source tensor {name!r} is now {'gone' if now is None else list(now)}"
-                                    f" on rank {self.rank}, planned as a shard of {list(shape)} (a module unsharded "
-                                    "after its forward? sync after the optimizer step); construct a new WeightSync for "
-                                    "another layout.")
+        now = {s.name: s for s in source_layout({n: tensors[n] for n in self._planned_layout if n in tensors})}
+        for name, planned in self._planned_layout.items():
+            if now.get(name) != planned:
+                raise ArgumentError(f"WeightSync: source tensor {name!r} on rank {self.rank} is now "
+                                    f"{_described(now.get(name))}, planned as {_described(planned)} (a module "
+                                    "unsharded after its forward, or cast? sync after the optimizer step, from the "
+                                    "tensors the sync was made for); construct a new WeightSync for another layout "
+                                    "or dtype.")
         return tensors
 
     @property
@@ -187,6 +210,7 @@ class WeightSync:
         `report.partial` names the targets already new; calling again completes the sync."""
         started, planned = time.perf_counter(), self._syncs == 0
         self._syncs += 1
+        self._forget(self._syncs - 2)
         agree = Agreement(self._store, self.rank, len(self.ranks), self.timeout, self.ranks, points=(),
                           prefix=f"{self._prefix}/sync{self._syncs}")
         moved = Moved(left={})
@@ -204,6 +228,22 @@ class WeightSync:
                             "this rank hold the new version (report.partial; the others may be partly written). Call "
                             "the sync again on every rank to complete it.", getattr(exc, "ranks", None), report) from exc
         return self._report(moved, started, planned)
+
+    def _forget(self, sync: int) -> None:
+        """Delete sync number `sync`'s store keys, so that the store stays the same size over
+        any number of syncs. Safe two syncs later: a rank in sync n means every rank reported
+        at n - 1's agreement, which each does only after reading n - 2's verdict. Each rank
+        deletes its own reports; the first rank the verdict and the failure keys."""
+        if sync < 1:
+            return
+        point = f"{self._prefix}/sync{sync}/exchanged"
+        pos = self.ranks.index(self.rank)
+        keys = [f"{point}/in{pos}", f"{point}/sub{pos}"]
+        if pos == 0:
+            keys += [f"{point}/verdict", f"{point}/read", f"{point}/all-read"]
+        keys += [f"{self._prefix}/sync{sync}/aborted"] if pos == 0 else []
+        for key in keys:
+            self._store.delete_key(key)
 
     def _announce(self, exc: BaseException) -> None:
         """Tell the others this rank failed (once per sync: the first cause is the one named)."""

@@ -25,7 +25,8 @@ from ..targets import model_slots
 from .heads import Heads, attention_checks, model_heads
 from .placements import Resolved
 from .structural import is_conv1d
-from .styles import StylePlan, check_plan, in_whole_module, model_tp_plan, style_placement, whole_modules
+from .styles import (StylePlan, check_plan, experts_of, in_whole_module, model_tp_plan, style_placement,
+                     whole_modules)
 
 EXPERT_STYLES = ("grouped_gemm", "ep_dispatch_experts")
 
@@ -299,7 +300,7 @@ def parallel_plan_of_load(model: nn.Module, plan: Any, rank: int, world: int, re
         return None
     if plan == {} or (isinstance(plan, dict) and any(isinstance(v, Placement) for v in plan.values())):
         return None
-    return plan_parallel(model, plan if isinstance(plan, dict) else None, plan if isinstance(plan, str) else "tp",
+    return plan_parallel(model, plan if isinstance(plan, dict) else None, experts_of(model, plan),
                          rank, world, resolved.placements, scales, aliases)
 
 

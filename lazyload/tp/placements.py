@@ -46,7 +46,8 @@ from .autotp import autotp_placement, is_autotp_layer
 from .autotp_fused import fused_kind, fused_placement
 from .heads import attention_checks, attention_group, divisor_group, model_heads
 from .structural import is_conv1d, paired_structural, structural_style
-from .styles import StylePlan, check_plan, in_whole_module, model_tp_plan, style_placement, whole_modules
+from .styles import (StylePlan, check_plan, experts_of, in_whole_module, model_tp_plan, plan_in_use, style_placement,
+                     whole_modules)
 
 
 def _over_groups(placement: Placement, shape: tuple[int, ...], world: int, group: int | None = None) -> Placement:
@@ -197,7 +198,7 @@ class Context:
         full = {**self.specs, **{n: TargetSpec(n, tuple(c), self.specs[n].dtype) for n, c, _ in self.mismatched}}
         names = {name for name, _, _ in self.mismatched}
         try:
-            rule = static_placements(self.model, full, self.plan if self.plan is not None else "tp", self.world)
+            rule = static_placements(self.model, full, plan_in_use(self.model, self.plan), self.world)
         except PlanError:  # the rule cannot split this model at this world: the shapes alone decide
             return {}
         return {name: placement for name, placement in rule.items() if name in names}
@@ -221,8 +222,7 @@ class Ours:
     forward cannot run split."""
 
     def __init__(self, model: nn.Module, plan: Any, world: int):
-        plan = plan if plan is not None else "tp"
-        self.experts = plan if isinstance(plan, str) else "tp"
+        self.experts = experts_of(model, plan)
         prefix = getattr(model, "base_model_prefix", "") or ""
         self.user = StylePlan(plan if isinstance(plan, dict) else {}, prefix)
         self.auto = StylePlan(model_tp_plan(model, self.experts), prefix)
@@ -423,7 +423,7 @@ def resolve_placements(model: nn.Module, specs: MappingT, mismatched: list, plan
         if name in local_shaped:
             specs[name] = TargetSpec(name, tuple(ckpt_shape), specs[name].dtype)
     if not placements and world > 1 and plan != {}:
-        placements.update(static_placements(model, specs, plan if plan is not None else "tp", world))
+        placements.update(static_placements(model, specs, plan_in_use(model, plan), world))
         placements.update(scales_follow_weights(model, specs, placements))
     check_block_splits(model, specs, placements, rank, world)  # transformers' FP8 layers: whole scale blocks
     for name, placement in placements.items():  # fail here, not while reading

@@ -19,10 +19,10 @@ from .heads import HEAD_COUNTS, Heads
 from .parallel_plan import ParallelPlan, local_width, plan_parallel, uses_model_plan
 from .placements import owner_of, plain_specs, static_placements
 from .structural import is_conv1d
-from .styles import STYLES, style_placement
+from .styles import STYLES, experts_of, style_placement
 
 
-def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str = "tp") -> nn.Module:
+def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str | None = None) -> nn.Module:
     """Make `model` (best on meta, before loading) a tensor-parallel model over the 1-D
     DeviceMesh `mesh`, so that after `load_into` its forward gives the world=1 result on every rank.
 
@@ -34,11 +34,14 @@ def parallelize(model: nn.Module, mesh: Any, plan: Any = None, *, experts: str =
     structural rule: colwise/packed layers keep plain local weights (their output stays
     local), rowwise layers all-reduce their partial output through DTensor (`Partial` ->
     `Replicate`) before adding their bias. Either way, attention modules whose projections
-    are split get the rank's head bookkeeping."""
+    are split get the rank's head bookkeeping. `experts`: "tp" (the model's TP plan as it
+    is), "ep" (whole experts per rank) or None, as `load_into`'s default plan: "ep" where the
+    model's TP plan leaves its experts whole and it has an expert-parallel plan."""
     if mesh.ndim != 1:
         raise PlanError(f"parallelize takes a 1-D DeviceMesh (got {mesh.ndim}-D); for 2-D layouts apply "
                         "torch's parallelize_module / fully_shard yourself: load_into follows any DTensor.")
     world, rank = mesh.size(), mesh.get_local_rank()
+    experts = experts or experts_of(model, plan)
     placements = {}
     if not uses_model_plan(model, experts) and plan != {}:
         placements = static_placements(model, plain_specs(model), plan or experts, world)

@@ -127,6 +127,36 @@ def model_tp_plan(model: nn.Module, experts: str = "tp") -> dict[str, str]:
     return plan
 
 
+def default_experts(model: nn.Module) -> str:
+    """How `plan=None` splits a model's MoE experts: "ep" (whole experts per rank, as its
+    expert-parallel plan does) when its TP plan leaves every expert tensor whole and it has
+    an EP plan; else "tp" (the TP plan as it is). transformers 5.25 took the experts out of
+    its MoE models' TP plans (they are only in `ep_plan`): followed as it is, every rank
+    would read and hold every expert."""
+    ep = dict(getattr(model, "ep_plan", None) or {})
+    experts = [k for k, v in ep.items() if v in _EXPERTS]
+    if not experts:
+        return "tp"
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    is_expert, tp = StylePlan(dict.fromkeys(experts, True), prefix), StylePlan(model_tp_plan(model, "tp"), prefix)
+    for name, param in model.named_parameters():
+        if is_expert.lookup(name) and style_placement(tp.style_of_param(name) or "replicate", name,
+                                                      param.ndim) != REPLICATE:
+            return "tp"
+    return "ep"
+
+
+def plan_in_use(model: nn.Module, plan: Any) -> Any:
+    """`plan=` with None resolved to the plan it stands for ("tp" or "ep", `default_experts`)."""
+    return default_experts(model) if plan is None else plan
+
+
+def experts_of(model: nn.Module, plan: Any) -> str:
+    """How a `plan=` splits the experts: "tp" or "ep" as named; None, or a dict of overrides
+    (entries over the default plan), as `default_experts` says."""
+    return plan if isinstance(plan, str) else default_experts(model)
+
+
 def whole_modules(model: nn.Module, auto: StylePlan) -> set[str]:
     """Modules whose forward cannot run on the split a transformers plan gives them, so its
     entries on them and their layers are not applied (the structural rule's kept-whole blocks,

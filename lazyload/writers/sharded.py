@@ -284,15 +284,28 @@ def _save_compressed(src: Any, out_dir: str | os.PathLike, index: CheckpointInde
             with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         _copy_configs(src, staging)
-        _write_config(os.path.join(staging, "config.json"), model, quantization_config(model, encoded, qconfig))
+        _write_config(os.path.join(staging, "config.json"), model, quantization_config(model, encoded, qconfig), src)
     return os.path.join(out_dir, "config.json")
 
 
-def _write_config(path: str, model: nn.Module, quantization: dict) -> None:
-    """config.json (the source's, else the model's) with `quantization_config`."""
+def _source_config(path: str, src: Any) -> dict:
+    """The source's config.json (copied to `path`), refused unless a JSON object."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
+        raise CheckpointError(f"{src}: its config.json is not valid JSON ({type(exc).__name__}); fix it, or pass "
+                              "config= (a directory holding a config.json).") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{src}: its config.json holds a {type(doc).__name__}, not an object; fix it, or pass "
+                              "config= (a directory holding a config.json).")
+    return doc
+
+
+def _write_config(path: str, model: nn.Module, quantization: dict, src: Any) -> None:
+    """config.json (the source's `src`, else the model's) with `quantization_config`."""
     if os.path.isfile(path):
-        with open(path) as f:
-            doc = json.load(f)
+        doc = _source_config(path, src)
     elif getattr(model, "config", None) is not None and hasattr(model.config, "to_dict"):
         doc = model.config.to_dict()
     else:
