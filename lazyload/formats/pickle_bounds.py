@@ -8,17 +8,17 @@ hangs or overflows the C stack; `str()`, `==` or any walk of it afterwards expan
 instead of objects, in one pass, nothing unpickled or decoded, and says what is wrong:
 the objects that opcodes put into containers, arguments or state add up, each at its tree
 size, to more than a fixed multiple of the pickle's bytes (so any walk of what it
-unpickles is linear in its size); objects nest deeper than any checkpoint's; an integer
-is too long to print (`str()` refuses over 4,300 digits); a memo index past the pickle's
-length (the C unpickler grows its memo array to the index, zero-filled); or the opcodes
-do not form a pickle.
+unpickles is linear in its size); objects nest deeper than any checkpoint's; a memo index
+past the pickle's length (the C unpickler grows its memo array to the index, zero-filled);
+or the opcodes do not form a pickle. (An integer too long for `str()`, over 4,300 digits,
+is a value: each reader checks its values before a message shows them, with
+`errors.shown`.)
 """
 from __future__ import annotations
 
 MAX_DEPTH = 100  # a DCP .metadata nests 11 to 14 deep, a state dict's pickle fewer
 WORK_PER_BYTE = 32  # real pickles (DCP and Megatron .metadata, state dicts) place about 3 per byte
 WORK_FLOOR = 1 << 20
-MAX_INT_BYTES = 1024  # an integer's encoding (2**8192, 2,467 digits): far above any real value
 
 # Stack effects: push one object; push what the memo holds; memoize the top (MEMOIZE, at
 # the next index; PUT at its argument); MARK; build an object from k items (or the items
@@ -52,14 +52,13 @@ _OPS = {  # opcode: (stack effect, items it takes, argument layout)
 }
 _TABLE = [_OPS.get(op) for op in range(256)]
 # The hot path: leaves by their whole length, opcode and argument (-1: a 1-byte length,
-# then the data). Other leaves (integers whose length is checked among them) use _TABLE.
+# then the data). Other leaves use _TABLE.
 _LEAF_STEP = [0] * 256
 for _op, (_effect, _, _layout) in _OPS.items():
     if _effect == _PUSH and _layout >= 0:
         _LEAF_STEP[_op] = 1 + _layout
     elif _effect == _PUSH and _layout == _LEN1:
         _LEAF_STEP[_op] = -1
-_LONG_INTS = frozenset(b"IL\x8b")  # integers that can be longer than MAX_INT_BYTES
 _LEAF = 1 << 8  # an object on the stack: its tree size << 8 | its depth
 
 
@@ -137,8 +136,6 @@ def _scan(raw: bytes, limit: int) -> str | None:
                 return f"it nests objects more than {MAX_DEPTH} deep"
             push((size + 1) << 8 | depth)
         elif effect == _PUSH:
-            if op in _LONG_INTS and pos - start > MAX_INT_BYTES + 5:
-                return f"it holds an integer of {pos - start} bytes, beyond any checkpoint's values"
             push(_LEAF)
         elif effect == _GET:
             push(memo[_argument(raw, start, pos, layout)])
