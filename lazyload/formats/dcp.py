@@ -176,8 +176,24 @@ Planned = list[tuple[str, Chunk, StorageInfo]]  # (fqn, chunk, where its zip is)
 def planned_chunks(where: str, metadata: DcpMetadata) -> Planned:
     """Every model tensor's non-empty chunks and their storage, every metadata check done
     (before any zip is opened); `where`: the `.metadata`, named in errors."""
-    return [(fqn, chunk, _storage_of(where, metadata, fqn, chunk))
-            for fqn, meta in model_tensors(metadata).items() for chunk in check_chunks(where, fqn, meta)]
+    planned = [(fqn, chunk, _storage_of(where, metadata, fqn, chunk))
+               for fqn, meta in model_tensors(metadata).items() for chunk in check_chunks(where, fqn, meta)]
+    _check_disjoint(where, planned)
+    return planned
+
+
+def _check_disjoint(where: str, planned: Planned) -> None:
+    """No two chunks' storage shares a byte: DCP saves each chunk as its own torch.save zip,
+    so a shared one is corrupt or hostile (every chunk naming one zip would make indexing
+    read its directory once per chunk, and tensors share bytes)."""
+    spans = sorted((info.relative_path, info.offset, info.offset + info.length, i) for i, (_, _, info) in
+                   enumerate(planned))
+    for (path, _, end, i), (next_path, start, _, j) in zip(spans, spans[1:]):
+        if path == next_path and start < end:
+            raise CheckpointError(f"{where}: tensors {planned[i][0]!r} and {planned[j][0]!r}: their chunks at "
+                                  f"{list(planned[i][1].offsets)} and {list(planned[j][1].offsets)} are stored in "
+                                  f"overlapping bytes of {path!r}; each chunk is its own torch.save zip in a DCP "
+                                  "checkpoint, so it is corrupt.")
 
 
 def locate_chunks(storage: Storage, directory: str, metadata: DcpMetadata,

@@ -1,6 +1,8 @@
 """DCP's `.metadata` (a pickle of `torch.distributed.checkpoint.metadata.Metadata`) read
 without running pickled code: an unpickler that answers exactly the classes DCP writes
 there with plain stand-ins, and refuses any other global with a CheckpointError naming it.
+Before that, the pickle's object graph is bounded (`pickle_bounds`: a few bytes of shared
+references would otherwise expand without end when hashed or printed).
 
 What is kept: each tensor's dtype, global size and chunks (offsets, sizes), the fqns of
 non-tensor (bytes) items, and each chunk's storage (file relative to the checkpoint
@@ -15,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dtypes import TORCH_DTYPES
 from ..errors import CheckpointError, shown
 from ..headers import MAX_INT64
+from .pickle_bounds import problem
 
 METADATA = ".metadata"
 _MODULE = "torch.distributed.checkpoint.metadata"
@@ -32,6 +36,7 @@ _RECORDS = {
     (_PLANNER, "SavePlan"), (_PLANNER, "WriteItem"), (_PLANNER, "TensorWriteData"),
 }
 MAX_METADATA = 1 << 30  # far above a real checkpoint's metadata (megabytes)
+_MAX_PATH = 4096  # a pickled path's parts, joined (PATH_MAX)
 
 
 @dataclass(frozen=True)
@@ -99,19 +104,30 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _size
         if (module, name) == ("torch.serialization", "_get_layout"):
             return lambda layout: layout
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and name in TORCH_DTYPES:
+            return TORCH_DTYPES[name]
         if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
-            return lambda *parts: "/".join(map(str, parts))
+            return self._path
         if (module, name) == ("collections", "OrderedDict"):
             return dict
         raise CheckpointError(f"{self.path}: names the class {module}.{name}, which is not one of "
                               "torch.distributed.checkpoint's metadata classes; lazyload does not run pickled code. "
                               "The file is not a DCP .metadata, or a writer lazyload does not know put it there.")
 
+    def _path(self, *parts) -> str:
+        """A pickled pathlib path, joined: its parts are strings of a path's length."""
+        if not all(isinstance(p, str) for p in parts) or sum(len(p) for p in parts) > _MAX_PATH:
+            raise CheckpointError(f"{self.path}: holds a path whose parts are not {_MAX_PATH} characters of text; "
+                                  "not a DCP .metadata.")
+        return "/".join(parts)
+
 
 def parse_metadata(raw: bytes, path: str) -> DcpMetadata:
     """The `.metadata` bytes read from `path` (a file or a URL), checked."""
+    why = problem(raw)
+    if why:
+        raise CheckpointError(f"{path}: not a DCP .metadata lazyload can read: {why}. The checkpoint is corrupt "
+                              "or was not written by torch.distributed.checkpoint.")
     try:
         root = _MetadataUnpickler(raw, path).load()
     except CheckpointError:

@@ -11,6 +11,8 @@ a few torch types. A file that needs any other global (a class, a function: arbi
 on unpickling) is refused with a CheckpointError naming those globals, before anything of
 it runs, unless the caller passes `trust_pickle=True`. Formats that need more allow exactly
 that (Megatron: `argparse.Namespace` for its args, numpy arrays for its RNG state).
+Before torch.load sees a file, its pickle's object graph is bounded (`pickle_bounds`) and a
+big-endian archive is refused (torch would byte-swap it; lazyload reads bytes as they lie).
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ from ..expr import Source, Transpose, box_shape, full_box
 from ..headers import TensorEntry, files_from_index_json
 from ..index import INDEX_JSON, CheckpointIndex
 from .logical import Layout, Part
+from .pickle_bounds import problem
 from .protocol import CheckpointSource, Format, OpenOptions, Storage
+from .torch_zip import byteorder_problem
 
 BIN_INDEX_JSON = "pytorch_model.bin.index.json"
 
@@ -71,6 +75,7 @@ def load_tree(path: str, trust_pickle: bool = False, allowed: Iterable = (), dat
                                   "mapped; load it once with torch.load and save it again with torch.save (or as "
                                   "safetensors).")
     try:
+        _check_archive(path, path if data is None else io.BytesIO(data), trust_pickle)
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(source, map_location="meta", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
@@ -91,6 +96,22 @@ def load_tree(path: str, trust_pickle: bool = False, allowed: Iterable = (), dat
     except (RuntimeError, OSError, EOFError, ValueError) as exc:
         raise CheckpointError(f"{path}: torch cannot read it ({str(exc)[:300]}); the file is truncated or not a "
                               "torch checkpoint.") from exc
+
+
+def _check_archive(path: str, source, trust_pickle: bool) -> None:
+    """What torch.load must not meet, read through torch's own zip reader first: a pickle
+    whose object graph runs away (`pickle_bounds`: an exponential tuple hangs it, a deep one
+    overflows the stack; a trusted pickle may run any code anyway), and a big-endian archive
+    (torch 2.13 crashes byte-swapping meta storages)."""
+    reader = torch._C.PyTorchFileReader(source)
+    why = None if trust_pickle or not reader.has_record("data.pkl") else problem(reader.get_record("data.pkl"))
+    if why:
+        raise CheckpointError(f"{path}: its pickle (data.pkl) is not a checkpoint's: {why}. The file is corrupt or "
+                              "hostile; lazyload does not unpickle it.")
+    why = byteorder_problem(reader.get_record("byteorder") if reader.has_record("byteorder") else b"little")
+    if why:
+        raise CheckpointError(f"{path}: {why}. Load it with torch.load on this machine and save it again with "
+                              "torch.save.")
 
 
 def tensors_of(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
