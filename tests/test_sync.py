@@ -596,24 +596,15 @@ def _run_case(case, rank, world):
     elif case == "2d":  # trainer TP 2 x FSDP 2 into server TP 4, colocated
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         _two_syncs(_trainer(mesh["dp"], mesh["tp"]), _meta_server(), init_device_mesh("cpu", (4,)))
-    elif case == "uneven":
-        _uneven(rank, world)
-    elif case == "renamed":
-        _renamed_state_dict(rank, world)
-    elif case == "mismatched":
-        _mismatched(rank, world)
     elif case == "fault":
         _fault(rank)
-    elif case == "recast":
-        _recast(rank, world)
-    elif case == "replica-groups":
-        _replica_groups(rank, world)
-    elif case == "digests-differ":
-        _digests_differ(rank, world)
-    elif case == "store-size":
-        _store_size(rank, world)
     else:
-        raise AssertionError(case)
+        _WHOLE_JOB_CASES[case](rank, world)
+
+
+# cases that take the rank and the job's world, by name
+_WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatched": _mismatched, "recast": _recast,
+                    "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size}
 
 
 def test_sync(tmp_path):
