@@ -196,7 +196,7 @@ def what_fits(plan: LoadPlan, current: int, checkpoint: Any, model: nn.Module) -
 
     fitting, not_fitting = [], []
     tried = []
-    if world > 1 and (options.plan is None or isinstance(options.plan, str)):
+    if world > 1:  # the other named plan; both for a plan= dict
         tried += [(f"plan={name!r}", dict(plan=name), world) for name in ("ep", "tp") if name != options.plan]
     if options.quantize is None:
         tried.append(("quantize='int8'", dict(quantize="int8"), world))

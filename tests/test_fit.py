@@ -136,11 +136,13 @@ def _available(monkeypatch, available: int, source: str = "the test's host") -> 
 
 
 def test_the_message_names_the_bytes_the_replicated_experts_and_the_plan_that_fits(mixtral, monkeypatch):
-    """At world 2, plan="tp" leaves a MoE model's experts whole on every rank; plan="ep"
-    splits them, and fits where "tp" does not: the error says so, with both byte counts."""
+    """At world 2, a plan that leaves a MoE model's experts whole on every rank (transformers
+    5.25's TP plan as it is, named in plan= so that 5.24's, which splits them, does too);
+    plan="ep" splits them, and fits where it does not: the error says so, with both byte counts."""
     directory, config = mixtral
     checkpoint = LazyCheckpoint(str(directory))
-    options = LoadOptions(plan="tp", reader="pread", shards_only=True)  # pread: no views, every byte allocated
+    whole = {"layers.*.mlp.experts.gate_up_proj": "replicate", "layers.*.mlp.experts.down_proj": "replicate"}
+    options = LoadOptions(plan=whole, reader="pread", shards_only=True)  # pread: no views, every byte allocated
     tp = plan_load(checkpoint, build_model("mixtral", config, torch.float32), 0, 2, options, preview=True)
     ep = plan_load(checkpoint, build_model("mixtral", config, torch.float32), 0, 2,
                    LoadOptions(plan="ep", reader="pread", shards_only=True), preview=True)
@@ -151,13 +153,13 @@ def test_the_message_names_the_bytes_the_replicated_experts_and_the_plan_that_fi
     _available(monkeypatch, available)
     model = build_model("mixtral", config, torch.float32)
     with pytest.raises(PlanError) as raised:
-        checkpoint.load_into(model, 0, 2, plan="tp", reader="pread", shards_only=True)
+        checkpoint.load_into(model, 0, 2, plan=whole, reader="pread", shards_only=True)
     message = str(raised.value)
     assert message.startswith(f"rank 0 of 2 cannot load on this host: it needs {need_tp:,} bytes")
     assert f"{available:,} are available (the test's host)" in message
     experts = sorted(((t.name, torch.Size(t.local_shape).numel() * 4) for t in tp.targets
                       if "experts" in t.name and t.local_shape == t.full_shape), key=lambda e: -e[1])
-    assert experts, "plan='tp' shards the experts: nothing to name"
+    assert experts, "the plan shards the experts: nothing to name"
     largest = message.split("Largest tensors replicated on every rank: ")[1].split(".")[0:4]
     assert experts[0][0].split(".")[0] in largest[0]
     from lazyload.report import size

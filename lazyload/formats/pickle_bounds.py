@@ -69,100 +69,132 @@ class _Malformed(Exception):
 def problem(raw: bytes) -> str | None:
     """Why unpickling `raw` or walking what it gives could run away, or None."""
     try:
-        return _scan(raw, WORK_PER_BYTE * len(raw) + WORK_FLOOR)
+        return _Scan(raw, WORK_PER_BYTE * len(raw) + WORK_FLOOR).run()
     except _Malformed as exc:
         return f"{exc}: not a pickle"
     except (IndexError, KeyError, ValueError, TypeError):  # ran out of bytes or stack, a memo index never set
         return "its opcodes do not form a pickle"
 
 
-def _scan(raw: bytes, limit: int) -> str | None:
-    stack: list[int] = []
-    marks: list[int] = []  # where each open MARK is in the stack
-    memo: dict[int, int] = {}
-    push, work, pos, end, fence = stack.append, 0, 0, len(raw), 0  # fence: the innermost open MARK
-    while True:
-        op = raw[pos]
-        step = _LEAF_STEP[op]
-        if step:  # the common opcodes first: leaves (constants, small ints, short strings) and the memo
-            pos += step if step > 0 else 2 + raw[pos + 1]
-            push(_LEAF)
-            continue
-        if op == 0x94:  # MEMOIZE
-            if len(stack) == fence:
-                raise _Malformed("a memo entry of nothing")
-            memo[len(memo)] = stack[-1]
-            pos += 1
-            continue
-        if op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
-            width = 1 if op == 0x68 else 4
-            push(memo[int.from_bytes(raw[pos + 1:pos + 1 + width], "little")])
-            pos += 1 + width
-            continue
-        effect, k, layout = _TABLE[op]
-        start = pos = pos + 1
+_CLEAN = "the pickle ends (STOP) within its bounds"  # returned by identity: the scan is over, nothing found
+
+
+class _Scan:
+    """One pickle's scan: its stack (each object as its tree size << 8 | its depth), the
+    stack positions of its open MARKs, its memo, and the work counted so far. `run` keeps
+    the common opcodes in its loop; the others are `_build` (an opcode that makes one object
+    of those above it) and `_other`."""
+
+    def __init__(self, raw: bytes, limit: int):
+        self.raw, self.limit, self.end = raw, limit, len(raw)
+        self.stack: list[int] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, int] = {}
+        self.work = 0
+        self.fence = 0  # the innermost open MARK: nothing below it may be taken
+
+    def run(self) -> str | None:
+        raw, stack, memo = self.raw, self.stack, self.memo
+        push, pos = stack.append, 0
+        while True:
+            op = raw[pos]
+            step = _LEAF_STEP[op]
+            if step:  # the common opcodes first: leaves (constants, small ints, short strings) and the memo
+                pos += step if step > 0 else 2 + raw[pos + 1]
+                push(_LEAF)
+                continue
+            if op == 0x94:  # MEMOIZE
+                if len(stack) == self.fence:
+                    raise _Malformed("a memo entry of nothing")
+                memo[len(memo)] = stack[-1]
+                pos += 1
+                continue
+            if op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+                width = 1 if op == 0x68 else 4
+                push(memo[int.from_bytes(raw[pos + 1:pos + 1 + width], "little")])
+                pos += 1 + width
+                continue
+            effect, k, layout = _TABLE[op]
+            start = pos + 1
+            pos = self._past_argument(start, layout)
+            found = self._build(effect, k) if effect >= _BUILD else self._other(effect, start, pos, layout)
+            if found is not None:
+                return None if found is _CLEAN else found
+
+    def _past_argument(self, pos: int, layout: int) -> int:
         if layout > 0:
             pos += layout
         elif layout == _LINE:
-            pos = raw.index(b"\n", pos) + 1
+            pos = self.raw.index(b"\n", pos) + 1
         elif layout:
-            pos = _skip(raw, pos, layout)
-        if pos > end:
+            pos = _skip(self.raw, pos, layout)
+        if pos > self.end:
             raise _Malformed("an argument runs past the end")
-        if effect >= _BUILD:  # _BUILD, _BUILD_MARK, _ADD, _ADD_MARK
-            if effect == _BUILD_MARK or effect == _ADD_MARK:
-                base = marks.pop()
-                fence = marks[-1] if marks else 0
-            else:
-                base = len(stack) - k
-                if base < fence:
-                    raise _Malformed("an opcode takes more objects than there are")
-            size = depth = 0
-            for item in stack[base:]:
-                size += item >> 8
-                if item & 255 >= depth:
-                    depth = (item & 255) + 1
-            del stack[base:]
-            work += size
-            if effect >= _ADD:  # into the object below them
-                if len(stack) == fence:
-                    raise _Malformed("an opcode adds to an object that is not there")
-                below = stack.pop()
-                size, depth = size + (below >> 8) - 1, max(depth, below & 255)
-            if work > limit:
-                return (f"its objects expand to more than {limit:,} nodes in {end:,} bytes (shared references "
-                        "nested to multiply)")
-            if depth > MAX_DEPTH:
-                return f"it nests objects more than {MAX_DEPTH} deep"
-            push((size + 1) << 8 | depth)
-        elif effect == _PUSH:
-            push(_LEAF)
+        return pos
+
+    def _build(self, effect: int, k: int) -> str | None:
+        """_BUILD, _BUILD_MARK, _ADD, _ADD_MARK: the objects above the mark (or the top `k`)
+        become one (added into the object below them for _ADD*); a problem, or None."""
+        stack = self.stack
+        if effect == _BUILD_MARK or effect == _ADD_MARK:
+            base = self.marks.pop()
+            self.fence = self.marks[-1] if self.marks else 0
+        else:
+            base = len(stack) - k
+            if base < self.fence:
+                raise _Malformed("an opcode takes more objects than there are")
+        size = depth = 0
+        for item in stack[base:]:
+            size += item >> 8
+            if item & 255 >= depth:
+                depth = (item & 255) + 1
+        del stack[base:]
+        self.work += size
+        if effect >= _ADD:  # into the object below them
+            if len(stack) == self.fence:
+                raise _Malformed("an opcode adds to an object that is not there")
+            below = stack.pop()
+            size, depth = size + (below >> 8) - 1, max(depth, below & 255)
+        if self.work > self.limit:
+            return (f"its objects expand to more than {self.limit:,} nodes in {self.end:,} bytes (shared references "
+                    "nested to multiply)")
+        if depth > MAX_DEPTH:
+            return f"it nests objects more than {MAX_DEPTH} deep"
+        stack.append((size + 1) << 8 | depth)
+        return None
+
+    def _other(self, effect: int, start: int, pos: int, layout: int) -> str | None:
+        """The rarer opcodes: a problem, _CLEAN at STOP, or None to go on."""
+        stack, memo = self.stack, self.memo
+        if effect == _PUSH:
+            stack.append(_LEAF)
         elif effect == _GET:
-            push(memo[_argument(raw, start, pos, layout)])
+            stack.append(memo[_argument(self.raw, start, pos, layout)])
         elif effect == _PUT:
-            if len(stack) == fence:
+            if len(stack) == self.fence:
                 raise _Malformed("a memo entry of nothing")
-            index = _argument(raw, start, pos, layout)
-            if index > end:  # the unpickler would grow its memo array to it, zeroed: gigabytes from 5 bytes
-                return (f"it puts an object at memo index {index}, more objects than a pickle of {end:,} bytes "
+            index = _argument(self.raw, start, pos, layout)
+            if index > self.end:  # the unpickler would grow its memo array to it, zeroed: gigabytes from 5 bytes
+                return (f"it puts an object at memo index {index}, more objects than a pickle of {self.end:,} bytes "
                         "holds (the unpickler would allocate every index below it)")
             memo[index] = stack[-1]
         elif effect == _MARK:
-            fence = len(stack)
-            marks.append(fence)
-        elif effect == _POP_MARK or (effect == _POP and marks and len(stack) == fence):  # POP takes a mark too
-            del stack[marks.pop():]
-            fence = marks[-1] if marks else 0
+            self.fence = len(stack)
+            self.marks.append(self.fence)
+        elif effect == _POP_MARK or (effect == _POP and self.marks and len(stack) == self.fence):  # POP takes a mark
+            del stack[self.marks.pop():]
+            self.fence = self.marks[-1] if self.marks else 0
         elif effect == _NOTHING:  # PROTO, FRAME
-            continue
-        elif len(stack) == fence:  # DUP, POP, STOP need an object
+            pass
+        elif len(stack) == self.fence:  # DUP, POP, STOP need an object
             raise _Malformed("an opcode needs an object where there is none")
         elif effect == _DUP:
-            push(stack[-1])
+            stack.append(stack[-1])
         elif effect == _POP:
             stack.pop()
         elif effect == _STOP:
-            return None
+            return _CLEAN
+        return None
 
 
 def _skip(raw: bytes, pos: int, layout: int) -> int:

@@ -144,10 +144,8 @@ def tp_rank_world() -> tuple[int, int]:
 
 
 def checkpoint_of(model_config: Any, config: LoaderConfig) -> StoredCheckpoint:
-    from ..checkpoint import LazyCheckpoint
-
-    return LazyCheckpoint(model_config.model, trust_pickle=config.trust_pickle, remote=config.remote,
-                          iteration=config.iteration)
+    return StoredCheckpoint(model_config.model, trust_pickle=config.trust_pickle, remote=config.remote,
+                            iteration=config.iteration)
 
 
 def lazy_weights(reads: BoxReads) -> Generator[tuple[str, LazyTensor], None, None]:
