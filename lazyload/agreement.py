@@ -125,6 +125,16 @@ class Agreement:
             _collective_timeout.reset(token)
         self.reached("exchanged")
 
+    def forget(self, point: str) -> None:
+        """Delete this rank's keys of `point` (the first rank's: the verdict and its counters
+        too), once every rank has read them: a caller agreeing again and again keeps the store's
+        size."""
+        keys = [self._key(point, "in", self.pos), self._key(point, "sub", self.pos)]
+        if self.pos == 0:
+            keys += [f"{self.prefix}/{point}/{what}" for what in ("verdict", "read", "all-read")]
+        for key in keys:
+            self.store.delete_key(key)
+
     # --- the tree ---
 
     def _key(self, point: str, what: str, pos: int) -> str:

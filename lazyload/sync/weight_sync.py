@@ -211,8 +211,7 @@ class WeightSync:
         started, planned = time.perf_counter(), self._syncs == 0
         self._syncs += 1
         self._forget(self._syncs - 2)
-        agree = Agreement(self._store, self.rank, len(self.ranks), self.timeout, self.ranks, points=(),
-                          prefix=f"{self._prefix}/sync{self._syncs}")
+        agree = self._agreement(self._syncs)
         moved = Moved(left={})
         try:
             with agree.collectives():
@@ -236,14 +235,15 @@ class WeightSync:
         deletes its own reports; the first rank the verdict and the failure keys."""
         if sync < 1:
             return
-        point = f"{self._prefix}/sync{sync}/exchanged"
-        pos = self.ranks.index(self.rank)
-        keys = [f"{point}/in{pos}", f"{point}/sub{pos}"]
-        if pos == 0:
-            keys += [f"{point}/verdict", f"{point}/read", f"{point}/all-read"]
-        keys += [f"{self._prefix}/sync{sync}/aborted"] if pos == 0 else []
-        for key in keys:
-            self._store.delete_key(key)
+        agree = self._agreement(sync)
+        agree.forget("exchanged")
+        if agree.pos == 0:
+            self._store.delete_key(self._abort_key(sync))
+
+    def _agreement(self, sync: int) -> Agreement:
+        """Sync number `sync`'s agreement: only the "exchanged" point of its collectives."""
+        return Agreement(self._store, self.rank, len(self.ranks), self.timeout, self.ranks, points=(),
+                         prefix=f"{self._prefix}/sync{sync}")
 
     def _announce(self, exc: BaseException) -> None:
         """Tell the others this rank failed (once per sync: the first cause is the one named)."""
@@ -251,8 +251,9 @@ class WeightSync:
             self._announced = self._syncs
             self._store.set(self._abort_key(), f"rank {self.rank} failed ({type(exc).__name__}: {exc})")
 
-    def _abort_key(self) -> str:
-        return f"{self._prefix}/sync{self._syncs}/aborted"
+    def _abort_key(self, sync: int | None = None) -> str:
+        """Where a rank announces its failure of sync number `sync` (default: this one)."""
+        return f"{self._prefix}/sync{sync or self._syncs}/aborted"
 
     def _aborted(self) -> str | None:
         """Another rank's failure in this sync, as it announced it (None: none yet)."""
