@@ -580,6 +580,50 @@ def _digests_differ(rank, world):
     assert target.weight.is_meta
 
 
+def _half_rows(full: dict, half: int) -> list:
+    """(name, box) of every tensor: matrices' rows split in two (this half's), vectors whole:
+    what a TP-2 engine's weight loaders might copy."""
+    boxes = []
+    for name, tensor in full.items():
+        rows = tensor.shape[0] // 2 if tensor.dim() == 2 else 0
+        box = [(half * rows, (half + 1) * rows)] if rows else [(0, tensor.shape[0])]
+        boxes.append((name, tuple(box + [(0, n) for n in tensor.shape[1:]])))
+    return boxes
+
+
+def _own_group(rank, world):
+    """An engine's workers (ranks 2-3, as BoxTargets) and an FSDP2 trainer (ranks 0-1) meet in
+    a process group of their own, as vLLM's workers and a trainer do: `ProcessGroupGloo` over
+    a store of its own, numbered otherwise (the engine first). Each worker receives exactly
+    its boxes of the trainer's weights, twice, an optimizer step between."""
+    from datetime import timedelta
+
+    import lazyload
+    from lazyload.sync.box_target import BoxTarget
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    roles = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = _trainer(roles["x"]) if rank < 2 else None
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1) if trainer is not None else None
+    store = dist.PrefixStore("own-group", _get_default_store())
+    own = dist.ProcessGroupGloo(store, (rank + 2) % world, world, timedelta(seconds=60))
+    full = _shared_full(trainer)
+    boxes = _half_rows(full, rank - 2) if rank >= 2 else None
+    sync = lazyload.WeightSync(source=trainer, target=BoxTarget(boxes) if boxes else None, group=own, store=store,
+                               rank_timeout=60)
+    assert sync.ranks == [0, 1, 2, 3] and sync.rank == (rank + 2) % world
+    for _ in range(2):
+        report = sync()
+        full = _shared_full(trainer)
+        if boxes:
+            for name, box in boxes:
+                assert torch.equal(sync.target.received(name, box), full[name][tuple(slice(a, b) for a, b in box)]), name
+            assert report.bytes_received == sum(math.prod(b - a for a, b in box) * 4 for _, box in boxes)
+        if trainer is not None:
+            _step(trainer, optimizer)
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -604,7 +648,8 @@ def _run_case(case, rank, world):
 
 # cases that take the rank and the job's world, by name
 _WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatched": _mismatched, "recast": _recast,
-                    "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size}
+                    "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size,
+                    "own-group": _own_group}
 
 
 def test_sync(tmp_path):
@@ -613,7 +658,7 @@ def test_sync(tmp_path):
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups", "store-size",
-             "digests-differ"]
+             "digests-differ", "own-group"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 
@@ -688,3 +733,39 @@ def test_sync_rank_dies(tmp_path):
     from gloo import spawn_collecting
 
     spawn_collecting(_dying_worker, (4, str(tmp_path / "pg")), 4, timeout=300)
+
+
+def test_box_target_over_a_group_of_its_own():
+    """A one-process group of its own (no init_process_group): WeightSync needs its store; a
+    BoxTarget receives exactly its boxes (copied locally here); a box no source holds, or
+    outside the source's shape, is an error naming the tensor before any byte moves."""
+    from datetime import timedelta
+
+    import lazyload
+    from lazyload.sync.box_target import BoxTarget
+
+    def group_of_its_own():
+        store = dist.HashStore()
+        return dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30)), store
+
+    source = {"w": torch.arange(24.0).reshape(6, 4), "b": torch.arange(6.0)}
+    group, store = group_of_its_own()
+    with pytest.raises(lazyload.ArgumentError, match="store="):
+        lazyload.WeightSync(source=source, target=BoxTarget([("w", ((0, 3), (0, 4)))]), group=group)
+    target = BoxTarget([("w", ((2, 5), (1, 3))), ("b", ((0, 6),)), ("w", ((2, 5), (1, 3)))])
+    sync = lazyload.WeightSync(source=source, target=target, group=group, store=store, rank_timeout=30)
+    report = sync()
+    assert torch.equal(target.received("w", ((2, 5), (1, 3))), source["w"][2:5, 1:3])
+    assert torch.equal(target.received("w", ((3, 4), (2, 3))), source["w"][3:4, 2:3])  # inside a box asked for
+    assert torch.equal(target.received("b", ((0, 6),)), source["b"])
+    assert report.bytes_local == (6 + 6) * 4 and report.tensors == 2
+    source["w"].add_(1)
+    sync()
+    assert torch.equal(target.received("w", ((2, 5), (1, 3))), source["w"][2:5, 1:3])
+    with pytest.raises(lazyload.ArgumentError, match="'w' box"):
+        target.received("w", ((0, 1), (0, 4)))
+    for boxes, message in (([("nope", ((0, 1),))], "'nope', which no source rank holds"),
+                           ([("w", ((0, 7), (0, 4)))], r"box \[\(0, 7\), \(0, 4\)\] of 'w'")):
+        group, store = group_of_its_own()
+        with pytest.raises(lazyload.ArgumentError, match=message):
+            lazyload.WeightSync(source=source, target=BoxTarget(boxes), group=group, store=store, rank_timeout=30)

@@ -37,8 +37,10 @@ from ..keywords import check_keywords
 from ..remote import RemoteOptions
 from ..report import MemorySampler, size
 from ..stored import StoredCheckpoint
+from ..index import natural_key
 from .lazy_tensor import LazyTensor
 from .reads import BoxReads, ReadOptions
+from .vllm_update import LOADED_BOXES, register_transfer_engine
 
 FORMAT = "lazyload"
 
@@ -228,6 +230,7 @@ def loader_class() -> type:
             with load.memory, torch.no_grad():
                 loaded = model.load_weights(lazy_weights(load.reads))
                 load.reads.run()
+            LOADED_BOXES[:] = sorted(load.reads.asked, key=lambda pair: (natural_key(pair[0]), pair[1]))
             self.last_report = load.report()
             if model_config.quantization is None and loaded is not None:
                 self.track_weights_loading(model, loaded, quantized=False)
@@ -245,12 +248,14 @@ def loader_class() -> type:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: registers load_format='lazyload' (run in every
-    vLLM process; registering twice is harmless)."""
+    """The `vllm.general_plugins` entry point: registers load_format='lazyload' and, where the
+    installed vLLM has the API, the weight-transfer engine 'lazyload' (`vllm_update`); run in
+    every vLLM process, registering twice is harmless."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
     if FORMAT not in _LOAD_FORMAT_TO_MODEL_LOADER:
         register_model_loader(FORMAT)(loader_class())
+    register_transfer_engine()
 
 
 def last_reports(worker: Any = None) -> list[dict]:

@@ -30,6 +30,8 @@ from ..targets import local_tensor
 from .layout import SourceTensor, source_layout, source_tensors
 from .routes import Request, Routes, requests_of, routes_for
 from .source_index import source_index
+from .box_target import BoxTarget
+from .peers import Peers
 from .transfer import Ends, Moved, transfer
 
 
@@ -105,33 +107,34 @@ class WeightSync:
       one loaded already; later syncs copy into its tensors in place (same storage). A target
       loaded with `load_into(quantize=...)` is synced with the same `quantize=`: each received
       slice is quantized into its layers' own data and scales, as `load_into` would.
+      Or a `BoxTarget`: the boxes of each tensor an engine's own weight loaders copy (a vLLM
+      worker, `integrations.vllm_update`), received into host tensors it reads from.
     - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel); `quantize`,
       `dtype`, `plan`, `key_map`, `device`, `max_host_bytes`: as `load_into`'s.
+    - `group`: a group of torch.distributed's world (default: the default group), or a
+      process group of its own, `ProcessGroupGloo(store, rank, size)`, made between
+      processes that each have another default group (a trainer's and vLLM's workers'),
+      with `store`: the store it was made with, where the ranks meet (`sync.peers`).
     - `rank_timeout`: seconds any rank waits for another, at construction and in each sync.
 
     The plan is made here, from metadata alone: every input error (a tensor the target needs
     that no source holds, shapes that differ, a target mesh that does not split the model)
     fails on every rank before any byte moves."""
 
-    def __init__(self, source: Any = None, target: nn.Module | None = None, *, target_mesh: Any = None,
-                 group: Any = None, rank_timeout: float = 60.0, quantize: Any = None, key_map: KeyMap | None = None,
-                 dtype: Any = None, plan: Any = None, device: Any = None, max_host_bytes: int | None = None,
-                 **unknown: Any):
+    def __init__(self, source: Any = None, target: Any = None, *, target_mesh: Any = None,
+                 group: Any = None, store: Any = None, rank_timeout: float = 60.0, quantize: Any = None,
+                 key_map: KeyMap | None = None, dtype: Any = None, plan: Any = None, device: Any = None,
+                 max_host_bytes: int | None = None, **unknown: Any):
         check_keywords("WeightSync", unknown, WeightSync.__init__)
         started = time.perf_counter()
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ArgumentError("WeightSync runs over torch.distributed: call init_process_group first (every trainer "
-                                "and server rank constructs it).")
-        self.group, self.rank, self.timeout = group, dist.get_rank(), rank_timeout
-        self.ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+        self.peers = Peers.of(group)
+        self.group, self.rank, self.timeout = group, self.peers.rank, rank_timeout
+        self.ranks = list(self.peers.ranks)
         self.source, self.target, self.target_mesh = source, target, target_mesh
         self._options = LoadOptions(device=device, dtype=dtype, key_map=key_map, progress=False, plan=plan,
                                     reader="pread", max_host_bytes=max_host_bytes, quantize=own_holders(quantize),
                                     rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False)
-        store = _get_default_store()
+        store = store if store is not None else self.peers.default_store()
         prefix, number = construction(self.ranks)
         gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
         self._prefix = gather.prefix
@@ -148,7 +151,7 @@ class WeightSync:
         self._announced = 0  # the last sync whose failure this rank announced
         self._tag = number + 1
         # NCCL sends device memory; gloo host memory
-        self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+        self._wire = (torch.device("cuda", torch.cuda.current_device()) if self.peers.backend == "nccl"
                       else torch.device("cpu"))
         target_cuda = self.load_plan is not None and self.load_plan.device.type == "cuda"
         self._pinned = self._wire.type == "cpu" and (self._source_cuda or target_cuda)  # gloo, GPU tensors
@@ -186,10 +189,14 @@ class WeightSync:
 
     def _plan_target(self) -> list[Request] | None:
         """This rank's load plan of the target from the sources' index, and its requests."""
+        self.load_plan: LoadPlan | None = None
+        self._box_dests: dict | None = None
         if self.target is None:
-            self.load_plan: LoadPlan | None = None
             self.items: list = []
             return None
+        if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
+            self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes)
+            return requests_of(self.items, self.pieces, budget)
         if self.target_mesh is None:
             raise ArgumentError("WeightSync(target=...) needs target_mesh=, the server ranks' DeviceMesh (1-D, "
                                 "tensor parallel), e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)) over "
@@ -223,7 +230,7 @@ class WeightSync:
             new = tuple(moved.done) if self._assigned else ()  # a first sync's tensors are assigned only when complete
             report = self._report(moved, started, planned, new)
             raise SyncError(f"rank {self.rank}: the weight sync did not complete ({type(exc).__name__}: {exc}); "
-                            f"{len(new)} of {len(self.load_plan.targets) if self.load_plan else 0} target tensors on "
+                            f"{len(new)} of {self._target_count()} target tensors on "
                             "this rank hold the new version (report.partial; the others may be partly written). Call "
                             "the sync again on every rank to complete it.", getattr(exc, "ranks", None), report) from exc
         return self._report(moved, started, planned)
@@ -243,7 +250,7 @@ class WeightSync:
     def _agreement(self, sync: int) -> Agreement:
         """Sync number `sync`'s agreement: only the "exchanged" point of its collectives."""
         return Agreement(self._store, self.rank, len(self.ranks), self.timeout, self.ranks, points=(),
-                         prefix=f"{self._prefix}/sync{sync}")
+                         prefix=f"{self._prefix}/sync{sync}", job="sync")
 
     def _announce(self, exc: BaseException) -> None:
         """Tell the others this rank failed (once per sync: the first cause is the one named)."""
@@ -264,14 +271,14 @@ class WeightSync:
         first = not self._assigned and self.load_plan is not None
         if self._dests is None and self.load_plan is not None:
             self._materialize()
-        dests = {}
+        dests = self._box_dests or {}
         if self.load_plan is not None:
             plan = self.load_plan
             dests = with_whole(self._dests, plan.targets, plan.mapping.exprs, plan.items, plan.index.shape_of)
-            for item in self.items:
-                moved.left[item.target] = moved.left.get(item.target, 0) + 1
+        for item in self.items:
+            moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
-                    dests, self.group, sync_tag(self._tag, self._failures), self._wire, self.timeout,
+                    dests, self.peers, sync_tag(self._tag, self._failures), self._wire, self.timeout,
                     self._aborted, self._abandoned, self._pinned)
         try:
             transfer(self.routes, ends, moved)
@@ -302,4 +309,9 @@ class WeightSync:
         return SyncReport(bytes_sent=moved.sent, bytes_received=moved.received, bytes_local=moved.local,
                           seconds=time.perf_counter() - started, plan_digest=self.plan_digest,
                           plan_seconds=self.plan_seconds, planned=planned, partial=partial,
-                          tensors=len(self.load_plan.targets) if self.load_plan is not None else 0)
+                          tensors=self._target_count())
+
+    def _target_count(self) -> int:
+        if self.load_plan is not None:
+            return len(self.load_plan.targets)
+        return len(self._box_dests or ())

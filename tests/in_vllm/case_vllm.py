@@ -190,3 +190,80 @@ def test_the_readme_serving_script_runs(tmp_path):
     assert len(printed) == 2 and printed[0] != printed[1], out[-6000:]
     assert out.count("lazyload load of") == 2 and out.count("lazyload reload of") == 2, out[-6000:]
     assert "0 fallbacks" in out and not re.search(r"[1-9]\d* fallbacks", out)
+
+
+RL_TIMEOUT = 20  # the update group's rank_timeout (seconds)
+
+
+@lru_cache(maxsize=None)
+def rl_update() -> dict:
+    """What rl_update_run.py printed: a TP-2 engine loaded from Llama checkpoint A, two FSDP2
+    trainer ranks starting from A, two updates, a third in which trainer rank 1 dies, then
+    each step's saved weights loaded afresh."""
+    a, _ = checkpoints("llama")
+    out = ROOT / "rl-steps"
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(HERE / "rl_update_run.py"), str(a), str(out), "--tp", "2",
+               "--timeout", str(RL_TIMEOUT)]
+    returncode, output = run_process(command)
+    results = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and results, f"{' '.join(command)} failed ({returncode}):\n{output[-6000:]}"
+    return json.loads(results[-1][len("RESULT "):])
+
+
+def test_rl_update_equals_a_fresh_load():
+    """After each update (an optimizer step between), every worker's parameters are bit-equal
+    to a fresh load of the trainer's weights of that step (vLLM's reload_weights from them),
+    and the engine's tokens are that load's; each update changed the model."""
+    result = rl_update()
+    assert [j["rank"] for j in result["joined"]] == [2, 3]
+    assert len({j["plan_digest"] for j in result["joined"]}) == 1
+    for step, fresh in enumerate(result["fresh"], start=1):
+        assert result["digests"][step] == fresh["digests"], step
+        assert result["tokens"][step] == fresh["tokens"], step
+        assert result["digests"][step] != result["digests"][step - 1], step  # not vacuous: the weights moved
+
+
+def test_rl_update_sends_each_worker_its_share():
+    """Each worker receives exactly its share of the model (the boxes its weight loaders took
+    at load: the same rule as the load's), whole tensors never; the trainers send no more."""
+    a, _ = checkpoints("llama")
+    result = rl_update()
+    for update in result["updates"]:
+        assert [w["bytes_received"] for w in update] == [share(a, 2)] * 2
+        assert all(w["fallbacks"] == [] and w["bytes_sent"] == 0 for w in update)
+    assert sum(sent for _, _, sent in result["trainers"]) == 2 * share(a, 2)
+
+
+def test_rl_update_trainer_dies():
+    """Trainer rank 1 dies mid-update: every worker raises a SyncError naming it, within the
+    rank timeout (never a hang), and the engine keeps serving the weights it had."""
+    result = rl_update()
+    failed = result["failed"]
+    assert failed is not None and failed["workers"] == [0, 1], failed
+    assert failed["message"].count("rank 1: did not report") == 2, failed["message"]
+    assert result["failed_after"] < 4 * RL_TIMEOUT  # bounded by the timeout, not a hang (generous: 2 busy cores)
+    assert result["trainer_failed"][:2] == [0, 3] and "rank 1" in result["trainer_failed"][2]
+    assert result["after_failure"] == {"tokens": result["tokens"][-1], "digests": result["digests"][-1]}
+
+
+def test_the_readme_rl_update_script_runs(tmp_path):
+    """README's RL update script as written (through vLLM's weight-transfer engine
+    'lazyload'), at TP 2: two updates, each changing the engine's tokens; each trainer rank
+    sends half of the two workers' shares."""
+    a, _ = checkpoints("llama")
+    script = tmp_path / "rl_update_vllm.py"
+    script.write_text(readme_script("rl_update_vllm.py"))
+    runner = ("import functools, runpy, sys, vllm\n"
+              "vllm.LLM = functools.partial(vllm.LLM, enforce_eager=True, dtype='float32', max_num_seqs=4,\n"
+              "                             skip_tokenizer_init=True, max_model_len=128)\n"
+              f"sys.argv = [{str(script)!r}] + sys.argv[1:]\n"
+              f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    returncode, out = run_process([sys.executable, "-c", runner, str(a), "2"], cwd=tmp_path, env=env)
+    assert returncode == 0, out[-6000:]
+    printed = [json.loads(line) for line in out.splitlines() if re.fullmatch(r"\[\d+(, \d+)*\]", line)]
+    assert len(printed) == 2 and printed[0] != printed[1], out[-6000:]
+    sent = [int(n) for n in re.findall(r"trainer \d: sent (\d+) bytes", out)]
+    assert len(sent) == 4 and sum(sent) == 2 * 2 * share(a, 2), sent
