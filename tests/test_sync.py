@@ -624,6 +624,69 @@ def _own_group(rank, world):
             _step(trainer, optimizer)
 
 
+def _copies(rank, world):
+    """A 2-D trainer (FSDP 2 x TP 2: its norms and embeddings replicated over TP) into servers
+    on the same ranks, 2 replicas of TP 2, then 4 of TP 1: at each step each target rank
+    receives from the fewest source ranks that hold its boxes, and target ranks asking for
+    a replicated box over the wire get it from different holders (where that takes no more
+    sources); every sync exact."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    trainer = _trainer(mesh["dp"], mesh["tp"])
+    # TP 1 in one step: every holder of a box is a source of that step, free to spread
+    for replicas, budget in ((2, None), (4, 1 << 30)):
+        servers = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replica", "tp"))
+        server = _meta_server()
+        sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=servers["tp"], rank_timeout=60,
+                                   max_host_bytes=budget)
+        _check_fewest_sources(sync)
+        _check_spread(sync, world)
+        _check_exact_all(sync, trainer, server, sync())
+
+
+def _holders(sync, key) -> frozenset:
+    """The source ranks holding the box of the piece stored as `key` (its copies)."""
+    piece = sync.pieces[key]
+    return frozenset(p.rank for p in sync.pieces.values() if (p.name, p.held.box) == (piece.name, piece.held.box))
+
+
+def _check_fewest_sources(sync):
+    """At each step this rank receives from as few source ranks as can hold its boxes
+    (found by trying every set of the other source ranks)."""
+    from itertools import combinations
+
+    others = sorted({p.rank for p in sync.pieces.values()} - {sync.rank})
+    for step in range(sync.routes.steps):
+        received = sync.routes.receives.get(step, {})
+        needed = [_holders(sync, sync.items[p].entry.key) for positions in received.values() for p in positions]
+        fewest = min(n for n in range(len(others) + 1) for ranks in combinations(others, n)
+                     if all(h & set(ranks) for h in needed))
+        assert len(received) == fewest, (sync.rank, step, sorted(received), fewest)
+
+
+def _check_spread(sync, world):
+    """Each replicated box is sent by as many of its holders as there are target ranks that
+    receive it over the wire (up to its holders): not all from one copy."""
+    rows = []
+    for by_source in sync.routes.receives.values():
+        for source, positions in by_source.items():
+            for key in (sync.items[p].entry.key for p in positions):
+                piece = sync.pieces[key]
+                rows.append((piece.name, piece.held.box, source, _holders(sync, key), sync.rank))
+    every = [None] * world
+    dist.all_gather_object(every, rows)
+    senders, targets, holders = {}, {}, {}
+    for name, box, source, held, target in (row for rows in every for row in rows):
+        senders.setdefault((name, box), set()).add(source)
+        targets.setdefault((name, box), set()).add(target)
+        holders[name, box] = held
+    assert any(len(h) > 1 for h in holders.values())  # the case has copies
+    for box, held in holders.items():
+        assert len(senders[box]) == min(len(held), len(targets[box])), (box, sorted(senders[box]), sorted(held))
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -649,7 +712,7 @@ def _run_case(case, rank, world):
 # cases that take the rank and the job's world, by name
 _WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatched": _mismatched, "recast": _recast,
                     "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size,
-                    "own-group": _own_group}
+                    "own-group": _own_group, "copies": _copies}
 
 
 def test_sync(tmp_path):
@@ -658,8 +721,62 @@ def test_sync(tmp_path):
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups", "store-size",
-             "digests-differ", "own-group"]
+             "digests-differ", "own-group", "copies"]
     spawn_cases(4, cases, tmp_path, _run_case)
+
+
+def _two_d_sources() -> dict:
+    """A 2-D trainer's layouts (rank 2 * dp + tp): `w` split over TP and FSDP, every rank a
+    quarter; `norm` split over FSDP alone, each half on both TP ranks (copies)."""
+    from lazyload.sync.layout import Held, SourceTensor
+
+    def held(*box):
+        return (Held(box, (0,) * len(box)),)
+    def layout(dp, tp):
+        row = 4 * tp + 2 * dp
+        return [SourceTensor("w", "torch.float32", (8, 4), held((row, row + 2), (0, 4))),
+                SourceTensor("norm", "torch.float32", (4,), held((2 * dp, 2 * dp + 2)))]
+    return {2 * dp + tp: layout(dp, tp) for dp in (0, 1) for tp in (0, 1)}
+
+
+def test_copies_chosen_per_target():
+    """The copy of a replicated box each target rank receives: its own; else one of the
+    sources its step receives from anyway; else the fewest new ones; target ranks asking
+    for the same box spread over its holders. The planner's pick (`Layout.expr`, by
+    position) is the starting point: target rank 1 of 2 gets the norm's copies from ranks
+    1 and 2, where ranks 1 and 3 (its TP coordinate's, which send its `w` rows) hold both."""
+    from lazyload.expr import full_box
+    from lazyload.sync.copies import choose_copies
+    from lazyload.sync.routes import Request
+    from lazyload.sync.source_index import source_index
+
+    index, pieces = source_index(_two_d_sources())
+
+    def wanted(tp, world, names=("w", "norm")):
+        """The requests of target `tp` of a TP-`world` server, the copies as the planner picks them."""
+        rows = (8 // world * tp, 8 // world * (tp + 1))
+        keys = [k for name in names for k in index.for_rank(tp, world).expr(name).keys()]
+        return [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box])) for k in keys
+                if pieces[k].name == "norm" or rows[0] <= pieces[k].held.box[0][0] < rows[1]]
+
+    def sources(requests):
+        return sorted({r.source for r in requests})
+
+    def norms(chosen):
+        return {t: [r.source for r in requests if pieces[r.key].name == "norm"] for t, requests in chosen.items()}
+
+    planner = wanted(1, 2)
+    assert sources(planner) == [1, 2, 3]  # the position's pick: one source more than needed
+    # two replicas of TP 2 (ranks 4-5, 6-7); colocated ranks 0 and 3 (a TP-2 server)
+    chosen = choose_copies({4: wanted(0, 2), 5: planner, 6: wanted(0, 2), 7: wanted(1, 2), 10: None}, pieces)
+    assert chosen[10] is None
+    assert all(pieces[r.key].rank == r.source for t in (4, 5, 6, 7) for r in chosen[t])  # each names its copy's key
+    assert sources(chosen[4]) == sources(chosen[6]) == [0, 2] and sources(chosen[5]) == sources(chosen[7]) == [1, 3]
+    assert norms(choose_copies({0: wanted(0, 2), 3: wanted(1, 2)}, pieces)) == {0: [0, 2], 3: [1, 3]}  # own copy
+    # two replicas of TP 1 receive from every rank: they spread over the copies
+    assert norms(choose_copies({8: wanted(0, 1), 9: wanted(0, 1)}, pieces)) == {8: [0, 2], 9: [1, 3]}
+    # a step of norms alone: the fewest sources (one per half), spread over the replicas
+    assert norms(choose_copies({t: wanted(0, 1, ("norm",)) for t in (8, 9)}, pieces)) == {8: [0, 2], 9: [1, 3]}
 
 
 def test_sync_tags_never_repeat():

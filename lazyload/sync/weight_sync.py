@@ -25,6 +25,7 @@ from ..placer import allocate
 from ..targets import model_slots
 from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers, refuse_unsupported_holders
 from ..stored import StoredCheckpoint
+from .copies import choose_copies
 from .gather import Gather, construction
 from ..targets import local_tensor
 from .layout import SourceTensor, source_layout, source_tensors
@@ -140,7 +141,7 @@ class WeightSync:
         self._prefix = gather.prefix
         layouts = gather.run("layout", self._layout)
         self.index, self.pieces = source_index({r: v for r, v in layouts.items() if v is not None})
-        wanted = gather.run("planned", self._plan_target)
+        wanted = choose_copies(gather.run("planned", self._plan_target), self.pieces)
         self.routes: Routes = routes_for(self.rank, wanted)
         _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
         gather.close(("layout", "planned", "agreed"))
