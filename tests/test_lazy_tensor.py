@@ -160,3 +160,10 @@ def test_boxes_read_from_a_url_sum_the_remote_counts(tmp_path):
     assert reads.totals.reader == "remote" and fields["requests"] == 2 and fields["unversioned"] == []
     assert fields["bytes_served"] == reads.totals.bytes_read == (8 + 4) * 4 * 4
 
+
+def test_extra_config_weights():
+    assert LoaderConfig.of({"weights": "s3://bucket/llama/"}).weights == "s3://bucket/llama/"
+    assert LoaderConfig.of({}).weights is None
+    for bad in ("", 3):
+        with pytest.raises(ArgumentError, match="'weights' must be the checkpoint's path or URL"):
+            LoaderConfig.of({"weights": bad})

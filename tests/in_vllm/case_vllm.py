@@ -190,3 +190,73 @@ def test_the_readme_serving_script_runs(tmp_path):
     assert len(printed) == 2 and printed[0] != printed[1], out[-6000:]
     assert out.count("lazyload load of") == 2 and out.count("lazyload reload of") == 2, out[-6000:]
     assert "0 fallbacks" in out and not re.search(r"[1-9]\d* fallbacks", out)
+
+
+# --- An s3:// checkpoint (moto's S3 server on 127.0.0.1) ---
+
+BUCKET = "models"
+# TP 2 asks for exact ranges (merge_gap 0): the default 1 MiB merges the half rows of a
+# row-parallel shard (256 bytes apart here) into a GET of nearly the whole tensor; TP 1
+# reads every tensor whole, under the default options. TP 1 reloads without weights_path
+# (the URL of its load again), TP 2 from checkpoint B's URL.
+S3_CASES = {1: ({}, "="), 2: ({"merge_gap": 0}, f"s3://{BUCKET}/b/")}
+
+
+def config_only(directory: Path) -> Path:
+    """A local directory with the checkpoint's json files (config) and none of its tensors:
+    vLLM's `model`, the tensors coming from the `weights` URL."""
+    local = directory.parent / f"{directory.name}-config"
+    local.mkdir(exist_ok=True)
+    for path in directory.glob("*.json"):
+        if not path.name.endswith(".index.json"):
+            shutil.copy(path, local / path.name)
+    return local
+
+
+@lru_cache(maxsize=None)
+def s3_engine(tp: int) -> dict:
+    """engine_run.py with Llama's checkpoints A and B in moto's S3 server (credentials in the
+    environment the engine inherits), `model` A's config alone, `weights` A's URL."""
+    from remote_servers import moto_s3
+
+    a, b = checkpoints("llama")
+    remote, reload = S3_CASES[tp]
+    with moto_s3(BUCKET, "lazyload-vllm-test-secret") as client:
+        for prefix, directory in (("a", a), ("b", b)):
+            for path in directory.iterdir():
+                client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+        extra = {"weights": f"s3://{BUCKET}/a/", "remote": remote}
+        command = [sys.executable, str(HERE / "engine_run.py"), str(config_only(a)), reload, "--format", "lazyload",
+                   "--tp", str(tp), "--extra", json.dumps(extra)]
+        returncode, out = run_process(command)
+    results = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and results, f"{' '.join(command)} failed ({returncode}):\n{out[-6000:]}"
+    return json.loads(results[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("tp", list(S3_CASES))
+def test_s3_model_tokens_equal_safetensors(tp):
+    lazy, reference = s3_engine(tp), engine("llama", tp, "safetensors")
+    assert lazy["tokens"] == reference["tokens"]
+    # TP 2 reloaded B from its URL; TP 1 reloaded A from the URL its load read (not `model`, which holds no tensors)
+    assert lazy["reloaded"] == (reference["reloaded"] if tp == 2 else reference["tokens"])
+
+
+@pytest.mark.parametrize("tp", list(S3_CASES))
+def test_s3_each_worker_fetches_its_share(tp):
+    """Each worker's GETs (the bytes the store sent, by the remote reader's count) are its
+    share of the tensors, by the rule of `share`: about half of the checkpoint at TP 2."""
+    a, b = checkpoints("llama")
+    url = f"s3://{BUCKET}/a/"
+    expected = [(False, url, a), (True, url, a) if tp == 1 else (True, S3_CASES[tp][1], b)]  # (reload, checkpoint)
+    reports = s3_engine(tp)["reports"]
+    assert sorted(r[0]["rank"] for r in reports) == list(range(tp))
+    for worker in reports:
+        assert [(r["reload"], r["checkpoint"]) for r in worker] == [(w, where) for w, where, _ in expected]
+        for report, (_, _, directory) in zip(worker, expected):
+            assert report["reader"] == "remote" and report["fallbacks"] == [] and report["world"] == tp
+            served = report["remote"]["bytes_served"]
+            assert served == report["bytes_read"] == report["bytes_planned"] and report["remote"]["retries"] == 0
+            assert report["bytes_planned"] - report["bytes_repeated"] == share(directory, tp)
+            assert served <= (0.55 if tp == 2 else 1) * report["checkpoint_bytes"]  # headers apart
+
