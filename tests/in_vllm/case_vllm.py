@@ -260,3 +260,84 @@ def test_s3_each_worker_fetches_its_share(tp):
             assert report["bytes_planned"] - report["bytes_repeated"] == share(directory, tp)
             assert served <= (0.55 if tp == 2 else 1) * report["checkpoint_bytes"]  # headers apart
 
+
+# --- The OpenAI-compatible server ---
+
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+CPU_FLAGS = ["--enforce-eager", "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "128",
+             "--max-num-seqs", "4"]
+
+
+def readme_server_command(checkpoint: Path) -> list[str]:
+    """README's server command line, run by this interpreter on `checkpoint`."""
+    import shlex
+
+    readme = (HERE.parent.parent / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("    python -m vllm.entrypoints.openai.api_server"))
+    replace = {"python": sys.executable, "path/to/checkpoint": str(checkpoint)}
+    return [replace.get(word, word) for word in shlex.split(line)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_open(request, timeout: float):
+    """urlopen for the server on 127.0.0.1, past any proxy the environment names."""
+    import urllib.request
+
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=timeout)
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen, log: Path) -> None:
+    """Poll the server's /health until it answers 200; its exit or ENGINE_TIMEOUT fails the test."""
+    import time
+
+    deadline = time.monotonic() + ENGINE_TIMEOUT
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited ({process.returncode}):\n{log.read_text()[-6000:]}"
+        try:
+            with local_open(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:  # not listening yet
+            pass
+        time.sleep(1)
+    pytest.fail(f"the server was not healthy in {ENGINE_TIMEOUT} s:\n{log.read_text()[-6000:]}")
+
+
+def test_openai_server_completes_token_ids(tmp_path):
+    """README's server command (`--load-format lazyload`, TP 2), with this machine's CPU
+    settings, on 127.0.0.1: a completion of token-id prompts, greedy, gives
+    load_format="safetensors"'s tokens; each worker logged its lazyload report."""
+    import urllib.request
+
+    from engine_run import MAX_TOKENS, PROMPTS
+
+    a, _ = checkpoints("llama")
+    command = readme_server_command(a)
+    tp = int(command[command.index("--tensor-parallel-size") + 1])
+    port, log = free_port(), tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(command + CPU_FLAGS + ["--host", "127.0.0.1", "--port", str(port)], stdout=out,
+                                  stderr=subprocess.STDOUT, env={**os.environ, **CPU_ENV},
+                                  start_new_session=True)  # its own process group: the engine and workers die with it
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(url, server, log)
+        body = {"model": str(a), "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": True}
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with local_open(request, timeout=300) as response:
+            choices = sorted(json.load(response)["choices"], key=lambda c: c["index"])
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert [c["token_ids"] for c in choices] == engine("llama", tp, "safetensors")["tokens"]
+    text = log.read_text()
+    assert text.count(f"lazyload load of {a}") == tp and " 0 fallbacks" in text, text[-6000:]
