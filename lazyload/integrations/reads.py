@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 from ..engine import run_schedule
@@ -59,11 +61,15 @@ class ReadTotals:
     boxes: int = 0
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
     reader: str = ""
-    fields: dict[str, int] = field(default_factory=dict)  # a remote reader's requests
+    fields: dict[str, Any] = field(default_factory=dict)  # a remote reader's request counts, its unversioned files
 
-    def add_fields(self, more: dict[str, int]) -> None:
+    def add_fields(self, more: dict[str, Any]) -> None:
+        """Add one read's fields: counts are summed, lists (files) joined."""
         for key, value in more.items():
-            self.fields[key] = self.fields.get(key, 0) + value
+            if isinstance(value, list):
+                self.fields[key] = sorted(set(self.fields.get(key, [])) | set(value))
+            else:
+                self.fields[key] = self.fields.get(key, 0) + value
 
 
 class BoxReads:
