@@ -1,5 +1,6 @@
 """The sync plan: which boxes move between which ranks, and when, computed once from
-metadata (every target rank's read items, exchanged at construction). A target rank's items
+metadata (each target rank's read items, as requests it addresses to each source rank: a
+source reads only the requests of it, every rank a short summary of each target's). A target rank's items
 are cut, in layer order, into steps of at most its byte budget; at step k every rank posts
 all its sends and receives of step k, then waits for them, so that no pair can deadlock and
 a target holds at most one step's bytes in flight."""
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import PlanError
 from ..expr import Box, box_numel, box_shape
 from .source_index import Piece
 
@@ -52,34 +54,70 @@ class Routes:
     digest: str
 
 
-def routes_for(me: int, wanted: dict[int, list[Request] | None]) -> Routes:
-    """This rank's routes, from every target rank's requests (`wanted`: global rank -> its
-    requests, None for a rank that holds no target)."""
+def routes_for(me: int, mine: list[Request] | None, asked: dict[int, list[Request]],
+               summaries: dict[int, Summary | None]) -> Routes:
+    """This rank's routes: what it receives, from its own requests (`mine`; None on a rank
+    that holds no target), and what it sends, from the requests each target rank addressed
+    to it (`asked`: target rank -> its requests of this rank, in its order), each checked
+    against the digest its target published (`summaries`: every rank's `Summary`)."""
     sends: dict[int, dict[int, list[Request]]] = {}
     receives: dict[int, dict[int, list[int]]] = {}
     local: dict[int, list[int]] = {}
-    steps = 0
-    for target, requests in sorted((r, q) for r, q in wanted.items() if q):
-        steps = max(steps, requests[-1].step + 1)
-        for position, request in enumerate(requests):
-            if request.source == me and target == me:
-                local.setdefault(request.step, []).append(position)
-            elif request.source == me:
-                sends.setdefault(request.step, {}).setdefault(target, []).append(request)
-            elif target == me:
-                receives.setdefault(request.step, {}).setdefault(request.source, []).append(position)
+    for target, requests in sorted(asked.items()):
+        if pair_digest(requests) != summaries[target].pairs.get(me):
+            raise PlanError(f"WeightSync: rank {me} read rank {target}'s requests of it, which do not match the digest "
+                            f"rank {target} published (another lazyload version there, or a store that lost a write); "
+                            "every rank must run the same lazyload version; no byte moved.")
+        for request in requests:
+            sends.setdefault(request.step, {}).setdefault(target, []).append(request)
+    for position, request in enumerate(mine or ()):
+        if request.source == me:
+            local.setdefault(request.step, []).append(position)
+        else:
+            receives.setdefault(request.step, {}).setdefault(request.source, []).append(position)
+    steps = max((s.steps for s in summaries.values() if s is not None), default=0)
     return Routes(steps, {s: {t: tuple(q) for t, q in by.items()} for s, by in sends.items()},
                   {s: {r: tuple(q) for r, q in by.items()} for s, by in receives.items()},
-                  {s: tuple(q) for s, q in local.items()}, sync_digest(wanted))
+                  {s: tuple(q) for s, q in local.items()}, sync_digest(summaries))
 
 
-def sync_digest(wanted: dict[int, list[Request] | None]) -> str:
-    """The digest of the whole sync plan: equal on every rank (each one computes it from the
-    same exchanged requests)."""
+@dataclass(frozen=True)
+class Summary:
+    """What a target rank tells every rank of its requests: its steps and, per source rank it
+    asks, the digest of the requests addressed to that source (kept under a key of the pair)."""
+
+    steps: int
+    pairs: dict[int, str]
+
+    @classmethod
+    def of(cls, by_source: dict[int, list[Request]]) -> "Summary":
+        steps = max((r.step + 1 for requests in by_source.values() for r in requests), default=0)
+        return cls(steps, {source: pair_digest(requests) for source, requests in sorted(by_source.items())})
+
+
+def addressed(requests: list[Request]) -> dict[int, list[Request]]:
+    """A target rank's requests by the source rank they ask (each in the target's order)."""
+    out: dict[int, list[Request]] = {}
+    for request in requests:
+        out.setdefault(request.source, []).append(request)
+    return out
+
+
+def pair_digest(requests: list[Request]) -> str:
+    """The digest of one target rank's requests of one source rank."""
     digest = hashlib.sha256()
-    for target, requests in sorted((r, q) for r, q in wanted.items() if q):
-        for r in requests:
-            digest.update(f"{target}\0{r.step}\0{r.source}\0{r.key}\0{r.box}\n".encode())
+    for r in requests:
+        digest.update(f"{r.step}\0{r.source}\0{r.key}\0{r.box}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def sync_digest(summaries: dict[int, Summary | None]) -> str:
+    """The digest of the whole sync plan: of every target rank's requests, by their pairs'
+    digests; every rank computes it from the same published summaries."""
+    digest = hashlib.sha256()
+    for target, summary in sorted((r, s) for r, s in summaries.items() if s is not None):
+        for source, pair in summary.pairs.items():
+            digest.update(f"{target}\0{source}\0{pair}\n".encode())
     return digest.hexdigest()[:16]
 
 
