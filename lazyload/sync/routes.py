@@ -1,17 +1,22 @@
 """The sync plan: which boxes move between which ranks, and when, computed once from
-metadata (every target rank's read items, exchanged at construction). A target rank's items
-are cut, in layer order, into steps of at most its byte budget; at step k every rank posts
-all its sends and receives of step k, then waits for them, so that no pair can deadlock and
-a target holds at most one step's bytes in flight."""
+metadata (every target rank's read items, exchanged at construction). Each rank has a byte
+budget per step (its `max_host_bytes`, default about one layer of its traffic), on each
+side: a target holds at most that of received messages and local copies, a source at most
+that of packed messages, summed over the targets it sends to. Every rank computes the same
+steps from the same requests (`in_steps`); at step k every rank posts all its sends and
+receives of step k, then waits for them, so that no pair can deadlock."""
 from __future__ import annotations
 
 import hashlib
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import PlanError
 from ..expr import Box, box_numel, box_shape
+from ..schedule import layer_of
 from .source_index import Piece
 
 
@@ -23,19 +28,87 @@ class Request:
     source: int
     key: str
     box: Box
+    itemsize: int  # of the stored key's dtype
+
+    @property
+    def nbytes(self) -> int:
+        return box_numel(self.box) * self.itemsize
 
 
-def requests_of(items: list, pieces: dict[str, Piece], budget: int) -> list[Request]:
-    """A target rank's requests, one per read item (in `items`' order, layer by layer): steps
-    of at most `budget` bytes (a larger item alone)."""
-    out, step, held = [], 0, 0
-    for item in items:
-        nbytes = item.nbytes
-        if held and held + nbytes > budget:
-            step, held = step + 1, 0
-        held += nbytes
-        out.append(Request(step, pieces[item.entry.key].rank, item.entry.key, item.src_box))
-    return out
+def requests_of(items: list, pieces: dict[str, Piece]) -> list[Request]:
+    """A target rank's requests, one per read item (in `items`' order, layer by layer), at
+    step 0: every rank assigns the steps of all of them (`in_steps`)."""
+    return [Request(0, pieces[item.entry.key].rank, item.entry.key, item.src_box, item.entry.itemsize)
+            for item in items]
+
+
+def step_budgets(wanted: dict[int, list[Request] | None],
+                 max_host_bytes: dict[int, int | None]) -> tuple[dict[int, int], dict[int, int]]:
+    """Each rank's bytes per step as a target (messages received and local copies) and as a
+    source (messages packed): its `max_host_bytes`, else about one layer of that side's
+    requests, never less than its largest one (as a load's default budget)."""
+    layers: dict[tuple[bool, int, str], int] = {}  # (as a source?, rank, layer) -> bytes
+    largest: dict[tuple[bool, int], int] = {}
+    for target, requests in wanted.items():
+        for r in requests or ():
+            nbytes, layer = r.nbytes, layer_of(r.key.rpartition("@")[0])
+            for side in ((False, target),) if r.source == target else ((False, target), (True, r.source)):
+                largest[side] = max(largest.get(side, 0), nbytes)
+                if layer:
+                    layers[side + (layer,)] = layers.get(side + (layer,), 0) + nbytes
+    default = dict(largest)
+    for (as_source, rank, _), nbytes in layers.items():
+        default[as_source, rank] = max(default[as_source, rank], nbytes)
+    budgets: tuple[dict[int, int], dict[int, int]] = ({}, {})
+    for (as_source, rank), nbytes in default.items():
+        budgets[as_source][rank] = max_host_bytes.get(rank) or nbytes
+    return budgets
+
+
+def in_steps(wanted: dict[int, list[Request] | None],
+             max_host_bytes: dict[int, int | None]) -> dict[int, list[Request] | None]:
+    """`wanted` with every request's step. Step by step, the target ranks take their next
+    request in turn (one each round, each in its own order, the first turn rotating), while the
+    step's bytes of that target and of the request's source stay within their budgets
+    (`step_budgets`; a message's bytes as packed, alignment included): a source's budget is
+    shared by the targets it serves. A target whose next request does not fit waits for the
+    next step. No request exceeds a budget (targets cut larger items): each step takes one."""
+    receiving, sending = step_budgets(wanted, max_host_bytes)
+    queues = {t: q for t, q in sorted(wanted.items()) if q}
+    taken = dict.fromkeys(queues, 0)
+    out: dict[int, list[Request]] = {t: [] for t in queues}
+    step, active = 0, list(queues)
+    while active:
+        held: dict[int, int] = {}  # target -> bytes received and copied this step
+        packed: dict[int, int] = {}  # source -> bytes of its messages this step
+        ends: dict[tuple[int, int], int] = {}  # (source, target) -> their message's bytes so far
+        first = step % len(active)  # each step's first turn to the next target: a source's budget is shared fairly
+        turns = deque(active[first:] + active[:first])  # the targets that may still take a request this step
+        while turns:
+            target = turns.popleft()
+            r = queues[target][taken[target]]
+            remote = r.source != target
+            end = ends.get((r.source, target), 0) if remote else 0
+            grow = -(-end // r.itemsize) * r.itemsize + r.nbytes - end  # packed_offsets' alignment
+            if (held.get(target, 0) + grow > receiving[target]
+                    or remote and packed.get(r.source, 0) + grow > sending[r.source]):
+                continue
+            held[target] = held.get(target, 0) + grow
+            if remote:
+                packed[r.source], ends[r.source, target] = packed.get(r.source, 0) + grow, end + grow
+            out[target].append(Request(step, r.source, r.key, r.box, r.itemsize))
+            taken[target] += 1
+            if taken[target] < len(queues[target]):
+                turns.append(target)
+        if not held:
+            t = active[first]
+            r = queues[t][taken[t]]
+            raise PlanError(f"WeightSync: {r.key} ({r.nbytes} bytes, rank {r.source} to rank {t}) exceeds the step "
+                            f"budget of rank {t} ({receiving[t]}) or of rank {r.source} ({sending.get(r.source)}): "
+                            "every rank must run the same lazyload version.")
+        active = [t for t in active if taken[t] < len(queues[t])]
+        step += 1
+    return {**wanted, **out}
 
 
 @dataclass(frozen=True)
@@ -52,9 +125,10 @@ class Routes:
     digest: str
 
 
-def routes_for(me: int, wanted: dict[int, list[Request] | None]) -> Routes:
+def routes_for(me: int, wanted: dict[int, list[Request] | None], max_host_bytes: dict[int, int | None]) -> Routes:
     """This rank's routes, from every target rank's requests (`wanted`: global rank -> its
-    requests, None for a rank that holds no target)."""
+    requests, None for a rank that holds no target) and every rank's `max_host_bytes`."""
+    wanted = in_steps(wanted, max_host_bytes)
     sends: dict[int, dict[int, list[Request]]] = {}
     receives: dict[int, dict[int, list[int]]] = {}
     local: dict[int, list[int]] = {}

@@ -18,7 +18,7 @@ from ..executor import allocate_destinations, assign_loaded, make_parallel, swap
 from ..mapping import KeyMap
 from ..mesh import ranks_of
 from ..placer import with_whole
-from ..planner import LoadOptions, LoadPlan, plan_load
+from ..planner import LoadOptions, LoadPlan, check_conversions, plan_load
 from ..quant.onload import Quantization
 from ..quant.targets import scale_names
 from ..placer import allocate
@@ -30,6 +30,7 @@ from ..targets import local_tensor
 from .layout import SourceTensor, source_layout, source_tensors
 from .routes import Request, Routes, requests_of, routes_for
 from .source_index import source_index
+from .split import split_plan
 from .transfer import Ends, Moved, transfer
 
 
@@ -106,7 +107,9 @@ class WeightSync:
       loaded with `load_into(quantize=...)` is synced with the same `quantize=`: each received
       slice is quantized into its layers' own data and scales, as `load_into` would.
     - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel); `quantize`,
-      `dtype`, `plan`, `key_map`, `device`, `max_host_bytes`: as `load_into`'s.
+      `dtype`, `plan`, `key_map`, `device`: as `load_into`'s.
+    - `max_host_bytes`: this rank's bytes per step as a target (received) and as a source
+      (packed, for all its targets), default about one layer; larger items are cut.
     - `rank_timeout`: seconds any rank waits for another, at construction and in each sync.
 
     The plan is made here, from metadata alone: every input error (a tensor the target needs
@@ -136,9 +139,10 @@ class WeightSync:
         gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
         self._prefix = gather.prefix
         layouts = gather.run("layout", self._layout)
-        self.index, self.pieces = source_index({r: v for r, v in layouts.items() if v is not None})
+        self.index, self.pieces = source_index({r: v for r, (v, _) in layouts.items() if v is not None})
+        self._max_host_bytes = {r: b for r, (_, b) in layouts.items()}  # every rank's: they bound the steps
         wanted = gather.run("planned", self._plan_target)
-        self.routes: Routes = routes_for(self.rank, wanted)
+        self.routes: Routes = routes_for(self.rank, wanted, self._max_host_bytes)
         _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
         gather.close(("layout", "planned", "agreed"))
         self.plan_seconds = time.perf_counter() - started
@@ -153,18 +157,22 @@ class WeightSync:
         target_cuda = self.load_plan is not None and self.load_plan.device.type == "cuda"
         self._pinned = self._wire.type == "cpu" and (self._source_cuda or target_cuda)  # gloo, GPU tensors
 
-    def _layout(self) -> list | None:
-        """This rank's source boxes (None: no source here); they are kept, to check at each
-        sync that the source still holds the shards the plan was made for."""
+    def _layout(self) -> tuple[list | None, int | None]:
+        """This rank's source boxes (None: no source here), kept to check at each sync that
+        the source still holds the shards the plan was made for; and its `max_host_bytes`."""
+        budget = self._options.max_host_bytes
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise ArgumentError(f"WeightSync: max_host_bytes must be a positive integer (bytes per step), got "
+                                f"{budget!r}.")
         self._source_cuda = False
         if self.source is None:
             self._planned_layout: dict = {}
-            return None
+            return None, budget
         tensors = source_tensors(self.source)
         self._source_cuda = any(local_tensor(t).is_cuda for t in tensors.values())
         layout = source_layout(tensors)
         self._planned_layout = {s.name: s for s in layout}
-        return layout
+        return layout, budget
 
     def _source_now(self) -> dict:
         """The source's tensors now, each still the shard the plan was made for: the same
@@ -197,12 +205,23 @@ class WeightSync:
         rank, world = ranks_of(self.target_mesh, 0, 1)
         refuse_unsupported_holders(self.target)
         layers = quantized_layers(self.target)  # loaded quantized already: planned as the full model
+        budget = self._options.max_host_bytes  # the sync's, per step (`routes`): items larger are cut, not refused
         with planned_as_full(self.target, layers, full_dtype(self.target, layers)):
-            self.load_plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world, self._options)
-            scales = scale_names(self.target, self.load_plan.quantized)
+            plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world,
+                             replace(self._options, max_host_bytes=None))
+            scales = scale_names(self.target, plan.quantized)
+        check_conversions(plan.whole if plan.device.type == "cpu" else {}, budget)
+        self.load_plan = split_plan(plan, self._cut_at)
         self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
         self.items = [item for group in self.load_plan.groups for item in group.items]
-        return requests_of(self.items, self.pieces, self.load_plan.budget)
+        return requests_of(self.items, self.pieces)
+
+    def _cut_at(self, item) -> int | None:
+        """The bytes an item of this target may hold in one step: this rank's budget, and the
+        budget of the source rank that sends it (None: no limit, the defaults hold any item)."""
+        source = self.pieces[item.entry.key].rank
+        budgets = [self._max_host_bytes[self.rank]] + ([self._max_host_bytes[source]] if source != self.rank else [])
+        return min((b for b in budgets if b is not None), default=None)
 
     def __call__(self) -> SyncReport:
         """One sync: every rank of the group calls it together. Returns this rank's report; a
