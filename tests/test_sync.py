@@ -788,3 +788,47 @@ def test_cut_items_land_exact():
     assert torch.equal(placed(TensorDest(torch.zeros(8, 96)), plain).tensor, source.T)
     with pytest.raises(lazyload.PlanError, match="at least 1024"):
         cut_item(item, 1000, Grid(32))
+
+
+def test_steps_within_every_budget():
+    """The sync's steps, computed from every target's requests: each target takes its own
+    in order; in every step each source's messages, as packed (alignment between a bfloat16
+    box of odd length and a float32 one included), and each target's bytes stay within that
+    rank's max_host_bytes; with no budget given, about one layer. A request larger than a
+    budget is a PlanError."""
+    import lazyload
+    from lazyload.sync.routes import Request, in_steps, packed_offsets
+
+    def request(source, layer, rows, itemsize):
+        return Request(0, source, f"model.layers.{layer}.w{rows}@{source}.0", ((0, rows), (0, 3)), itemsize)
+
+    # ranks 0-1 send to 2-4; rank 2 also holds its own boxes (colocated)
+    wanted = {t: [request(source, layer, rows + t, itemsize) for layer in range(4) for source, rows, itemsize in
+                  ((0, 33, 2), (1, 40, 4), (0, 10, 4), (t if t == 2 else 1, 7, 2))] for t in (2, 3, 4)}
+    wanted.update({0: None, 1: None})
+    budgets = {0: 700, 1: 900, 2: 800, 3: 600, 4: None}
+    stepped = in_steps(wanted, budgets)
+    dtype = {2: torch.bfloat16, 4: torch.float32}
+    one_layer = sum(r.nbytes for r in wanted[4] if r.key.startswith("model.layers.0."))  # rank 4's default
+    for target in (2, 3, 4):
+        assert [(r.key, r.box) for r in stepped[target]] == [(r.key, r.box) for r in wanted[target]]
+    steps = max(r.step for t in (2, 3, 4) for r in stepped[t]) + 1
+    for step in range(steps):
+        messages = {}
+        for t in (2, 3, 4):
+            for r in stepped[t]:
+                if r.step == step:
+                    messages.setdefault((r.source, t), []).append((dtype[r.itemsize], r.box))
+        sizes = {pair: packed_offsets(specs)[1] for pair, specs in messages.items()}
+        for source in (0, 1):
+            assert sum(n for (s, t), n in sizes.items() if s == source and t != source) <= budgets[source]
+        for target in (2, 3):
+            assert sum(n for (s, t), n in sizes.items() if t == target) <= budgets[target]
+        assert sum(n for (s, t), n in sizes.items() if t == 4) <= one_layer
+    assert 1 < steps < sum(map(len, (wanted[t] for t in (2, 3, 4))))
+    # 3 bfloat16 then 1 float32: 6 + 4 bytes, but 12 packed in one message (aligned): over a budget of 10
+    tight = in_steps({2: [Request(0, 0, "a@0.0", ((0, 3),), 2), Request(0, 0, "b@0.0", ((0, 1),), 4)], 0: None},
+                     {0: 10, 2: 100})
+    assert [r.step for r in tight[2]] == [0, 1]
+    with pytest.raises(lazyload.PlanError, match="exceeds the step budget"):
+        in_steps({2: [request(0, 0, 100, 4)], 0: None}, {0: 1000, 2: None})

@@ -42,27 +42,33 @@ def requests_of(items: list, pieces: dict[str, Piece]) -> list[Request]:
             for item in items]
 
 
-def step_budgets(wanted: dict[int, list[Request] | None],
+def step_budgets(queues: dict[int, list[Request]], sizes: dict[int, list[int]],
                  max_host_bytes: dict[int, int | None]) -> tuple[dict[int, int], dict[int, int]]:
     """Each rank's bytes per step as a target (messages received and local copies) and as a
-    source (messages packed): its `max_host_bytes`, else about one layer of that side's
-    requests, never less than its largest one (as a load's default budget)."""
-    layers: dict[tuple[bool, int, str], int] = {}  # (as a source?, rank, layer) -> bytes
-    largest: dict[tuple[bool, int], int] = {}
-    for target, requests in wanted.items():
-        for r in requests or ():
-            nbytes, layer = r.nbytes, layer_of(r.key.rpartition("@")[0])
-            for side in ((False, target),) if r.source == target else ((False, target), (True, r.source)):
-                largest[side] = max(largest.get(side, 0), nbytes)
-                if layer:
-                    layers[side + (layer,)] = layers.get(side + (layer,), 0) + nbytes
-    default = dict(largest)
-    for (as_source, rank, _), nbytes in layers.items():
-        default[as_source, rank] = max(default[as_source, rank], nbytes)
-    budgets: tuple[dict[int, int], dict[int, int]] = ({}, {})
-    for (as_source, rank), nbytes in default.items():
-        budgets[as_source][rank] = max_host_bytes.get(rank) or nbytes
-    return budgets
+    source (messages packed), from every target's requests and their `sizes`: its
+    `max_host_bytes`, else about one layer of that side's requests, never less than its
+    largest one (as a load's default budget)."""
+    receiving: dict[int, int] = {}
+    sending: dict[int, int] = {}  # source -> its largest request, then its largest layer
+    sent: dict[tuple[int, str], int] = {}  # (source, layer) -> bytes
+    layers: dict[str, str] = {}  # stored key -> its tensor's layer
+    for target, requests in queues.items():
+        received: dict[str, int] = {}
+        for r, nbytes in zip(requests, sizes[target]):
+            layer = layers.get(r.key)
+            if layer is None:
+                layer = layers[r.key] = layer_of(r.key.rpartition("@")[0])
+            received[layer] = received.get(layer, 0) + nbytes
+            if r.source != target:
+                sent[r.source, layer] = sent.get((r.source, layer), 0) + nbytes
+                sending[r.source] = max(sending.get(r.source, 0), nbytes)
+        received.pop("", None)  # outside numbered layers (embeddings, head): only the largest request counts
+        receiving[target] = max(max(sizes[target]), *received.values(), 0)
+    for (source, layer), nbytes in sent.items():
+        if layer:
+            sending[source] = max(sending[source], nbytes)
+    return ({r: max_host_bytes.get(r) or b for r, b in receiving.items()},
+            {r: max_host_bytes.get(r) or b for r, b in sending.items()})
 
 
 def in_steps(wanted: dict[int, list[Request] | None],
@@ -73,8 +79,9 @@ def in_steps(wanted: dict[int, list[Request] | None],
     (`step_budgets`; a message's bytes as packed, alignment included): a source's budget is
     shared by the targets it serves. A target whose next request does not fit waits for the
     next step. No request exceeds a budget (targets cut larger items): each step takes one."""
-    receiving, sending = step_budgets(wanted, max_host_bytes)
     queues = {t: q for t, q in sorted(wanted.items()) if q}
+    sizes = {t: [r.nbytes for r in q] for t, q in queues.items()}
+    receiving, sending = step_budgets(queues, sizes, max_host_bytes)
     taken = dict.fromkeys(queues, 0)
     out: dict[int, list[Request]] = {t: [] for t in queues}
     step, active = 0, list(queues)
@@ -86,10 +93,11 @@ def in_steps(wanted: dict[int, list[Request] | None],
         turns = deque(active[first:] + active[:first])  # the targets that may still take a request this step
         while turns:
             target = turns.popleft()
-            r = queues[target][taken[target]]
+            i = taken[target]
+            r = queues[target][i]
             remote = r.source != target
             end = ends.get((r.source, target), 0) if remote else 0
-            grow = -(-end // r.itemsize) * r.itemsize + r.nbytes - end  # packed_offsets' alignment
+            grow = -(-end // r.itemsize) * r.itemsize + sizes[target][i] - end  # packed_offsets' alignment
             if (held.get(target, 0) + grow > receiving[target]
                     or remote and packed.get(r.source, 0) + grow > sending[r.source]):
                 continue
@@ -97,8 +105,8 @@ def in_steps(wanted: dict[int, list[Request] | None],
             if remote:
                 packed[r.source], ends[r.source, target] = packed.get(r.source, 0) + grow, end + grow
             out[target].append(Request(step, r.source, r.key, r.box, r.itemsize))
-            taken[target] += 1
-            if taken[target] < len(queues[target]):
+            taken[target] = i + 1
+            if i + 1 < len(queues[target]):
                 turns.append(target)
         if not held:
             t = active[first]
