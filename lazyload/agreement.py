@@ -29,6 +29,7 @@ import itertools
 import json
 import logging
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -56,12 +57,12 @@ class Agreement:
     """The points of one load at which ranks agree; `NoAgreement` outside a process group."""
 
     def __init__(self, store: Any, rank: int, world: int, timeout: float, ranks: list[int] | None = None,
-                 points: tuple[str, ...] = POINTS, prefix: str | None = None):
+                 points: tuple[str, ...] = POINTS, prefix: str | None = None, job: str = "load"):
         """`ranks`: the global ranks of the load (a device mesh's), `rank` being this process's;
         default all `world` ranks of the process group. `points`: where they agree (a weight
         sync: none but the "exchanged" of its `collectives`); `prefix`: its store keys'
-        (default: numbered per load)."""
-        self.store, self.rank, self.timeout = store, rank, timeout
+        (default: numbered per load); `job`: what the messages call it ("load" or "sync")."""
+        self.store, self.rank, self.timeout, self.job = store, rank, timeout, JOBS[job]
         self.ranks = list(range(world)) if ranks is None else ranks
         self.world = len(self.ranks)
         self.pos = self.ranks.index(rank)
@@ -81,7 +82,7 @@ class Agreement:
         self.passed += 1
         if verdict["failed"] or verdict["waited"]:
             self.settled = True
-            raise RankFailedError(_message(self.rank, point, verdict), _named(verdict))
+            raise RankFailedError(_message(self.rank, point, verdict, self.job), _named(verdict))
         if seconds is not None and self.pos == 0 and verdict["seconds"]:
             (slow, s_slow), (fast, s_fast) = verdict["seconds"]
             logger.info("lazyload: rank %d was the slowest to '%s': %.2f s, %.2f s behind the fastest (rank %d, %.2f s)",
@@ -114,7 +115,7 @@ class Agreement:
             self.settled = True
             # it waited `timeout` already: a rank that died is not waited for that long again
             verdict = self._agree("exchanged", _report(self.rank, waited=str(exc)), min(self.timeout, GRACE))
-            raise RankFailedError(_message(self.rank, "exchanged", verdict), _named(verdict)) from exc
+            raise RankFailedError(_message(self.rank, "exchanged", verdict, self.job), _named(verdict)) from exc
         except LazyLoadError:
             raise
         except Exception as exc:
@@ -162,7 +163,7 @@ class Agreement:
             self.store.set(self._key(point, "sub", self.pos), json.dumps(merged))
             report = merged
         if self.pos == 0:
-            self.store.set(f"{self.prefix}/{point}/verdict", json.dumps(_verdict(report, timeout)))
+            self.store.set(f"{self.prefix}/{point}/verdict", json.dumps(_verdict(report, timeout, self.job)))
         verdict = self._verdict(point, arrived + 2 * self.timeout + GRACE)
         if verdict["failed"] or verdict["waited"]:
             self._all_read(point, self.world - len(verdict["late"]))
@@ -254,12 +255,12 @@ def _capped(errors: dict[str, str]) -> dict[str, str]:
     return dict(sorted(errors.items(), key=lambda kv: int(kv[0]))[:NAMED])
 
 
-def _verdict(report: dict, timeout: float) -> dict:
+def _verdict(report: dict, timeout: float, job: "Job") -> dict:
     """What the first rank publishes: the failed, waiting and late ranks, and the first
     fact whose value differs between ranks (the ranks of its rarest values named)."""
     failed = dict(report["failed"])
     for rank in report["late"][:NAMED]:
-        failed[str(rank)] = f"did not report within {timeout:g} s (it crashed, hangs, or did not call load_into)"
+        failed[str(rank)] = f"did not report within {timeout:g} s (it crashed, hangs, or did not {job.call})"
     for key in sorted(report["facts"]):
         values = report["facts"][key]
         if len(values) > 1 and not failed:
@@ -287,16 +288,29 @@ def _named(verdict: dict) -> dict[int, str]:
     return {int(r): text for r, text in (verdict["failed"] or verdict["waited"]).items()}
 
 
-def _message(rank: int, point: str, verdict: dict) -> str:
+@dataclass(frozen=True)
+class Job:
+    """How messages name what the ranks agree about."""
+
+    name: str  # "the load"
+    call: str  # what a rank that never reported did not do
+    then: str  # what this rank did, and what to do
+
+
+JOBS = {"load": Job("the load", "call load_into", "this rank stopped before making its model runnable. Fix the "
+                    "failing rank's error (or make every rank load the same way) and re-run every rank."),
+        "sync": Job("the weight sync", "call the sync", "this rank stopped waiting for it. Fix the failing rank's "
+                    "error (or restart it) and call the sync again on every rank.")}
+
+
+def _message(rank: int, point: str, verdict: dict, job: Job = JOBS["load"]) -> str:
     named = _named(verdict)
     what = "; ".join(f"rank {r}: {text}" for r, text in sorted(named.items()))
     more = verdict.get("count", 0) - len(named) if verdict["failed"] else 0
     what += f"; and {more} more" if more > 0 else ""
     waited = sorted(int(r) for r in verdict["waited"]) if verdict["failed"] else []
     tail = f" (ranks {', '.join(map(str, waited))} stopped waiting for it in the exchange)" if waited else ""
-    return (f"rank {rank}: the load failed on {len(named)} rank(s) before '{point}' ({what}){tail}; this rank "
-            "stopped before making its model runnable. Fix the failing rank's error (or make every rank load the "
-            "same way) and re-run every rank.")
+    return f"rank {rank}: {job.name} failed on {len(named)} rank(s) before '{point}' ({what}){tail}; {job.then}"
 
 
 def wait_all(works: list, what: str = "a collective") -> None:

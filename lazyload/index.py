@@ -138,6 +138,10 @@ class CheckpointIndex(MappingABC):
         layout = self._layouts.get(name)
         return layout.shape if layout is not None else self._entries[name].shape
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype tensor `name` is stored in (a logical tensor's: its first piece's)."""
+        return self._entries[name].dtype if name in self._entries else self._entries[self.expr(name).first_key()].dtype
+
     def shape_of(self, key: str) -> tuple[int, ...]:
         """The shape of stored key `key`: what expressions are pushed down with (an
         expression remembers shapes per index: `index.shape_of == index.shape_of`)."""

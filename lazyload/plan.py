@@ -244,6 +244,18 @@ def plan_for_rank(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: Ma
         return _plan(exprs, index, shapes, dtypes, placements, rank, world)
 
 
+def plan_boxes(index: CheckpointIndex, wanted: MappingT[str, tuple[str, Box, torch.dtype]]
+               ) -> tuple[dict[str, Expr], list[TargetPlan], list[ReadItem]]:
+    """The read items of boxes another engine asks for: `wanted` maps a target name to (the
+    index's tensor, a box of it, the dtype it lands in); each target is that box alone."""
+    exprs = {t: index.expr(name) for t, (name, _, _) in wanted.items()}
+    plans, items = plan_for_rank(exprs, index, {t: tuple(index.shape(name)) for t, (name, _, _) in wanted.items()},
+                                 {t: dtype for t, (_, _, dtype) in wanted.items()},
+                                 {t: Placement("box", spans=tuple(((a, b),) for a, b in box))
+                                  for t, (_, box, _) in wanted.items()})
+    return exprs, plans, items
+
+
 def _plan(exprs: MappingT[str, Expr], index: CheckpointIndex, shapes: MappingT[str, tuple[int, ...]],
           dtypes: MappingT[str, torch.dtype], placements: MappingT[str, Placement], rank: int,
           world: int) -> tuple[list[TargetPlan], list[ReadItem]]:

@@ -136,3 +136,34 @@ def test_extra_config_keys():
         LoaderConfig.of({"rank_timeout": 5})
     with pytest.raises(PlanError, match="unknown reader"):
         LoaderConfig.of({"reader": "fast"})
+
+
+def test_boxes_read_from_a_url_sum_the_remote_counts(tmp_path):
+    """Two reads of a checkpoint behind an HTTP server: the report's remote counts add up
+    (the reader's list of unversioned files among them)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from remote_servers import RangeServer
+
+    (tmp_path / "ckpt").mkdir()
+    save_file({"model.layers.0.w": W}, tmp_path / "ckpt" / "a.safetensors")
+    with RangeServer(str(tmp_path)) as server:
+        reads = BoxReads(StoredCheckpoint(server.url + "/ckpt/a.safetensors", remote=RemoteOptions(merge_gap=0)),
+                         ReadOptions(), deferred=False)
+        first, second = torch.empty(8, 4), torch.empty(4, 4)
+        first.copy_(reads.tensor("model.layers.0.w")[1])
+        second.copy_(reads.tensor("model.layers.0.w")[2].narrow(0, 4, 4))
+    assert torch.equal(first, W[1]) and torch.equal(second, W[2, 4:])
+    fields = reads.totals.fields
+    assert reads.totals.reader == "remote" and fields["requests"] == 2 and fields["unversioned"] == []
+    assert fields["bytes_served"] == reads.totals.bytes_read == (8 + 4) * 4 * 4
+
+
+def test_extra_config_weights():
+    assert LoaderConfig.of({"weights": "s3://bucket/llama/"}).weights == "s3://bucket/llama/"
+    assert LoaderConfig.of({}).weights is None
+    for bad in ("", 3):
+        with pytest.raises(ArgumentError, match="'weights' must be the checkpoint's path or URL"):
+            LoaderConfig.of({"weights": bad})

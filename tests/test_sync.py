@@ -642,6 +642,113 @@ def _budgets(rank, world):
         transfer._step, transfer.message_buffer = step, buffer
 
 
+def _half_rows(full: dict, half: int) -> list:
+    """(name, box) of every tensor: matrices' rows split in two (this half's), vectors whole:
+    what a TP-2 engine's weight loaders might copy."""
+    boxes = []
+    for name, tensor in full.items():
+        rows = tensor.shape[0] // 2 if tensor.dim() == 2 else 0
+        box = [(half * rows, (half + 1) * rows)] if rows else [(0, tensor.shape[0])]
+        boxes.append((name, tuple(box + [(0, n) for n in tensor.shape[1:]])))
+    return boxes
+
+
+def _own_group(rank, world):
+    """An engine's workers (ranks 2-3, as BoxTargets) and an FSDP2 trainer (ranks 0-1) meet in
+    a process group of their own, as vLLM's workers and a trainer do: `ProcessGroupGloo` over
+    a store of its own, numbered otherwise (the engine first). Each worker receives exactly
+    its boxes of the trainer's weights, twice, an optimizer step between."""
+    from datetime import timedelta
+
+    import lazyload
+    from lazyload.sync.box_target import BoxTarget
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    roles = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = _trainer(roles["x"]) if rank < 2 else None
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1) if trainer is not None else None
+    store = dist.PrefixStore("own-group", _get_default_store())
+    own = dist.ProcessGroupGloo(store, (rank + 2) % world, world, timedelta(seconds=60))
+    full = _shared_full(trainer)
+    boxes = _half_rows(full, rank - 2) if rank >= 2 else None
+    sync = lazyload.WeightSync(source=trainer, target=BoxTarget(boxes) if boxes else None, group=own, store=store,
+                               rank_timeout=60)
+    assert sync.ranks == [0, 1, 2, 3] and sync.rank == (rank + 2) % world
+    for _ in range(2):
+        report = sync()
+        full = _shared_full(trainer)
+        if boxes:
+            for name, box in boxes:
+                assert torch.equal(sync.target.received(name, box), full[name][tuple(slice(a, b) for a, b in box)]), name
+            assert report.bytes_received == sum(math.prod(b - a for a, b in box) * 4 for _, box in boxes)
+        if trainer is not None:
+            _step(trainer, optimizer)
+
+
+def _copies(rank, world):
+    """A 2-D trainer (FSDP 2 x TP 2: its norms and embeddings replicated over TP) into servers
+    on the same ranks, 2 replicas of TP 2, then 4 of TP 1: at each step each target rank
+    receives from the fewest source ranks that hold its boxes, and target ranks asking for
+    a replicated box over the wire get it from different holders (where that takes no more
+    sources); every sync exact."""
+    import lazyload
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    trainer = _trainer(mesh["dp"], mesh["tp"])
+    # TP 1 in one step: every holder of a box is a source of that step, free to spread
+    for replicas, budget in ((2, None), (4, 1 << 30)):
+        servers = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replica", "tp"))
+        server = _meta_server()
+        sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=servers["tp"], rank_timeout=60,
+                                   max_host_bytes=budget)
+        _check_fewest_sources(sync)
+        _check_spread(sync, world)
+        _check_exact_all(sync, trainer, server, sync())
+
+
+def _holders(sync, key) -> frozenset:
+    """The source ranks holding the box of the piece stored as `key` (its copies)."""
+    piece = sync.pieces[key]
+    return frozenset(p.rank for p in sync.pieces.values() if (p.name, p.held.box) == (piece.name, piece.held.box))
+
+
+def _check_fewest_sources(sync):
+    """At each step this rank receives from as few source ranks as can hold its boxes
+    (found by trying every set of the other source ranks)."""
+    from itertools import combinations
+
+    others = sorted({p.rank for p in sync.pieces.values()} - {sync.rank})
+    for step in range(sync.routes.steps):
+        received = sync.routes.receives.get(step, {})
+        needed = [_holders(sync, sync.items[p].entry.key) for positions in received.values() for p in positions]
+        fewest = min(n for n in range(len(others) + 1) for ranks in combinations(others, n)
+                     if all(h & set(ranks) for h in needed))
+        assert len(received) == fewest, (sync.rank, step, sorted(received), fewest)
+
+
+def _check_spread(sync, world):
+    """Each replicated box is sent by as many of its holders as there are target ranks that
+    receive it over the wire (up to its holders): not all from one copy."""
+    rows = []
+    for by_source in sync.routes.receives.values():
+        for source, positions in by_source.items():
+            for key in (sync.items[p].entry.key for p in positions):
+                piece = sync.pieces[key]
+                rows.append((piece.name, piece.held.box, source, _holders(sync, key), sync.rank))
+    every = [None] * world
+    dist.all_gather_object(every, rows)
+    senders, targets, holders = {}, {}, {}
+    for name, box, source, held, target in (row for rows in every for row in rows):
+        senders.setdefault((name, box), set()).add(source)
+        targets.setdefault((name, box), set()).add(target)
+        holders[name, box] = held
+    assert any(len(h) > 1 for h in holders.values())  # the case has copies
+    for box, held in holders.items():
+        assert len(senders[box]) == min(len(held), len(targets[box])), (box, sorted(senders[box]), sorted(held))
+
+
 def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -667,7 +774,7 @@ def _run_case(case, rank, world):
 # cases that take the rank and the job's world, by name
 _WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatched": _mismatched, "recast": _recast,
                     "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size,
-                    "budgets": _budgets}
+                    "own-group": _own_group, "copies": _copies, "budgets": _budgets}
 
 
 def test_sync(tmp_path):
@@ -676,8 +783,62 @@ def test_sync(tmp_path):
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups", "store-size",
-             "digests-differ", "budgets"]
+             "digests-differ", "own-group", "copies", "budgets"]
     spawn_cases(4, cases, tmp_path, _run_case)
+
+
+def _two_d_sources() -> dict:
+    """A 2-D trainer's layouts (rank 2 * dp + tp): `w` split over TP and FSDP, every rank a
+    quarter; `norm` split over FSDP alone, each half on both TP ranks (copies)."""
+    from lazyload.sync.layout import Held, SourceTensor
+
+    def held(*box):
+        return (Held(box, (0,) * len(box)),)
+    def layout(dp, tp):
+        row = 4 * tp + 2 * dp
+        return [SourceTensor("w", "torch.float32", (8, 4), held((row, row + 2), (0, 4))),
+                SourceTensor("norm", "torch.float32", (4,), held((2 * dp, 2 * dp + 2)))]
+    return {2 * dp + tp: layout(dp, tp) for dp in (0, 1) for tp in (0, 1)}
+
+
+def test_copies_chosen_per_target():
+    """The copy of a replicated box each target rank receives: its own; else one of the
+    sources its step receives from anyway; else the fewest new ones; target ranks asking
+    for the same box spread over its holders. The planner's pick (`Layout.expr`, by
+    position) is the starting point: target rank 1 of 2 gets the norm's copies from ranks
+    1 and 2, where ranks 1 and 3 (its TP coordinate's, which send its `w` rows) hold both."""
+    from lazyload.expr import full_box
+    from lazyload.sync.copies import choose_copies
+    from lazyload.sync.routes import Request
+    from lazyload.sync.source_index import source_index
+
+    index, pieces = source_index(_two_d_sources())
+
+    def wanted(tp, world, names=("w", "norm")):
+        """The requests of target `tp` of a TP-`world` server, the copies as the planner picks them."""
+        rows = (8 // world * tp, 8 // world * (tp + 1))
+        keys = [k for name in names for k in index.for_rank(tp, world).expr(name).keys()]
+        return [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box]), 4) for k in keys
+                if pieces[k].name == "norm" or rows[0] <= pieces[k].held.box[0][0] < rows[1]]
+
+    def sources(requests):
+        return sorted({r.source for r in requests})
+
+    def norms(chosen):
+        return {t: [r.source for r in requests if pieces[r.key].name == "norm"] for t, requests in chosen.items()}
+
+    planner = wanted(1, 2)
+    assert sources(planner) == [1, 2, 3]  # the position's pick: one source more than needed
+    # two replicas of TP 2 (ranks 4-5, 6-7); colocated ranks 0 and 3 (a TP-2 server)
+    chosen = choose_copies({4: wanted(0, 2), 5: planner, 6: wanted(0, 2), 7: wanted(1, 2), 10: None}, pieces)
+    assert chosen[10] is None
+    assert all(pieces[r.key].rank == r.source for t in (4, 5, 6, 7) for r in chosen[t])  # each names its copy's key
+    assert sources(chosen[4]) == sources(chosen[6]) == [0, 2] and sources(chosen[5]) == sources(chosen[7]) == [1, 3]
+    assert norms(choose_copies({0: wanted(0, 2), 3: wanted(1, 2)}, pieces)) == {0: [0, 2], 3: [1, 3]}  # own copy
+    # two replicas of TP 1 receive from every rank: they spread over the copies
+    assert norms(choose_copies({8: wanted(0, 1), 9: wanted(0, 1)}, pieces)) == {8: [0, 2], 9: [1, 3]}
+    # a step of norms alone: the fewest sources (one per half), spread over the replicas
+    assert norms(choose_copies({t: wanted(0, 1, ("norm",)) for t in (8, 9)}, pieces)) == {8: [0, 2], 9: [1, 3]}
 
 
 def test_sync_tags_never_repeat():
@@ -791,44 +952,105 @@ def test_cut_items_land_exact():
 
 
 def test_steps_within_every_budget():
-    """The sync's steps, computed from every target's requests: each target takes its own
-    in order; in every step each source's messages, as packed (alignment between a bfloat16
-    box of odd length and a float32 one included), and each target's bytes stay within that
-    rank's max_host_bytes; with no budget given, about one layer. A request larger than a
-    budget is a PlanError."""
+    """The sync's steps, process-free: a target rank's requests come in windows of at most
+    its budget, as its messages pack them (a bfloat16 box of odd length before a float32 one
+    takes 2 bytes of alignment); every rank computes the same steps from all of them, each
+    target's own order kept, a step holding one window of each target (so at most its
+    budget) and, summed over the targets it serves, at most each source's budget (by default
+    about one layer of what it sends). A request over its source's budget is a PlanError."""
     import lazyload
-    from lazyload.sync.routes import Request, in_steps, packed_offsets
+    from lazyload.headers import TensorEntry
+    from lazyload.plan import ReadItem
+    from lazyload.sync.layout import Held
+    from lazyload.sync.routes import Request, in_steps, packed_offsets, requests_of
+    from lazyload.sync.source_index import Piece
 
-    def request(source, layer, rows, itemsize):
-        return Request(0, source, f"model.layers.{layer}.w{rows}@{source}.0", ((0, rows), (0, 3)), itemsize)
+    dtypes = {2: torch.bfloat16, 4: torch.float32}
+    pieces = {}
 
-    # ranks 0-1 send to 2-4; rank 2 also holds its own boxes (colocated)
-    wanted = {t: [request(source, layer, rows + t, itemsize) for layer in range(4) for source, rows, itemsize in
-                  ((0, 33, 2), (1, 40, 4), (0, 10, 4), (t if t == 2 else 1, 7, 2))] for t in (2, 3, 4)}
-    wanted.update({0: None, 1: None})
-    budgets = {0: 700, 1: 900, 2: 800, 3: 600, 4: None}
-    stepped = in_steps(wanted, budgets)
-    dtype = {2: torch.bfloat16, 4: torch.float32}
-    one_layer = sum(r.nbytes for r in wanted[4] if r.key.startswith("model.layers.0."))  # rank 4's default
+    def item(source, layer, rows, dtype):
+        key = f"model.layers.{layer}.w{rows}@{source}.0"
+        pieces[key] = Piece(source, key.partition("@")[0], Held(((0, rows), (0, 3)), (0, 0)))
+        entry = TensorEntry(f"rank {source}", key, dtype, (rows, 3), 0, rows * 3 * dtype.itemsize)
+        return ReadItem(entry, ((0, rows), (0, 3)), (), key, ((0, rows), (0, 3)))
+
+    def packed(requests):  # (source, target) -> the bytes of their message
+        out = {}
+        for target, r in requests:
+            out.setdefault((r.source, target), []).append((dtypes[r.itemsize], r.box))
+        return {pair: packed_offsets(specs)[1] for pair, specs in out.items()}
+
+    # ranks 0-1 send to 2-4; rank 2 also copies boxes of its own (colocated)
+    budgets = {0: 700, 1: None, 2: 800, 3: 600, 4: 1000}
+    wanted = {t: requests_of([item(source, layer, rows + t, dtype) for layer in range(4) for source, rows, dtype in
+                              ((0, 33, torch.bfloat16), (1, 40, torch.float32), (0, 10, torch.float32),
+                               (t if t == 2 else 1, 7, torch.bfloat16))], pieces, budgets[t]) for t in (2, 3, 4)}
     for target in (2, 3, 4):
-        assert [(r.key, r.box) for r in stepped[target]] == [(r.key, r.box) for r in wanted[target]]
+        windows = {r.step for r in wanted[target]}
+        assert len(windows) > 1
+        for window in windows:
+            assert sum(packed([(target, r) for r in wanted[target] if r.step == window]).values()) <= budgets[target]
+    stepped = in_steps({**wanted, 0: None, 1: None}, budgets)
+    window = {(t, r.key): r.step for t in (2, 3, 4) for r in wanted[t]}
+    sent_by_1 = {layer: sum(r.nbytes for t in (3, 4) for r in wanted[t] if r.source == 1
+                            and r.key.startswith(f"model.layers.{layer}.")) for layer in range(4)}
     steps = max(r.step for t in (2, 3, 4) for r in stepped[t]) + 1
     for step in range(steps):
-        messages = {}
-        for t in (2, 3, 4):
-            for r in stepped[t]:
-                if r.step == step:
-                    messages.setdefault((r.source, t), []).append((dtype[r.itemsize], r.box))
-        sizes = {pair: packed_offsets(specs)[1] for pair, specs in messages.items()}
-        for source in (0, 1):
-            assert sum(n for (s, t), n in sizes.items() if s == source and t != source) <= budgets[source]
-        for target in (2, 3):
-            assert sum(n for (s, t), n in sizes.items() if t == target) <= budgets[target]
-        assert sum(n for (s, t), n in sizes.items() if t == 4) <= one_layer
-    assert 1 < steps < sum(map(len, (wanted[t] for t in (2, 3, 4))))
+        now = [(t, r) for t in (2, 3, 4) for r in stepped[t] if r.step == step]
+        sizes = packed(now)
+        assert sum(n for (s, t), n in sizes.items() if s == 0) <= budgets[0]
+        assert sum(n for (s, t), n in sizes.items() if s == 1) <= max(sent_by_1.values())  # rank 1's default
+        for target in (2, 3, 4):  # one window a step
+            assert len({window[target, r.key] for t, r in now if t == target}) <= 1
+    for target in (2, 3, 4):
+        assert [(r.key, r.box) for r in stepped[target]] == [(r.key, r.box) for r in wanted[target]]
+    assert steps > max(r.step for t in (2, 3, 4) for r in wanted[t]) + 1  # rank 0's budget binds
     # 3 bfloat16 then 1 float32: 6 + 4 bytes, but 12 packed in one message (aligned): over a budget of 10
     tight = in_steps({2: [Request(0, 0, "a@0.0", ((0, 3),), 2), Request(0, 0, "b@0.0", ((0, 1),), 4)], 0: None},
                      {0: 10, 2: 100})
     assert [r.step for r in tight[2]] == [0, 1]
     with pytest.raises(lazyload.PlanError, match="exceeds the step budget"):
-        in_steps({2: [request(0, 0, 100, 4)], 0: None}, {0: 1000, 2: None})
+        in_steps({2: [Request(0, 0, "c@0.0", ((0, 100),), 4)], 0: None}, {0: 200, 2: None})
+
+
+def test_box_target_over_a_group_of_its_own():
+    """A one-process group of its own (no init_process_group): WeightSync needs its store; a
+    BoxTarget receives exactly its boxes (copied locally here), a box larger than
+    max_host_bytes cut; a box no source holds, or outside the source's shape, is an error
+    naming the tensor before any byte moves."""
+    from datetime import timedelta
+
+    import lazyload
+    from lazyload.sync.box_target import BoxTarget
+
+    def group_of_its_own():
+        store = dist.HashStore()
+        return dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30)), store
+
+    source = {"w": torch.arange(24.0).reshape(6, 4), "b": torch.arange(6.0)}
+    group, store = group_of_its_own()
+    with pytest.raises(lazyload.ArgumentError, match="store="):
+        lazyload.WeightSync(source=source, target=BoxTarget([("w", ((0, 3), (0, 4)))]), group=group)
+    target = BoxTarget([("w", ((2, 5), (1, 3))), ("b", ((0, 6),)), ("w", ((2, 5), (1, 3)))])
+    sync = lazyload.WeightSync(source=source, target=target, group=group, store=store, rank_timeout=30)
+    report = sync()
+    assert torch.equal(target.received("w", ((2, 5), (1, 3))), source["w"][2:5, 1:3])
+    assert torch.equal(target.received("w", ((3, 4), (2, 3))), source["w"][3:4, 2:3])  # inside a box asked for
+    assert torch.equal(target.received("b", ((0, 6),)), source["b"])
+    assert report.bytes_local == (6 + 6) * 4 and report.tensors == 2
+    source["w"].add_(1)
+    sync()
+    assert torch.equal(target.received("w", ((2, 5), (1, 3))), source["w"][2:5, 1:3])
+    with pytest.raises(lazyload.ArgumentError, match="'w' box"):
+        target.received("w", ((0, 1), (0, 4)))
+    group, store = group_of_its_own()  # a box of 24 bytes under max_host_bytes=16: cut into rows of 2 and 1
+    cut = BoxTarget([("w", ((2, 5), (1, 3)))])
+    sync = lazyload.WeightSync(source=source, target=cut, group=group, store=store, rank_timeout=30,
+                               max_host_bytes=16)
+    assert [item.src_box[0] for item in sync.items] == [(2, 4), (4, 5)]
+    assert sync().bytes_local == 24 and torch.equal(cut.received("w", ((2, 5), (1, 3))), source["w"][2:5, 1:3])
+    for boxes, message in (([("nope", ((0, 1),))], "'nope', which no source rank holds"),
+                           ([("w", ((0, 7), (0, 4)))], r"box \[\(0, 7\), \(0, 4\)\] of 'w'")):
+        group, store = group_of_its_own()
+        with pytest.raises(lazyload.ArgumentError, match=message):
+            lazyload.WeightSync(source=source, target=BoxTarget(boxes), group=group, store=store, rank_timeout=30)

@@ -6,7 +6,8 @@ and the box of the logical tensor it holds. A `Layout` tiles the logical tensor 
 parts: nested `Cat`s along the dims where the boxes partition it, so that a rank's box
 pushed down reads only the parts it overlaps. Parts with the same box are copies (a
 replicated tensor in every rank's file); which copy is read is chosen per target rank, so
-that at the world a checkpoint was sharded for each rank reads its own file.
+that at the world a checkpoint was sharded for each rank reads its own file (a weight sync
+chooses again, by the sources each target rank receives from: `sync/copies.py`).
 """
 from __future__ import annotations
 

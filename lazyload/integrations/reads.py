@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 from ..engine import run_schedule
 from ..errors import PlanError
 from ..expr import box_numel, box_shape
 from ..placer import Destination, TensorDest, with_whole
-from ..plan import Placement, plan_for_rank
+from ..plan import plan_boxes
 from ..planner import byte_budget
 from ..readers.choice import choose_reader, reader_name
 from ..schedule import schedule
@@ -59,11 +61,15 @@ class ReadTotals:
     boxes: int = 0
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
     reader: str = ""
-    fields: dict[str, int] = field(default_factory=dict)  # a remote reader's requests
+    fields: dict[str, Any] = field(default_factory=dict)  # a remote reader's request counts, its unversioned files
 
-    def add_fields(self, more: dict[str, int]) -> None:
+    def add_fields(self, more: dict[str, Any]) -> None:
+        """Add one read's fields: counts are summed, lists (files) joined."""
         for key, value in more.items():
-            self.fields[key] = self.fields.get(key, 0) + value
+            if isinstance(value, list):
+                self.fields[key] = sorted(set(self.fields.get(key, [])) | set(value))
+            else:
+                self.fields[key] = self.fields.get(key, 0) + value
 
 
 class BoxReads:
@@ -79,8 +85,7 @@ class BoxReads:
     def tensor(self, name: str) -> LazyTensor:
         """The checkpoint tensor `name` as a lazy tensor whose copies land here."""
         index = self.checkpoint.index
-        stored = index[name].dtype if name in index else index[index.expr(name).first_key()].dtype
-        return LazyTensor(LazySource(name, tuple(index.shape(name)), stored, self))
+        return LazyTensor(LazySource(name, tuple(index.shape(name)), index.dtype(name), self))
 
     def copy(self, dst: torch.Tensor, lazy: LazyTensor) -> None:
         if dst.is_meta:  # a pass that only measures (vLLM's reload counts the copies on meta)
@@ -97,6 +102,7 @@ class BoxReads:
 
     def read(self, lazy: LazyTensor, why: str) -> torch.Tensor:
         self.totals.fallbacks.append((lazy.source.name, why))
+        self.asked.add((lazy.source.name, lazy.geometry.box))
         logger.debug("lazyload: %s of %s reads its view whole (fallback)", why, lazy.source.name)
         values = torch.empty(box_shape(lazy.geometry.box), dtype=lazy.dtype)
         self._read([Copy(lazy.source.name, lazy.geometry.box, values)])
@@ -113,11 +119,7 @@ class BoxReads:
         index = self.checkpoint.index
         staged = {id(c): torch.empty(box_shape(c.box), dtype=c.via) for c in copies if c.via is not None}
         targets = {f"{c.name}#{k}": c for k, c in enumerate(copies)}  # one target per copy; layer_of reads the prefix
-        exprs = {t: index.expr(c.name) for t, c in targets.items()}
-        plans, items = plan_for_rank(exprs, index, {t: tuple(index.shape(c.name)) for t, c in targets.items()},
-                                     {t: c.via or c.dst.dtype for t, c in targets.items()},
-                                     {t: Placement("box", spans=tuple(((a, b),) for a, b in c.box))
-                                      for t, c in targets.items()})
+        exprs, plans, items = plan_boxes(index, {t: (c.name, c.box, c.via or c.dst.dtype) for t, c in targets.items()})
         groups = schedule(items)
         budget = byte_budget(groups, self.options.max_host_bytes)
         device = torch.device("cpu")

@@ -16,6 +16,18 @@ format.
 `RemoteOptions`' fields, `iteration`); any other key is an ArgumentError naming the
 nearest one. Each worker logs a `WorkerReport` and keeps it in `REPORTS`.
 
+The checkpoint is read from vLLM's `model_weights` when set, else from `model`. An object
+store's URL (`s3://`, ...) vLLM takes in neither for a load format not its own (it pulls
+config files through Run:ai's streamer, then refuses the format), so the key `weights`
+names it instead, with `model` a local directory holding config.json (and the tokenizer):
+
+    LLM(model="/configs/llama", load_format="lazyload",
+        model_loader_extra_config={"weights": "s3://bucket/llama/", "remote": {"concurrency": 32}})
+
+The loader puts `weights` in `model_config.model_weights` (vLLM's field for weights stored
+apart from `model`), so that a reload without `weights_path` reads it again, and one with
+`weights_path` reads that (vLLM's reload clears `model_weights`).
+
 Reload (`llm.collective_rpc("reload_weights", kwargs={"weights_path": ...})`): vLLM asks
 the loader's `get_all_weights` for the new checkpoint and runs the weight loaders under its
 layer-wise reload, which processes a layer as soon as its last copy is done; there the
@@ -37,8 +49,10 @@ from ..keywords import check_keywords
 from ..remote import RemoteOptions
 from ..report import MemorySampler, size
 from ..stored import StoredCheckpoint
+from ..index import natural_key
 from .lazy_tensor import LazyTensor
 from .reads import BoxReads, ReadOptions
+from .vllm_update import LOADED_BOXES, register_transfer_engine
 
 FORMAT = "lazyload"
 
@@ -56,7 +70,8 @@ REPORTS: list["WorkerReport"] = []  # this process's reports, the latest last (t
 
 
 def _extra_config(reader: str = "auto", max_host_bytes: int | None = None, release_pages: bool = False,
-                  trust_pickle: bool = False, remote: dict | None = None, iteration: int | None = None) -> None:
+                  trust_pickle: bool = False, remote: dict | None = None, iteration: int | None = None,
+                  weights: str | None = None) -> None:
     """The keys `model_loader_extra_config` takes (this signature is their list)."""
 
 
@@ -66,6 +81,7 @@ class LoaderConfig:
     trust_pickle: bool = False
     remote: RemoteOptions | None = None
     iteration: int | None = None
+    weights: str | None = None  # the checkpoint's path or URL, when not `model` (see the module)
 
     @classmethod
     def of(cls, extra: Any) -> "LoaderConfig":
@@ -83,6 +99,10 @@ class LoaderConfig:
                                 f"got {type(remote).__name__}.")
         if isinstance(remote, dict):
             remote = RemoteOptions(**remote)
+        weights = extra.get("weights")
+        if weights is not None and (not isinstance(weights, str) or not weights):
+            raise ArgumentError(f"model_loader_extra_config 'weights' must be the checkpoint's path or URL "
+                                f"(e.g. 's3://bucket/model/'), got {weights!r}.")
         read = ReadOptions(**{k: extra.pop(k) for k in ("reader", "max_host_bytes", "release_pages") if k in extra})
         return cls(read, remote=remote, **extra)
 
@@ -120,7 +140,7 @@ class WorkerReport:
     peak_anon: int = 0
     read_syscall_bytes: int | None = None  # the worker's read()/pread() bytes during the load (/proc/self/io rchar)
     reader: str = ""
-    remote: dict[str, int] = field(default_factory=dict)
+    remote: dict[str, Any] = field(default_factory=dict)  # a remote reader's counts (requests, bytes_served, ...)
 
     def __str__(self) -> str:
         what = "reload" if self.reload else "load"
@@ -144,8 +164,9 @@ def tp_rank_world() -> tuple[int, int]:
 
 
 def checkpoint_of(model_config: Any, config: LoaderConfig) -> StoredCheckpoint:
-    return StoredCheckpoint(model_config.model, trust_pickle=config.trust_pickle, remote=config.remote,
-                            iteration=config.iteration)
+    """The checkpoint at vLLM's `model_weights` when set (see the module), else at `model`."""
+    return StoredCheckpoint(model_config.model_weights or model_config.model, trust_pickle=config.trust_pickle,
+                            remote=config.remote, iteration=config.iteration)
 
 
 def lazy_weights(reads: BoxReads) -> Generator[tuple[str, LazyTensor], None, None]:
@@ -222,12 +243,15 @@ def loader_class() -> type:
             """Nothing to download: the checkpoint is read where it is (a path or URL)."""
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
+            if self.config.weights:  # kept there for a reload without weights_path (see the module)
+                model_config.model_weights = self.config.weights
             load = Load(model_config, self.config, reload=False)
             deferred = not has_online_processing(model)
             load.reads.deferred = deferred
             with load.memory, torch.no_grad():
                 loaded = model.load_weights(lazy_weights(load.reads))
                 load.reads.run()
+            LOADED_BOXES[:] = sorted(load.reads.asked, key=lambda pair: (natural_key(pair[0]), pair[1]))
             self.last_report = load.report()
             if model_config.quantization is None and loaded is not None:
                 self.track_weights_loading(model, loaded, quantized=False)
@@ -245,12 +269,14 @@ def loader_class() -> type:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: registers load_format='lazyload' (run in every
-    vLLM process; registering twice is harmless)."""
+    """The `vllm.general_plugins` entry point: registers load_format='lazyload' and, where the
+    installed vLLM has the API, the weight-transfer engine 'lazyload' (`vllm_update`); run in
+    every vLLM process, registering twice is harmless."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
     if FORMAT not in _LOAD_FORMAT_TO_MODEL_LOADER:
         register_model_loader(FORMAT)(loader_class())
+    register_transfer_engine()
 
 
 def last_reports(worker: Any = None) -> list[dict]:

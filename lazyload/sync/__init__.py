@@ -1,7 +1,8 @@
 """Live weight sync: a load whose source is other ranks' memory (`WeightSync`).
 
     layout (each source rank's boxes) -> index (a checkpoint of those boxes) -> plan_load on the target
-    -> routes (per source/target pair, per step) -> transfer (point-to-point, every sync)
+    -> copies (which holder of a replicated box sends it) -> routes (per source/target pair, per step)
+    -> transfer (point-to-point, every sync)
 
 The target's side is planned by the same planner as `load_into` (mapping rules, TP plan,
 `quantize=`); only its index comes from the source ranks' tensors instead of file headers."""

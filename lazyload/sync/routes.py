@@ -1,10 +1,11 @@
 """The sync plan: which boxes move between which ranks, and when, computed once from
-metadata (every target rank's read items, exchanged at construction). Each rank has a byte
-budget per step (its `max_host_bytes`, default about one layer of its traffic), on each
-side: a target holds at most that of received messages and local copies, a source at most
-that of packed messages, summed over the targets it sends to. Every rank computes the same
-steps from the same requests (`in_steps`); at step k every rank posts all its sends and
-receives of step k, then waits for them, so that no pair can deadlock."""
+metadata (every target rank's read items, exchanged at construction). Each rank's
+`max_host_bytes` (default about one layer of its traffic) bounds its bytes per step on each
+side: a target rank's requests come in windows of at most its budget (`requests_of`), and
+a step holds at most one window of each target; a source rank's packed messages of a step,
+summed over the targets it sends to, stay within its budget (`in_steps`, the same on every
+rank from the same requests). At step k every rank posts all its sends and receives of
+step k, then waits for them, so that no pair can deadlock."""
 from __future__ import annotations
 
 import hashlib
@@ -35,85 +36,94 @@ class Request:
         return box_numel(self.box) * self.itemsize
 
 
-def requests_of(items: list, pieces: dict[str, Piece]) -> list[Request]:
-    """A target rank's requests, one per read item (in `items`' order, layer by layer), at
-    step 0: every rank assigns the steps of all of them (`in_steps`)."""
-    return [Request(0, pieces[item.entry.key].rank, item.entry.key, item.src_box, item.entry.itemsize)
-            for item in items]
+def requests_of(items: list, pieces: dict[str, Piece], budget: int) -> list[Request]:
+    """A target rank's requests, one per read item (in `items`' order, layer by layer), their
+    `step` the window they fall in: windows of at most `budget` bytes as its messages pack
+    them (a larger item alone). `in_steps` turns windows into steps."""
+    out, window, held, ends = [], 0, 0, {}
+    for item in items:
+        source, itemsize = pieces[item.entry.key].rank, item.entry.itemsize
+        nbytes = box_numel(item.src_box) * itemsize
+        grow = packed_growth(ends.get(source, 0), nbytes, itemsize)
+        if held and held + grow > budget:
+            window, held, ends, grow = window + 1, 0, {}, nbytes
+        held += grow
+        ends[source] = ends.get(source, 0) + grow
+        out.append(Request(window, source, item.entry.key, item.src_box, itemsize))
+    return out
 
 
-def step_budgets(queues: dict[int, list[Request]], sizes: dict[int, list[int]],
-                 max_host_bytes: dict[int, int | None]) -> tuple[dict[int, int], dict[int, int]]:
-    """Each rank's bytes per step as a target (messages received and local copies) and as a
-    source (messages packed), from every target's requests and their `sizes`: its
-    `max_host_bytes`, else about one layer of that side's requests, never less than its
-    largest one (as a load's default budget)."""
-    receiving: dict[int, int] = {}
+def packed_growth(end: int, nbytes: int, itemsize: int) -> int:
+    """The bytes a box of `nbytes` adds to a message of `end` bytes (`packed_offsets`)."""
+    return -(-end // itemsize) * itemsize + nbytes - end
+
+
+def source_budgets(queues: dict[int, list[Request]], sizes: dict[int, list[int]],
+                   max_host_bytes: dict[int, int | None]) -> dict[int, int]:
+    """Each source rank's bytes per step (messages packed), from every target's requests and
+    their `sizes`: its `max_host_bytes`, else about one layer of what it sends, never less
+    than its largest request (as a load's default budget)."""
     sending: dict[int, int] = {}  # source -> its largest request, then its largest layer
     sent: dict[tuple[int, str], int] = {}  # (source, layer) -> bytes
     layers: dict[str, str] = {}  # stored key -> its tensor's layer
     for target, requests in queues.items():
-        received: dict[str, int] = {}
         for r, nbytes in zip(requests, sizes[target]):
+            if r.source == target:
+                continue
             layer = layers.get(r.key)
             if layer is None:
                 layer = layers[r.key] = layer_of(r.key.rpartition("@")[0])
-            received[layer] = received.get(layer, 0) + nbytes
-            if r.source != target:
-                sent[r.source, layer] = sent.get((r.source, layer), 0) + nbytes
-                sending[r.source] = max(sending.get(r.source, 0), nbytes)
-        received.pop("", None)  # outside numbered layers (embeddings, head): only the largest request counts
-        receiving[target] = max(max(sizes[target]), *received.values(), 0)
+            sent[r.source, layer] = sent.get((r.source, layer), 0) + nbytes
+            sending[r.source] = max(sending.get(r.source, 0), nbytes)
     for (source, layer), nbytes in sent.items():
-        if layer:
+        if layer:  # outside numbered layers (embeddings, head): only the largest request counts
             sending[source] = max(sending[source], nbytes)
-    return ({r: max_host_bytes.get(r) or b for r, b in receiving.items()},
-            {r: max_host_bytes.get(r) or b for r, b in sending.items()})
+    return {r: max_host_bytes.get(r) or b for r, b in sending.items()}
 
 
 def in_steps(wanted: dict[int, list[Request] | None],
              max_host_bytes: dict[int, int | None]) -> dict[int, list[Request] | None]:
-    """`wanted` with every request's step. Step by step, the target ranks take their next
-    request in turn (one each round, each in its own order, the first turn rotating), while the
-    step's bytes of that target and of the request's source stay within their budgets
-    (`step_budgets`; a message's bytes as packed, alignment included): a source's budget is
-    shared by the targets it serves. A target whose next request does not fit waits for the
-    next step. No request exceeds a budget (targets cut larger items): each step takes one."""
+    """`wanted` with the steps every rank runs. Step by step, the target ranks take their
+    next request in turn (one each round, each in its own order, the first turn rotating),
+    each from one window a step (`requests_of`: the target's budget), while the step's
+    packed bytes of the request's source stay within its budget (`source_budgets`): a source's
+    budget is shared by the targets it serves, and a window whose sources are busy spreads
+    over several steps. No request exceeds its source's budget (targets cut larger items),
+    so every step takes one."""
     queues = {t: q for t, q in sorted(wanted.items()) if q}
     sizes = {t: [r.nbytes for r in q] for t, q in queues.items()}
-    receiving, sending = step_budgets(queues, sizes, max_host_bytes)
+    sending = source_budgets(queues, sizes, max_host_bytes)
     taken = dict.fromkeys(queues, 0)
     out: dict[int, list[Request]] = {t: [] for t in queues}
     step, active = 0, list(queues)
     while active:
-        held: dict[int, int] = {}  # target -> bytes received and copied this step
+        window: dict[int, int] = {}  # target -> the window it takes from this step
         packed: dict[int, int] = {}  # source -> bytes of its messages this step
         ends: dict[tuple[int, int], int] = {}  # (source, target) -> their message's bytes so far
-        first = step % len(active)  # each step's first turn to the next target: a source's budget is shared fairly
+        first, took = step % len(active), 0  # each step's first turn to the next target: budgets shared fairly
         turns = deque(active[first:] + active[:first])  # the targets that may still take a request this step
         while turns:
             target = turns.popleft()
             i = taken[target]
             r = queues[target][i]
-            remote = r.source != target
-            end = ends.get((r.source, target), 0) if remote else 0
-            grow = -(-end // r.itemsize) * r.itemsize + sizes[target][i] - end  # packed_offsets' alignment
-            if (held.get(target, 0) + grow > receiving[target]
-                    or remote and packed.get(r.source, 0) + grow > sending[r.source]):
+            if window.setdefault(target, r.step) != r.step:
                 continue
-            held[target] = held.get(target, 0) + grow
-            if remote:
+            if r.source != target:
+                end = ends.get((r.source, target), 0)
+                grow = packed_growth(end, sizes[target][i], r.itemsize)
+                if packed.get(r.source, 0) + grow > sending[r.source]:
+                    continue
                 packed[r.source], ends[r.source, target] = packed.get(r.source, 0) + grow, end + grow
             out[target].append(Request(step, r.source, r.key, r.box, r.itemsize))
-            taken[target] = i + 1
+            taken[target], took = i + 1, took + 1
             if i + 1 < len(queues[target]):
                 turns.append(target)
-        if not held:
+        if not took:
             t = active[first]
             r = queues[t][taken[t]]
             raise PlanError(f"WeightSync: {r.key} ({r.nbytes} bytes, rank {r.source} to rank {t}) exceeds the step "
-                            f"budget of rank {t} ({receiving[t]}) or of rank {r.source} ({sending.get(r.source)}): "
-                            "every rank must run the same lazyload version.")
+                            f"budget of rank {r.source} ({sending.get(r.source)}): every rank must run the same "
+                            "lazyload version.")
         active = [t for t in active if taken[t] < len(queues[t])]
         step += 1
     return {**wanted, **out}

@@ -1,7 +1,8 @@
 """The sources of a sync as a checkpoint index: every source rank's box of a tensor is a
 stored entry (`file` "rank R", key "name@R.i"), and each tensor a logical tensor tiled by
 those boxes (`formats/logical.py`). Boxes held by several ranks (a tensor FSDP or TP leaves
-replicated) are copies: each target rank takes the copy of the source rank nearest to it."""
+replicated) are copies: the planner takes one by position, as for a checkpoint's files, and
+`copies.py` chooses again which one each target rank receives."""
 from __future__ import annotations
 
 import math

@@ -51,7 +51,7 @@ class Ends:
     dtypes: dict[str, torch.dtype]  # stored key -> its dtype
     items: list
     dests: dict[str, Any]
-    group: Any
+    peers: Any  # sync.peers.Peers: who the ranks are and how messages reach them
     tag: int
     device: torch.device  # where messages are staged: the host for gloo, the GPU for NCCL
     timeout: float
@@ -67,22 +67,18 @@ def transfer(routes: Routes, ends: Ends, moved: Moved) -> None:
 
 
 def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
-    import torch.distributed as dist
-
-    ops, inbox, outbox, posted = [], [], [], 0
+    sends, receives, inbox, posted = [], [], [], 0
     for target, requests in routes.sends.get(step, {}).items():
         buffer = _pack(requests, ends)
-        outbox.append(buffer)
-        ops.append(dist.P2POp(dist.isend, buffer, target, ends.group, ends.tag))
+        sends.append((buffer, target))
         posted += sum(box_numel(r.box) * ends.dtypes[r.key].itemsize for r in requests)
     for source, positions in routes.receives.get(step, {}).items():
         specs = [(ends.items[p].entry.dtype, ends.items[p].src_box) for p in positions]
         offsets, nbytes = packed_offsets(specs)
         buffer = message_buffer(nbytes, ends)
         inbox.append((positions, offsets, buffer))
-        ops.append(dist.P2POp(dist.irecv, buffer, source, ends.group, ends.tag))
-    # one batch: NCCL runs it as one group (a pair sending both ways cannot deadlock); gloo op by op
-    works = dist.batch_isend_irecv(ops) if ops else []
+        receives.append((buffer, source))
+    works = ends.peers.post(sends, receives, ends.tag)
     for position in routes.local.get(step, ()):
         item = ends.items[position]
         piece = ends.pieces[item.entry.key]
@@ -91,7 +87,7 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     try:
         wait_polling(works, ends, f"step {step} of the weight sync's sends and receives")
     except CollectiveError:
-        ends.abandoned.append((works, outbox, inbox))
+        ends.abandoned.append((works, sends, inbox))
         raise
     moved.sent += posted  # counted once completed: a failed step's sends are not
     for positions, offsets, buffer in inbox:

@@ -25,11 +25,14 @@ from ..placer import allocate
 from ..targets import model_slots
 from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers, refuse_unsupported_holders
 from ..stored import StoredCheckpoint
+from .copies import choose_copies, copies_of
 from .gather import Gather, construction
 from ..targets import local_tensor
 from .layout import SourceTensor, source_layout, source_tensors
 from .routes import Request, Routes, requests_of, routes_for
 from .source_index import source_index
+from .box_target import BoxTarget
+from .peers import Peers
 from .split import split_plan
 from .transfer import Ends, Moved, transfer
 
@@ -106,42 +109,43 @@ class WeightSync:
       one loaded already; later syncs copy into its tensors in place (same storage). A target
       loaded with `load_into(quantize=...)` is synced with the same `quantize=`: each received
       slice is quantized into its layers' own data and scales, as `load_into` would.
+      Or a `BoxTarget`: the boxes of each tensor an engine's own weight loaders copy (a vLLM
+      worker, `integrations.vllm_update`), received into host tensors it reads from.
     - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel); `quantize`,
       `dtype`, `plan`, `key_map`, `device`: as `load_into`'s.
     - `max_host_bytes`: this rank's bytes per step as a target (received) and as a source
       (packed, for all its targets), default about one layer; larger items are cut.
+    - `group`: a group of torch.distributed's world (default: the default group), or a
+      process group of its own, `ProcessGroupGloo(store, rank, size)`, made between
+      processes that each have another default group (a trainer's and vLLM's workers'),
+      with `store`: the store it was made with, where the ranks meet (`sync.peers`).
     - `rank_timeout`: seconds any rank waits for another, at construction and in each sync.
 
     The plan is made here, from metadata alone: every input error (a tensor the target needs
     that no source holds, shapes that differ, a target mesh that does not split the model)
     fails on every rank before any byte moves."""
 
-    def __init__(self, source: Any = None, target: nn.Module | None = None, *, target_mesh: Any = None,
-                 group: Any = None, rank_timeout: float = 60.0, quantize: Any = None, key_map: KeyMap | None = None,
-                 dtype: Any = None, plan: Any = None, device: Any = None, max_host_bytes: int | None = None,
-                 **unknown: Any):
+    def __init__(self, source: Any = None, target: Any = None, *, target_mesh: Any = None,
+                 group: Any = None, store: Any = None, rank_timeout: float = 60.0, quantize: Any = None,
+                 key_map: KeyMap | None = None, dtype: Any = None, plan: Any = None, device: Any = None,
+                 max_host_bytes: int | None = None, **unknown: Any):
         check_keywords("WeightSync", unknown, WeightSync.__init__)
         started = time.perf_counter()
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ArgumentError("WeightSync runs over torch.distributed: call init_process_group first (every trainer "
-                                "and server rank constructs it).")
-        self.group, self.rank, self.timeout = group, dist.get_rank(), rank_timeout
-        self.ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+        self.peers = Peers.of(group)
+        self.group, self.rank, self.timeout = group, self.peers.rank, rank_timeout
+        self.ranks = list(self.peers.ranks)
         self.source, self.target, self.target_mesh = source, target, target_mesh
         self._options = LoadOptions(device=device, dtype=dtype, key_map=key_map, progress=False, plan=plan,
                                     reader="pread", max_host_bytes=max_host_bytes, quantize=own_holders(quantize),
                                     rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False)
-        store = _get_default_store()
+        store = store if store is not None else self.peers.default_store()
         prefix, number = construction(self.ranks)
         gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
         self._prefix = gather.prefix
         layouts = gather.run("layout", self._layout)
         self.index, self.pieces = source_index({r: v for r, (v, _) in layouts.items() if v is not None})
         self._max_host_bytes = {r: b for r, (_, b) in layouts.items()}  # every rank's: they bound the steps
-        wanted = gather.run("planned", self._plan_target)
+        wanted = choose_copies(gather.run("planned", self._plan_target), self.pieces)
         self.routes: Routes = routes_for(self.rank, wanted, self._max_host_bytes)
         _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
         gather.close(("layout", "planned", "agreed"))
@@ -152,7 +156,7 @@ class WeightSync:
         self._announced = 0  # the last sync whose failure this rank announced
         self._tag = number + 1
         # NCCL sends device memory; gloo host memory
-        self._wire = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+        self._wire = (torch.device("cuda", torch.cuda.current_device()) if self.peers.backend == "nccl"
                       else torch.device("cpu"))
         target_cuda = self.load_plan is not None and self.load_plan.device.type == "cuda"
         self._pinned = self._wire.type == "cpu" and (self._source_cuda or target_cuda)  # gloo, GPU tensors
@@ -194,10 +198,16 @@ class WeightSync:
 
     def _plan_target(self) -> list[Request] | None:
         """This rank's load plan of the target from the sources' index, and its requests."""
+        self.load_plan: LoadPlan | None = None
+        self._box_dests: dict | None = None
         if self.target is None:
-            self.load_plan: LoadPlan | None = None
             self.items: list = []
             return None
+        self._holders = {key: set(held) for key, (_, held) in copies_of(self.pieces).items()}  # for `_cut_at`
+        if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
+            self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes,
+                                                                   self._cut_at)
+            return requests_of(self.items, self.pieces, budget)
         if self.target_mesh is None:
             raise ArgumentError("WeightSync(target=...) needs target_mesh=, the server ranks' DeviceMesh (1-D, "
                                 "tensor parallel), e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)) over "
@@ -214,13 +224,15 @@ class WeightSync:
         self.load_plan = split_plan(plan, self._cut_at)
         self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
         self.items = [item for group in self.load_plan.groups for item in group.items]
-        return requests_of(self.items, self.pieces)
+        return requests_of(self.items, self.pieces, budget or self.load_plan.budget)
 
     def _cut_at(self, item) -> int | None:
-        """The bytes an item of this target may hold in one step: this rank's budget, and the
-        budget of the source rank that sends it (None: no limit, the defaults hold any item)."""
-        source = self.pieces[item.entry.key].rank
-        budgets = [self._max_host_bytes[self.rank]] + ([self._max_host_bytes[source]] if source != self.rank else [])
+        """The bytes an item of this target may hold in one step: this rank's budget, and
+        unless it holds a copy itself, the budget of every source rank that may send it (the
+        copy is chosen later, `copies.py`). None: no limit (the defaults hold any item)."""
+        key = item.entry.key
+        holders = self._holders.get(key) or {self.pieces[key].rank}
+        budgets = [self._max_host_bytes[r] for r in {self.rank} | (set() if self.rank in holders else holders)]
         return min((b for b in budgets if b is not None), default=None)
 
     def __call__(self) -> SyncReport:
@@ -242,7 +254,7 @@ class WeightSync:
             new = tuple(moved.done) if self._assigned else ()  # a first sync's tensors are assigned only when complete
             report = self._report(moved, started, planned, new)
             raise SyncError(f"rank {self.rank}: the weight sync did not complete ({type(exc).__name__}: {exc}); "
-                            f"{len(new)} of {len(self.load_plan.targets) if self.load_plan else 0} target tensors on "
+                            f"{len(new)} of {self._target_count()} target tensors on "
                             "this rank hold the new version (report.partial; the others may be partly written). Call "
                             "the sync again on every rank to complete it.", getattr(exc, "ranks", None), report) from exc
         return self._report(moved, started, planned)
@@ -262,7 +274,7 @@ class WeightSync:
     def _agreement(self, sync: int) -> Agreement:
         """Sync number `sync`'s agreement: only the "exchanged" point of its collectives."""
         return Agreement(self._store, self.rank, len(self.ranks), self.timeout, self.ranks, points=(),
-                         prefix=f"{self._prefix}/sync{sync}")
+                         prefix=f"{self._prefix}/sync{sync}", job="sync")
 
     def _announce(self, exc: BaseException) -> None:
         """Tell the others this rank failed (once per sync: the first cause is the one named)."""
@@ -283,14 +295,14 @@ class WeightSync:
         first = not self._assigned and self.load_plan is not None
         if self._dests is None and self.load_plan is not None:
             self._materialize()
-        dests = {}
+        dests = self._box_dests or {}
         if self.load_plan is not None:
             plan = self.load_plan
             dests = with_whole(self._dests, plan.targets, plan.mapping.exprs, plan.items, plan.index.shape_of)
-            for item in self.items:
-                moved.left[item.target] = moved.left.get(item.target, 0) + 1
+        for item in self.items:
+            moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
-                    dests, self.group, sync_tag(self._tag, self._failures), self._wire, self.timeout,
+                    dests, self.peers, sync_tag(self._tag, self._failures), self._wire, self.timeout,
                     self._aborted, self._abandoned, self._pinned)
         try:
             transfer(self.routes, ends, moved)
@@ -321,4 +333,9 @@ class WeightSync:
         return SyncReport(bytes_sent=moved.sent, bytes_received=moved.received, bytes_local=moved.local,
                           seconds=time.perf_counter() - started, plan_digest=self.plan_digest,
                           plan_seconds=self.plan_seconds, planned=planned, partial=partial,
-                          tensors=len(self.load_plan.targets) if self.load_plan is not None else 0)
+                          tensors=self._target_count())
+
+    def _target_count(self) -> int:
+        if self.load_plan is not None:
+            return len(self.load_plan.targets)
+        return len(self._box_dests or ())

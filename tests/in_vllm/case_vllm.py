@@ -190,3 +190,231 @@ def test_the_readme_serving_script_runs(tmp_path):
     assert len(printed) == 2 and printed[0] != printed[1], out[-6000:]
     assert out.count("lazyload load of") == 2 and out.count("lazyload reload of") == 2, out[-6000:]
     assert "0 fallbacks" in out and not re.search(r"[1-9]\d* fallbacks", out)
+
+
+RL_TIMEOUT = 20  # the update group's rank_timeout (seconds)
+
+
+@lru_cache(maxsize=None)
+def rl_update() -> dict:
+    """What rl_update_run.py printed: a TP-2 engine loaded from Llama checkpoint A, two FSDP2
+    trainer ranks starting from A, two updates, a third in which trainer rank 1 dies, then
+    each step's saved weights loaded afresh."""
+    a, _ = checkpoints("llama")
+    out = ROOT / "rl-steps"
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(HERE / "rl_update_run.py"), str(a), str(out), "--tp", "2",
+               "--timeout", str(RL_TIMEOUT)]
+    returncode, output = run_process(command)
+    results = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and results, f"{' '.join(command)} failed ({returncode}):\n{output[-6000:]}"
+    return json.loads(results[-1][len("RESULT "):])
+
+
+def test_rl_update_equals_a_fresh_load():
+    """After each update (an optimizer step between), every worker's parameters are bit-equal
+    to a fresh load of the trainer's weights of that step (vLLM's reload_weights from them),
+    and the engine's tokens are that load's; each update changed the model."""
+    result = rl_update()
+    assert [j["rank"] for j in result["joined"]] == [2, 3]
+    assert len({j["plan_digest"] for j in result["joined"]}) == 1
+    for step, fresh in enumerate(result["fresh"], start=1):
+        assert result["digests"][step] == fresh["digests"], step
+        assert result["tokens"][step] == fresh["tokens"], step
+        assert result["digests"][step] != result["digests"][step - 1], step  # not vacuous: the weights moved
+
+
+def test_rl_update_sends_each_worker_its_share():
+    """Each worker receives exactly its share of the model (the boxes its weight loaders took
+    at load: the same rule as the load's), whole tensors never; the trainers send no more."""
+    a, _ = checkpoints("llama")
+    result = rl_update()
+    for update in result["updates"]:
+        assert [w["bytes_received"] for w in update] == [share(a, 2)] * 2
+        assert all(w["fallbacks"] == [] and w["bytes_sent"] == 0 for w in update)
+    assert sum(sent for _, _, sent in result["trainers"]) == 2 * share(a, 2)
+
+
+def test_rl_update_trainer_dies():
+    """Trainer rank 1 dies mid-update: every worker raises a SyncError naming it, within the
+    rank timeout (never a hang), and the engine keeps serving the weights it had."""
+    result = rl_update()
+    failed = result["failed"]
+    assert failed is not None and failed["workers"] == [0, 1], failed
+    assert failed["message"].count("rank 1: did not report") == 2, failed["message"]
+    assert result["failed_after"] < 4 * RL_TIMEOUT  # bounded by the timeout, not a hang (generous: 2 busy cores)
+    assert result["trainer_failed"][:2] == [0, 3] and "rank 1" in result["trainer_failed"][2]
+    assert result["after_failure"] == {"tokens": result["tokens"][-1], "digests": result["digests"][-1]}
+
+
+def test_the_readme_rl_update_script_runs(tmp_path):
+    """README's RL update script as written (through vLLM's weight-transfer engine
+    'lazyload'), at TP 2: two updates, each changing the engine's tokens; each trainer rank
+    sends half of the two workers' shares."""
+    a, _ = checkpoints("llama")
+    script = tmp_path / "rl_update_vllm.py"
+    script.write_text(readme_script("rl_update_vllm.py"))
+    runner = ("import functools, runpy, sys, vllm\n"
+              "vllm.LLM = functools.partial(vllm.LLM, enforce_eager=True, dtype='float32', max_num_seqs=4,\n"
+              "                             skip_tokenizer_init=True, max_model_len=128)\n"
+              f"sys.argv = [{str(script)!r}] + sys.argv[1:]\n"
+              f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    returncode, out = run_process([sys.executable, "-c", runner, str(a), "2"], cwd=tmp_path, env=env)
+    assert returncode == 0, out[-6000:]
+    printed = [json.loads(line) for line in out.splitlines() if re.fullmatch(r"\[\d+(, \d+)*\]", line)]
+    assert len(printed) == 2 and printed[0] != printed[1], out[-6000:]
+    sent = [int(n) for n in re.findall(r"trainer \d: sent (\d+) bytes", out)]
+    assert len(sent) == 4 and sum(sent) == 2 * 2 * share(a, 2), sent
+
+
+# --- An s3:// checkpoint (moto's S3 server on 127.0.0.1) ---
+
+BUCKET = "models"
+# TP 2 asks for exact ranges (merge_gap 0): the default 1 MiB merges the half rows of a
+# row-parallel shard (256 bytes apart here) into a GET of nearly the whole tensor; TP 1
+# reads every tensor whole, under the default options. TP 1 reloads without weights_path
+# (the URL of its load again), TP 2 from checkpoint B's URL.
+S3_CASES = {1: ({}, "="), 2: ({"merge_gap": 0}, f"s3://{BUCKET}/b/")}
+
+
+def config_only(directory: Path) -> Path:
+    """A local directory with the checkpoint's json files (config) and none of its tensors:
+    vLLM's `model`, the tensors coming from the `weights` URL."""
+    local = directory.parent / f"{directory.name}-config"
+    local.mkdir(exist_ok=True)
+    for path in directory.glob("*.json"):
+        if not path.name.endswith(".index.json"):
+            shutil.copy(path, local / path.name)
+    return local
+
+
+@lru_cache(maxsize=None)
+def s3_engine(tp: int) -> dict:
+    """engine_run.py with Llama's checkpoints A and B in moto's S3 server (credentials in the
+    environment the engine inherits), `model` A's config alone, `weights` A's URL."""
+    from remote_servers import moto_s3
+
+    a, b = checkpoints("llama")
+    remote, reload = S3_CASES[tp]
+    with moto_s3(BUCKET, "lazyload-vllm-test-secret") as client:
+        for prefix, directory in (("a", a), ("b", b)):
+            for path in directory.iterdir():
+                client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+        extra = {"weights": f"s3://{BUCKET}/a/", "remote": remote}
+        command = [sys.executable, str(HERE / "engine_run.py"), str(config_only(a)), reload, "--format", "lazyload",
+                   "--tp", str(tp), "--extra", json.dumps(extra)]
+        returncode, out = run_process(command)
+    results = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and results, f"{' '.join(command)} failed ({returncode}):\n{out[-6000:]}"
+    return json.loads(results[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("tp", list(S3_CASES))
+def test_s3_model_tokens_equal_safetensors(tp):
+    lazy, reference = s3_engine(tp), engine("llama", tp, "safetensors")
+    assert lazy["tokens"] == reference["tokens"]
+    # TP 2 reloaded B from its URL; TP 1 reloaded A from the URL its load read (not `model`, which holds no tensors)
+    assert lazy["reloaded"] == (reference["reloaded"] if tp == 2 else reference["tokens"])
+
+
+@pytest.mark.parametrize("tp", list(S3_CASES))
+def test_s3_each_worker_fetches_its_share(tp):
+    """Each worker's GETs (the bytes the store sent, by the remote reader's count) are its
+    share of the tensors, by the rule of `share`: about half of the checkpoint at TP 2."""
+    a, b = checkpoints("llama")
+    url = f"s3://{BUCKET}/a/"
+    expected = [(False, url, a), (True, url, a) if tp == 1 else (True, S3_CASES[tp][1], b)]  # (reload, checkpoint)
+    reports = s3_engine(tp)["reports"]
+    assert sorted(r[0]["rank"] for r in reports) == list(range(tp))
+    for worker in reports:
+        assert [(r["reload"], r["checkpoint"]) for r in worker] == [(w, where) for w, where, _ in expected]
+        for report, (_, _, directory) in zip(worker, expected):
+            assert report["reader"] == "remote" and report["fallbacks"] == [] and report["world"] == tp
+            served = report["remote"]["bytes_served"]
+            assert served == report["bytes_read"] == report["bytes_planned"] and report["remote"]["retries"] == 0
+            assert report["bytes_planned"] - report["bytes_repeated"] == share(directory, tp)
+            assert served <= (0.55 if tp == 2 else 1) * report["checkpoint_bytes"]  # headers apart
+
+
+# --- The OpenAI-compatible server ---
+
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+CPU_FLAGS = ["--enforce-eager", "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "128",
+             "--max-num-seqs", "4"]
+
+
+def readme_server_command(checkpoint: Path) -> list[str]:
+    """README's server command line, run by this interpreter on `checkpoint`."""
+    import shlex
+
+    readme = (HERE.parent.parent / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("    python -m vllm.entrypoints.openai.api_server"))
+    replace = {"python": sys.executable, "path/to/checkpoint": str(checkpoint)}
+    return [replace.get(word, word) for word in shlex.split(line)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_open(request, timeout: float):
+    """urlopen for the server on 127.0.0.1, past any proxy the environment names."""
+    import urllib.request
+
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=timeout)
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen, log: Path) -> None:
+    """Poll the server's /health until it answers 200; its exit or ENGINE_TIMEOUT fails the test."""
+    import time
+
+    deadline = time.monotonic() + ENGINE_TIMEOUT
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited ({process.returncode}):\n{log.read_text()[-6000:]}"
+        try:
+            with local_open(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:  # not listening yet
+            pass
+        time.sleep(1)
+    pytest.fail(f"the server was not healthy in {ENGINE_TIMEOUT} s:\n{log.read_text()[-6000:]}")
+
+
+def test_openai_server_completes_token_ids(tmp_path):
+    """README's server command (`--load-format lazyload`, TP 2), with this machine's CPU
+    settings, on 127.0.0.1: a completion of token-id prompts, greedy, gives
+    load_format="safetensors"'s tokens; each worker logged its lazyload report."""
+    import urllib.request
+
+    from engine_run import MAX_TOKENS, PROMPTS
+
+    a, _ = checkpoints("llama")
+    command = readme_server_command(a)
+    tp = int(command[command.index("--tensor-parallel-size") + 1])
+    port, log = free_port(), tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(command + CPU_FLAGS + ["--host", "127.0.0.1", "--port", str(port)], stdout=out,
+                                  stderr=subprocess.STDOUT, env={**os.environ, **CPU_ENV},
+                                  start_new_session=True)  # its own process group: the engine and workers die with it
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(url, server, log)
+        body = {"model": str(a), "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": True}
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with local_open(request, timeout=300) as response:
+            choices = sorted(json.load(response)["choices"], key=lambda c: c["index"])
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert [c["token_ids"] for c in choices] == engine("llama", tp, "safetensors")["tokens"]
+    text = log.read_text()
+    assert text.count(f"lazyload load of {a}") == tp and " 0 fallbacks" in text, text[-6000:]

