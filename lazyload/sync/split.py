@@ -11,11 +11,12 @@ from typing import Callable
 from ..errors import PlanError
 from ..expr import Whole
 from ..plan import ReadItem
+from ..planner import LoadPlan
 from ..quant.onload import Grid
 from ..schedule import Group
 
 
-def split_plan(plan, limit_of: Callable[[ReadItem], int | None]):
+def split_plan(plan: LoadPlan, limit_of: Callable[[ReadItem], int | None]) -> LoadPlan:
     """`plan` with every item larger than `limit_of(item)` bytes (None: no limit) cut
     into parts of at most that many (`cut_item`), in its place in each item list."""
     def split(items) -> tuple[ReadItem, ...]:
