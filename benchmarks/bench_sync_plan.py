@@ -204,7 +204,7 @@ def simulated_sync(layouts: dict):
             self._source_cuda = False
             layout = layouts.get(self.rank)
             self._planned_layout = {s.name: s for s in layout or ()}
-            return layout
+            return layout, None  # max_host_bytes: the default
 
     return SimulatedSync
 

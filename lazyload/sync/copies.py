@@ -76,5 +76,5 @@ def _step(target: int, requests: list[Request], copies: dict) -> list[Request]:
         request = requests[i]
         source = target if target in held else _spread(target, sources.intersection(held))
         if source != request.source:
-            out[i] = Request(request.step, source, held[source], request.box)
+            out[i] = Request(request.step, source, held[source], request.box, request.itemsize)
     return out
