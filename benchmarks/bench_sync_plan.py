@@ -112,6 +112,7 @@ class CountingStore:
     def __init__(self):
         self.values, self.cond, self.local = {}, threading.Condition(), threading.local()
         self.read, self.written, self.gets, self.sets = Counter(), Counter(), Counter(), Counter()
+        self.keys_read = defaultdict(set)  # rank -> the keys it read
 
     def _rank(self):
         return getattr(self.local, "rank", -1)
@@ -129,6 +130,7 @@ class CountingStore:
         value = self.values[key]
         self.read[self._rank()] += len(value) + len(key)
         self.gets[self._rank()] += 1
+        self.keys_read[self._rank()].add(key)
         return value
 
     def multi_get(self, keys):
@@ -267,7 +269,7 @@ def run_case(case: Case, layers: int, memory_ranks: int = 2) -> dict:
             "traffic": traffic, "gets": [store.gets[r] for r in range(world)],
             "pieces": sum(len(h.held) for layout in layouts.values() for h in layout),
             "messages": max(f[0] for f in figures), "holders": max(f[1] for f in figures),
-            "requests": max(f[2] for f in figures), "steps": max(f[3] for f in figures)}
+            "requests": max(f[2] for f in figures), "steps": max(f[3] for f in figures), "store": store}
 
 
 def routes_figures(sync, rank) -> tuple | None:
