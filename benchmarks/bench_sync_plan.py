@@ -6,10 +6,13 @@ Each rank is a thread running the real `WeightSync.__init__` (its layout exchang
 `source_index`, `plan_load` of a meta model on server ranks, the requests, `choose_copies`,
 the routes and the plan's agreement); only the source's layout is synthetic: the boxes FSDP
 (and TP) would give each trainer rank, written as `SourceTensor`s (a process-free run has no
-DeviceMesh for real DTensors). A rank's construction seconds are its thread's CPU time; its
-peak memory is measured by constructing it again alone (tracemalloc) against the store the
-whole job left. Models at their published widths and a reduced depth; the last columns
-project to the full depth by the tensors' count (every figure grows with it).
+DeviceMesh for real DTensors). Store traffic is counted for every rank of the job. The job's
+threads are not timed (waking each other, they would count the fake store's waits): the first
+and last trainer and server ranks are, each constructed again alone over the store the job
+left, timed (CPU seconds), then again under tracemalloc for its peak. Models at their
+published widths and a reduced depth; the last columns project to the full depth by the
+tensors' count (every figure grows with it). `--divide N` runs fewer ranks (FSDP and
+replicas divided by N): a job's figures against its world.
 
     python benchmarks/bench_sync_plan.py [--cases llama-405b,deepseek-v3,llama-70b-1024] [--layers 1]
     python benchmarks/bench_sync_plan.py --cases tiny     # a few seconds: 8 ranks of a small Llama
@@ -25,7 +28,7 @@ import threading
 import time
 import tracemalloc
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -219,7 +222,7 @@ def construct(cls, rank, world, store, model, case):
                store=store, rank_timeout=3600, plan=case.plan)
 
 
-def run_case(case: Case, layers: int, memory_ranks: int = 2) -> dict:
+def run_case(case: Case, layers: int) -> dict:
     import lazyload.sync.weight_sync as weight_sync
 
     config = config_of(case, layers)
@@ -237,9 +240,7 @@ def run_case(case: Case, layers: int, memory_ranks: int = 2) -> dict:
         store.local.rank = rank
         try:
             own = meta_model(config) if rank >= trainers else None  # planning a model is not thread-safe
-            started = time.thread_time()
-            sync = construct(cls, rank, world, store, own, case)
-            results[rank] = (time.thread_time() - started, routes_figures(sync, rank))
+            results[rank] = routes_figures(construct(cls, rank, world, store, own, case), rank)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append((rank, exc))
 
@@ -252,20 +253,21 @@ def run_case(case: Case, layers: int, memory_ranks: int = 2) -> dict:
             thread.join()
         if errors:
             raise RuntimeError(f"rank {errors[0][0]} failed") from errors[0][1]
-        peaks = {}
-        for rank in (0, trainers)[:memory_ranks]:  # a trainer rank, a server rank: alone, the store left as it was
-            tracemalloc.start()
+        seconds, peaks = {}, {}
+        for rank in sorted({0, trainers - 1, trainers, world - 1}):  # alone, the store left as the job left it
             store.local.rank = ("again", rank)
-            sync = construct(cls, rank, world, store, model, case)
+            started = time.process_time()
+            construct(cls, rank, world, store, model, case)
+            seconds[rank] = time.process_time() - started
+            tracemalloc.start()
+            construct(cls, rank, world, store, model, case)
             peaks[rank] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-            del sync
     finally:
         weight_sync.construction = construction
-    seconds = [results[r][0] for r in range(world)]
     traffic = [store.read[r] + store.written[r] for r in range(world)]
-    figures = [results[r][1] for r in range(world) if results[r][1]]
-    return {"world": world, "tensors": len(shapes), "full_tensors": None, "seconds": seconds, "peaks": peaks,
+    figures = [results[r] for r in range(world) if results[r]]
+    return {"world": world, "tensors": len(shapes), "full_tensors": None, "seconds": list(seconds.values()), "peaks": peaks,
             "traffic": traffic, "gets": [store.gets[r] for r in range(world)],
             "pieces": sum(len(h.held) for layout in layouts.values() for h in layout),
             "messages": max(f[0] for f in figures), "holders": max(f[1] for f in figures),
@@ -318,8 +320,8 @@ def row(case: Case, layers: int, r: dict, full: int) -> str:
             f"| {sum(traffic) * scale / 2**30:,.1f} GiB |")
 
 
-HEADER = ("| job | ranks | layers: tensors, source pieces | construction (slowest rank, CPU) | peak memory (of a "
-          "trainer and a server rank) | store traffic, most of a rank | store traffic, all ranks | store reads, most "
+HEADER = ("| job | ranks | layers: tensors, source pieces | construction (slowest rank, CPU) | peak memory (its "
+          "largest) | store traffic, most of a rank | store traffic, all ranks | store reads, most "
           "of a rank | messages / distinct holders, a server rank's busiest step | projected: construction "
           "| projected: peak memory | projected: traffic of a rank | projected: all traffic |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -329,10 +331,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="llama-405b,deepseek-v3,llama-70b-1024")
     parser.add_argument("--layers", type=int, default=1, help="decoder layers simulated (projected to the full depth)")
+    parser.add_argument("--divide", type=int, default=1, help="fewer ranks: FSDP and replicas divided by this")
     args = parser.parse_args()
     print(HEADER)
     for name in args.cases.split(","):
         case = CASES[name]
+        if args.divide > 1:
+            case = replace(case, name=f"{case.name} / {args.divide}", fsdp=max(1, case.fsdp // args.divide),
+                           replicas=max(1, case.replicas // args.divide))
         layers = min(args.layers, case.full_layers)
         if case.model == "deepseek-v3":
             layers = max(layers, 4)  # the first MoE layer is the fourth
