@@ -199,12 +199,12 @@ class Summary:
 
     pairs: dict[int, str]
     layers: tuple[str, ...]
-    columns: tuple[array, ...]  # window, source, nbytes, itemsize, layer (an index in `layers`)
+    columns: tuple[array, ...]  # window, source, nbytes, itemsize, layer (its index in `layers`)
 
     @classmethod
     def of(cls, target: int, requests: list[Request]) -> "Summary":
         layers: dict[str, int] = {}
-        columns = (array("q"), array("q"), array("q"), array("q"), array("q"))
+        columns = (array("i"), array("i"), array("q"), array("B"), array("i"))  # 4, 4, 8, 1, 4 bytes
         for r in requests:
             layer = layers.setdefault(layer_of(r.key.rpartition("@")[0]), len(layers))
             for column, value in zip(columns, (r.step, r.source, r.nbytes, r.itemsize, layer)):
