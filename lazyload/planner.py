@@ -290,11 +290,7 @@ def _reads(targets: list[TargetPlan], items: list[ReadItem], whole: dict[str, in
     """The reader, the targets left as views of the file mapping, the schedule and the byte
     budget, checked against what must be held at once."""
     whole_host = whole if device.type == "cpu" else {}  # on a GPU the conversions run there
-    if whole_host and options.max_host_bytes is not None and options.max_host_bytes < max(whole_host.values()):
-        name = max(whole_host, key=whole_host.get)  # conversions run on whole sources: they hold them all
-        raise PlanError(f"max_host_bytes={options.max_host_bytes} is smaller than what {name} needs "
-                        f"({whole_host[name]} bytes): its conversion runs on its whole source tensors; raise it to "
-                        "at least that.")
+    check_conversions(whole_host, options.max_host_bytes)
     dest_bytes = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in targets)
     release_pages = options.release_pages or (not preview and must_release_pages(
         items, dest_bytes if device.type == "cpu" else 0, world))
@@ -308,6 +304,16 @@ def _reads(targets: list[TargetPlan], items: list[ReadItem], whole: dict[str, in
     budget = byte_budget(copy_groups, options.max_host_bytes, max(whole_host.values(), default=0))
     return dict(reader=reader, release_pages=release_pages, views=views, groups=groups, copy_groups=copy_groups,
                 budget=budget)
+
+
+def check_conversions(whole_host: dict[str, int], max_host_bytes: int | None) -> None:
+    """A conversion runs on its whole source tensors, held at once in host memory (`whole_host`:
+    target -> those bytes): a `max_host_bytes` smaller than one of them is a PlanError."""
+    if whole_host and max_host_bytes is not None and max_host_bytes < max(whole_host.values()):
+        name = max(whole_host, key=whole_host.get)
+        raise PlanError(f"max_host_bytes={max_host_bytes} is smaller than what {name} needs "
+                        f"({whole_host[name]} bytes): its conversion runs on its whole source tensors; raise it to "
+                        "at least that.")
 
 
 def byte_budget(groups: list[Group], max_host_bytes: int | None, floor: int = 0) -> int:

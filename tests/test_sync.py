@@ -221,8 +221,9 @@ def _fault(rank):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = _trainer(mesh["x"]) if rank < 2 else None
     server = _meta_server() if rank >= 2 else None
+    # a trainer rank's budget holds both servers' steps: each server's step 0 completes tensors
     sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server else None,
-                               rank_timeout=5, max_host_bytes=40_000)
+                               rank_timeout=5, max_host_bytes=40_000 if server else 80_000)
     assert sync.routes.steps > 2
     dist.barrier()  # every rank constructed: the construction's keys are gone from the store
     keys = [f"{sync._prefix}/{stage}/{r}" for stage in ("layout", "planned") for r in range(4)]
@@ -368,7 +369,8 @@ def _loaded_quantized(directory, dtype, quantize, rank, ptrs):
 
 def _quantized(rank, directory, dtype, loaded=False):
     """quantize= on the way: each server rank's 8-bit data and scales equal those of
-    load_into(quantize=...) from a checkpoint of the trainer's weights. `loaded`: into a
+    load_into(quantize=...) from a checkpoint of the trainer's weights, though the sync cuts
+    the items larger than max_host_bytes (on whole scale blocks). `loaded`: into a
     server quantized by load_into already, its layers' data and scales kept in place."""
     import lazyload
     from safetensors.torch import save_file
@@ -377,7 +379,9 @@ def _quantized(rank, directory, dtype, loaded=False):
     arch = "llama-wide" if block else "llama"
     ptrs = {}
     make = _loaded_quantized(directory, dtype, quantize, rank, ptrs) if loaded else None
-    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, make, quantize=quantize)
+    # under max_host_bytes: items cut, FP8 blocks' on whole 128-row blocks (each trainer rank serves both servers)
+    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, make, quantize=quantize,
+                                                         max_host_bytes=140_000 if block else 6_000)
     full, path = _full(trainer), f"{directory}/{dtype}{'-loaded' if loaded else ''}.safetensors"
     if rank == 0:
         save_file({n: t.contiguous() for n, t in full.items()}, path)
@@ -611,7 +615,7 @@ def _digests_differ(rank, world):
         target = torch.nn.Linear(4, 8, bias=False)
     routes_for = weight_sync.routes_for
     if rank == 3:
-        weight_sync.routes_for = lambda me, wanted: dataclasses.replace(routes_for(me, wanted), digest="0" * 16)
+        weight_sync.routes_for = lambda *args: dataclasses.replace(routes_for(*args), digest="0" * 16)
     try:
         with pytest.raises(lazyload.RankFailedError) as caught:
             lazyload.WeightSync(source={"weight": torch.ones(8, 4)} if rank == 0 else None, target=target,
@@ -620,6 +624,64 @@ def _digests_differ(rank, world):
         weight_sync.routes_for = routes_for
     assert list(caught.value.ranks) == [3] and "same lazyload version" in str(caught.value)
     assert target.weight.is_meta
+
+
+def _budgets(rank, world):
+    """Rank 0's state dict into a TP-4 server on every rank: rank 0 sends to three target
+    ranks (and copies its own slices). Under max_host_bytes, in every step each rank packs
+    (summed over the targets it sends to) and receives at most its budget, as routed and as
+    allocated. Then a budget under the largest items, smaller on rank 0 than on the others:
+    those items are cut to rank 0's, and every sync lands exact. A budget of 0 is refused."""
+    import lazyload
+    import lazyload.sync.transfer as transfer
+    from lazyload.sync.routes import packed_offsets
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(1)
+    source = _model().state_dict() if rank == 0 else None
+    server = _meta_server()
+    with pytest.raises(lazyload.LazyLoadError) as caught:  # a budget that is not a positive integer, on rank 1
+        lazyload.WeightSync(source=source, target=server, target_mesh=mesh, max_host_bytes=0 if rank == 1 else None,
+                            rank_timeout=30)
+    assert isinstance(caught.value, lazyload.ArgumentError if rank == 1 else lazyload.RankFailedError), caught.value
+    assert rank != 1 or "max_host_bytes must be a positive integer" in str(caught.value)
+    assert all(t.is_meta for t in server.state_dict().values())
+    at, allocated, step, buffer = [0], {}, transfer._step, transfer.message_buffer
+
+    def stepping(routes, ends, moved, number):
+        at[0] = number
+        return step(routes, ends, moved, number)
+
+    def allocating(nbytes, ends):
+        allocated[at[0]] = allocated.get(at[0], 0) + nbytes
+        return buffer(nbytes, ends)
+    transfer._step, transfer.message_buffer = stepping, allocating
+    try:
+        for budget, cut in ((40_000, None), (6_000 if rank == 0 else 10_000, 6_000)):
+            sync = lazyload.WeightSync(source=source, target=server, target_mesh=mesh, max_host_bytes=budget,
+                                       rank_timeout=60)
+            for _ in range(2):
+                if rank == 0:
+                    with torch.no_grad():
+                        for tensor in source.values():
+                            tensor.mul_(-1)
+                allocated.clear()
+                sync()
+                full = [source]
+                dist.broadcast_object_list(full, src=0)
+                _check_exact(sync, server, full[0])
+                assert max(allocated.values()) <= budget, (budget, allocated)
+            packed = [sum(packed_offsets([(sync.index[r.key].dtype, r.box) for r in requests])[1]
+                          for requests in by_target.values()) for by_target in sync.routes.sends.values()]
+            assert max(packed, default=0) <= budget, (budget, packed)
+            if rank == 0 and cut is None:
+                assert max(map(len, sync.routes.sends.values())) == 3  # a step sends to every other rank
+            if cut is not None:  # items cut to the sender's budget, from tensors larger than it
+                assert max(item.nbytes for item in sync.items) <= cut
+                assert max(math.prod(t.local_shape) * 4 for t in sync.load_plan.targets) > 2 * cut
+    finally:
+        transfer._step, transfer.message_buffer = step, buffer
 
 
 def _half_rows(full: dict, half: int) -> list:
@@ -754,7 +816,7 @@ def _run_case(case, rank, world):
 # cases that take the rank and the job's world, by name
 _WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatched": _mismatched, "recast": _recast,
                     "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size,
-                    "own-group": _own_group, "copies": _copies, "nccl-retry": _nccl_retry}
+                    "own-group": _own_group, "copies": _copies, "budgets": _budgets, "nccl-retry": _nccl_retry}
 
 
 def test_sync(tmp_path):
@@ -763,7 +825,7 @@ def test_sync(tmp_path):
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault", "nccl-retry", "recast", "replica-groups", "store-size",
-             "digests-differ", "own-group", "copies"]
+             "digests-differ", "own-group", "copies", "budgets"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 
@@ -798,7 +860,7 @@ def test_copies_chosen_per_target():
         """The requests of target `tp` of a TP-`world` server, the copies as the planner picks them."""
         rows = (8 // world * tp, 8 // world * (tp + 1))
         keys = [k for name in names for k in index.for_rank(tp, world).expr(name).keys()]
-        return [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box])) for k in keys
+        return [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box]), 4) for k in keys
                 if pieces[k].name == "norm" or rows[0] <= pieces[k].held.box[0][0] < rows[1]]
 
     def sources(requests):
@@ -894,10 +956,110 @@ def test_sync_rank_dies(tmp_path):
     spawn_collecting(_dying_worker, (4, str(tmp_path / "pg")), 4, timeout=300)
 
 
+def test_cut_items_land_exact():
+    """An item larger than the sync's step budget is cut into parts that fill the destination
+    exactly as the whole item does: a transposed item (its source's dim 0 lands on the
+    quantized input dim) on whole scale groups, a plain one on any row. A budget under one
+    group is a PlanError saying how much to allow."""
+    import lazyload
+    from lazyload.headers import TensorEntry
+    from lazyload.placer import TensorDest
+    from lazyload.plan import ReadItem
+    from lazyload.quant.onload import Grid, QuantizedDest
+    from lazyload.sync.split import cut_item
+
+    torch.manual_seed(0)
+    source = torch.randn(96, 8)  # stored [in, out], transposed into an [out, in] weight
+    item = ReadItem(TensorEntry("rank 0", "w@0.0", torch.float32, (96, 8), 0, source.nbytes), ((0, 96), (0, 8)),
+                    (("transpose", 0, 1),), "w", ((0, 8), (0, 96)))
+
+    def placed(dest, items):
+        for part in items:
+            dest.place(part, source[tuple(slice(a, b) for a, b in part.src_box)])
+        return dest
+
+    def quantized():
+        return QuantizedDest(torch.zeros(8, 96, dtype=torch.int8), torch.zeros(8, 3), 32)
+
+    parts = cut_item(item, 1100, Grid(32))  # 34 rows of 32 bytes fit: cut at 32, one scale group each
+    assert [(p.src_box[0], p.dst_box[1]) for p in parts] == [((0, 32), (0, 32)), ((32, 64), (32, 64)),
+                                                               ((64, 96), (64, 96))]
+    whole, cut = placed(quantized(), [item]), placed(quantized(), parts)
+    assert torch.equal(whole.data, cut.data) and torch.equal(whole.scale, cut.scale)
+    plain = cut_item(item, 1100)  # full precision: 34 rows a part
+    assert [p.src_box[0] for p in plain] == [(0, 34), (34, 68), (68, 96)]
+    assert torch.equal(placed(TensorDest(torch.zeros(8, 96)), plain).tensor, source.T)
+    with pytest.raises(lazyload.PlanError, match="at least 1024"):
+        cut_item(item, 1000, Grid(32))
+
+
+def test_steps_within_every_budget():
+    """The sync's steps, process-free: a target rank's requests come in windows of at most
+    its budget, as its messages pack them (a bfloat16 box of odd length before a float32 one
+    takes 2 bytes of alignment); every rank computes the same steps from all of them, each
+    target's own order kept, a step holding one window of each target (so at most its
+    budget) and, summed over the targets it serves, at most each source's budget (by default
+    about one layer of what it sends). A request over its source's budget is a PlanError."""
+    import lazyload
+    from lazyload.headers import TensorEntry
+    from lazyload.plan import ReadItem
+    from lazyload.sync.layout import Held
+    from lazyload.sync.routes import Request, in_steps, packed_offsets, requests_of
+    from lazyload.sync.source_index import Piece
+
+    dtypes = {2: torch.bfloat16, 4: torch.float32}
+    pieces = {}
+
+    def item(source, layer, rows, dtype):
+        key = f"model.layers.{layer}.w{rows}@{source}.0"
+        pieces[key] = Piece(source, key.partition("@")[0], Held(((0, rows), (0, 3)), (0, 0)))
+        entry = TensorEntry(f"rank {source}", key, dtype, (rows, 3), 0, rows * 3 * dtype.itemsize)
+        return ReadItem(entry, ((0, rows), (0, 3)), (), key, ((0, rows), (0, 3)))
+
+    def packed(requests):  # (source, target) -> the bytes of their message
+        out = {}
+        for target, r in requests:
+            out.setdefault((r.source, target), []).append((dtypes[r.itemsize], r.box))
+        return {pair: packed_offsets(specs)[1] for pair, specs in out.items()}
+
+    # ranks 0-1 send to 2-4; rank 2 also copies boxes of its own (colocated)
+    budgets = {0: 700, 1: None, 2: 800, 3: 600, 4: 1000}
+    wanted = {t: requests_of([item(source, layer, rows + t, dtype) for layer in range(4) for source, rows, dtype in
+                              ((0, 33, torch.bfloat16), (1, 40, torch.float32), (0, 10, torch.float32),
+                               (t if t == 2 else 1, 7, torch.bfloat16))], pieces, budgets[t]) for t in (2, 3, 4)}
+    for target in (2, 3, 4):
+        windows = {r.step for r in wanted[target]}
+        assert len(windows) > 1
+        for window in windows:
+            assert sum(packed([(target, r) for r in wanted[target] if r.step == window]).values()) <= budgets[target]
+    stepped = in_steps({**wanted, 0: None, 1: None}, budgets)
+    window = {(t, r.key): r.step for t in (2, 3, 4) for r in wanted[t]}
+    sent_by_1 = {layer: sum(r.nbytes for t in (3, 4) for r in wanted[t] if r.source == 1
+                            and r.key.startswith(f"model.layers.{layer}.")) for layer in range(4)}
+    steps = max(r.step for t in (2, 3, 4) for r in stepped[t]) + 1
+    for step in range(steps):
+        now = [(t, r) for t in (2, 3, 4) for r in stepped[t] if r.step == step]
+        sizes = packed(now)
+        assert sum(n for (s, t), n in sizes.items() if s == 0) <= budgets[0]
+        assert sum(n for (s, t), n in sizes.items() if s == 1) <= max(sent_by_1.values())  # rank 1's default
+        for target in (2, 3, 4):  # one window a step
+            assert len({window[target, r.key] for t, r in now if t == target}) <= 1
+    for target in (2, 3, 4):
+        assert [(r.key, r.box) for r in stepped[target]] == [(r.key, r.box) for r in wanted[target]]
+    assert steps > max(r.step for t in (2, 3, 4) for r in wanted[t]) + 1  # rank 0's budget binds
+    # 3 bfloat16 then 1 float32: 6 + 4 bytes, but 12 packed in one message (aligned): over a budget of 10
+    tight = in_steps({2: [Request(0, 0, "a@0.0", ((0, 3),), 2), Request(0, 0, "b@0.0", ((0, 1),), 4)], 0: None},
+                     {0: 10, 2: 100})
+    assert [r.step for r in tight[2]] == [0, 1]
+    with pytest.raises(lazyload.PlanError, match="exceeds the step budget"):
+        in_steps({2: [Request(0, 0, "c@0.0", ((0, 100),), 4)], 0: None}, {0: 200, 2: None})
+
+
 def test_box_target_over_a_group_of_its_own():
     """A one-process group of its own (no init_process_group): WeightSync needs its store; a
-    BoxTarget receives exactly its boxes (copied locally here); a box no source holds, or
-    outside the source's shape, is an error naming the tensor before any byte moves."""
+    BoxTarget receives exactly its boxes (copied locally here), a box larger than
+    max_host_bytes cut; a box no source holds, or outside the source's shape, is an error
+    naming the tensor before any byte moves."""
     from datetime import timedelta
 
     import lazyload
@@ -923,6 +1085,12 @@ def test_box_target_over_a_group_of_its_own():
     assert torch.equal(target.received("w", ((2, 5), (1, 3))), source["w"][2:5, 1:3])
     with pytest.raises(lazyload.ArgumentError, match="'w' box"):
         target.received("w", ((0, 1), (0, 4)))
+    group, store = group_of_its_own()  # a box of 24 bytes under max_host_bytes=16: cut into rows of 2 and 1
+    cut = BoxTarget([("w", ((2, 5), (1, 3)))])
+    sync = lazyload.WeightSync(source=source, target=cut, group=group, store=store, rank_timeout=30,
+                               max_host_bytes=16)
+    assert [item.src_box[0] for item in sync.items] == [(2, 4), (4, 5)]
+    assert sync().bytes_local == 24 and torch.equal(cut.received("w", ((2, 5), (1, 3))), source["w"][2:5, 1:3])
     for boxes, message in (([("nope", ((0, 1),))], "'nope', which no source rank holds"),
                            ([("w", ((0, 7), (0, 4)))], r"box \[\(0, 7\), \(0, 4\)\] of 'w'")):
         group, store = group_of_its_own()

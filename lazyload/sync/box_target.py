@@ -5,7 +5,7 @@ allocated once and refilled by each sync; the engine then copies from those (`re
 so a failed sync leaves the engine's weights as they were."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -13,9 +13,10 @@ from ..errors import ArgumentError
 from ..expr import Box, box_shape
 from ..index import CheckpointIndex
 from ..placer import TensorDest, with_whole
-from ..plan import plan_boxes
+from ..plan import ReadItem, plan_boxes
 from ..planner import byte_budget
 from ..schedule import schedule
+from .split import cut_item
 
 
 class BoxTarget:
@@ -27,14 +28,17 @@ class BoxTarget:
         self.boxes = list(dict.fromkeys((name, tuple(tuple(span) for span in box)) for name, box in boxes))
         self.values: dict[tuple[str, Box], torch.Tensor] = {}
 
-    def plan(self, index: CheckpointIndex, max_host_bytes: int | None) -> tuple[list, dict, int]:
+    def plan(self, index: CheckpointIndex, max_host_bytes: int | None,
+             limit_of: Callable[[ReadItem], int | None] = lambda item: None) -> tuple[list, dict, int]:
         """(read items in layer order, their destinations, the byte budget) over the sources'
-        index; a box that no source holds is an ArgumentError naming it, before any byte moves."""
+        index, each item larger than `limit_of(item)` bytes cut (`split.cut_item`); a box that
+        no source holds is an ArgumentError naming it, before any byte moves."""
         for name, box in self.boxes:
             _check_box(index, name, box)
         wanted = {f"{name}#{k}": (name, box, index.dtype(name))
                   for k, (name, box) in enumerate(self.boxes)}
         exprs, plans, items = plan_boxes(index, wanted)
+        items = [part for item in items for part in cut_item(item, limit_of(item))]
         groups = schedule(items)
         self.values = {(name, box): torch.empty(box_shape(box), dtype=dtype) for name, box, dtype in wanted.values()}
         dests = {t: TensorDest(self.values[name, box]) for t, (name, box, _) in wanted.items()}

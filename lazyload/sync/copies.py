@@ -82,5 +82,5 @@ def _step(target: int, requests: list[Request], copies: dict, served: Counter, l
             served[box, source] += 1
             load[source] += box_numel(request.box)
         if source != request.source:
-            out[i] = Request(request.step, source, held[source], request.box)
+            out[i] = Request(request.step, source, held[source], request.box, request.itemsize)
     return out

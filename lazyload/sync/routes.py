@@ -1,17 +1,23 @@
 """The sync plan: which boxes move between which ranks, and when, computed once from
-metadata (every target rank's read items, exchanged at construction). A target rank's items
-are cut, in layer order, into steps of at most its byte budget; at step k every rank posts
-all its sends and receives of step k, then waits for them, so that no pair can deadlock and
-a target holds at most one step's bytes in flight."""
+metadata (every target rank's read items, exchanged at construction). Each rank's
+`max_host_bytes` (default about one layer of its traffic) bounds its bytes per step on each
+side: a target rank's requests come in windows of at most its budget (`requests_of`), and
+a step holds at most one window of each target; a source rank's packed messages of a step,
+summed over the targets it sends to, stay within its budget (`in_steps`, the same on every
+rank from the same requests). At step k every rank posts all its sends and receives of
+step k, then waits for them, so that no pair can deadlock."""
 from __future__ import annotations
 
 import hashlib
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import PlanError
 from ..expr import Box, box_numel, box_shape
+from ..schedule import layer_of
 from .source_index import Piece
 
 
@@ -23,19 +29,104 @@ class Request:
     source: int
     key: str
     box: Box
+    itemsize: int  # of the stored key's dtype
+
+    @property
+    def nbytes(self) -> int:
+        return box_numel(self.box) * self.itemsize
 
 
 def requests_of(items: list, pieces: dict[str, Piece], budget: int) -> list[Request]:
-    """A target rank's requests, one per read item (in `items`' order, layer by layer): steps
-    of at most `budget` bytes (a larger item alone)."""
-    out, step, held = [], 0, 0
+    """A target rank's requests, one per read item (in `items`' order, layer by layer), their
+    `step` the window they fall in: windows of at most `budget` bytes as its messages pack
+    them (a larger item alone). `in_steps` turns windows into steps."""
+    out, window, held, ends = [], 0, 0, {}
     for item in items:
-        nbytes = item.nbytes
-        if held and held + nbytes > budget:
-            step, held = step + 1, 0
-        held += nbytes
-        out.append(Request(step, pieces[item.entry.key].rank, item.entry.key, item.src_box))
+        source, itemsize = pieces[item.entry.key].rank, item.entry.itemsize
+        nbytes = box_numel(item.src_box) * itemsize
+        grow = packed_growth(ends.get(source, 0), nbytes, itemsize)
+        if held and held + grow > budget:
+            window, held, ends, grow = window + 1, 0, {}, nbytes
+        held += grow
+        ends[source] = ends.get(source, 0) + grow
+        out.append(Request(window, source, item.entry.key, item.src_box, itemsize))
     return out
+
+
+def packed_growth(end: int, nbytes: int, itemsize: int) -> int:
+    """The bytes a box of `nbytes` adds to a message of `end` bytes (`packed_offsets`)."""
+    return -(-end // itemsize) * itemsize + nbytes - end
+
+
+def source_budgets(queues: dict[int, list[Request]], sizes: dict[int, list[int]],
+                   max_host_bytes: dict[int, int | None]) -> dict[int, int]:
+    """Each source rank's bytes per step (messages packed), from every target's requests and
+    their `sizes`: its `max_host_bytes`, else about one layer of what it sends, never less
+    than its largest request (as a load's default budget)."""
+    sending: dict[int, int] = {}  # source -> its largest request, then its largest layer
+    sent: dict[tuple[int, str], int] = {}  # (source, layer) -> bytes
+    layers: dict[str, str] = {}  # stored key -> its tensor's layer
+    for target, requests in queues.items():
+        for r, nbytes in zip(requests, sizes[target]):
+            if r.source == target:
+                continue
+            layer = layers.get(r.key)
+            if layer is None:
+                layer = layers[r.key] = layer_of(r.key.rpartition("@")[0])
+            sent[r.source, layer] = sent.get((r.source, layer), 0) + nbytes
+            sending[r.source] = max(sending.get(r.source, 0), nbytes)
+    for (source, layer), nbytes in sent.items():
+        if layer:  # outside numbered layers (embeddings, head): only the largest request counts
+            sending[source] = max(sending[source], nbytes)
+    return {r: max_host_bytes.get(r) or b for r, b in sending.items()}
+
+
+def in_steps(wanted: dict[int, list[Request] | None],
+             max_host_bytes: dict[int, int | None]) -> dict[int, list[Request] | None]:
+    """`wanted` with the steps every rank runs. Step by step, the target ranks take their
+    next request in turn (one each round, each in its own order, the first turn rotating),
+    each from one window a step (`requests_of`: the target's budget), while the step's
+    packed bytes of the request's source stay within its budget (`source_budgets`): a source's
+    budget is shared by the targets it serves, and a window whose sources are busy spreads
+    over several steps. No request exceeds its source's budget (targets cut larger items),
+    so every step takes one."""
+    queues = {t: q for t, q in sorted(wanted.items()) if q}
+    sizes = {t: [r.nbytes for r in q] for t, q in queues.items()}
+    sending = source_budgets(queues, sizes, max_host_bytes)
+    taken = dict.fromkeys(queues, 0)
+    out: dict[int, list[Request]] = {t: [] for t in queues}
+    step, active = 0, list(queues)
+    while active:
+        window: dict[int, int] = {}  # target -> the window it takes from this step
+        packed: dict[int, int] = {}  # source -> bytes of its messages this step
+        ends: dict[tuple[int, int], int] = {}  # (source, target) -> their message's bytes so far
+        first, took = step % len(active), 0  # each step's first turn to the next target: budgets shared fairly
+        turns = deque(active[first:] + active[:first])  # the targets that may still take a request this step
+        while turns:
+            target = turns.popleft()
+            i = taken[target]
+            r = queues[target][i]
+            if window.setdefault(target, r.step) != r.step:
+                continue
+            if r.source != target:
+                end = ends.get((r.source, target), 0)
+                grow = packed_growth(end, sizes[target][i], r.itemsize)
+                if packed.get(r.source, 0) + grow > sending[r.source]:
+                    continue
+                packed[r.source], ends[r.source, target] = packed.get(r.source, 0) + grow, end + grow
+            out[target].append(Request(step, r.source, r.key, r.box, r.itemsize))
+            taken[target], took = i + 1, took + 1
+            if i + 1 < len(queues[target]):
+                turns.append(target)
+        if not took:
+            t = active[first]
+            r = queues[t][taken[t]]
+            raise PlanError(f"WeightSync: {r.key} ({r.nbytes} bytes, rank {r.source} to rank {t}) exceeds the step "
+                            f"budget of rank {r.source} ({sending.get(r.source)}): every rank must run the same "
+                            "lazyload version.")
+        active = [t for t in active if taken[t] < len(queues[t])]
+        step += 1
+    return {**wanted, **out}
 
 
 @dataclass(frozen=True)
@@ -52,9 +143,10 @@ class Routes:
     digest: str
 
 
-def routes_for(me: int, wanted: dict[int, list[Request] | None]) -> Routes:
+def routes_for(me: int, wanted: dict[int, list[Request] | None], max_host_bytes: dict[int, int | None]) -> Routes:
     """This rank's routes, from every target rank's requests (`wanted`: global rank -> its
-    requests, None for a rank that holds no target)."""
+    requests, None for a rank that holds no target) and every rank's `max_host_bytes`."""
+    wanted = in_steps(wanted, max_host_bytes)
     sends: dict[int, dict[int, list[Request]]] = {}
     receives: dict[int, dict[int, list[int]]] = {}
     local: dict[int, list[int]] = {}

@@ -18,14 +18,14 @@ from ..executor import allocate_destinations, assign_loaded, make_parallel, swap
 from ..mapping import KeyMap
 from ..mesh import ranks_of
 from ..placer import with_whole
-from ..planner import LoadOptions, LoadPlan, plan_load
+from ..planner import LoadOptions, LoadPlan, check_conversions, plan_load
 from ..quant.onload import Quantization
 from ..quant.targets import scale_names
 from ..placer import allocate
 from ..targets import model_slots
 from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers, refuse_unsupported_holders
 from ..stored import StoredCheckpoint
-from .copies import choose_copies
+from .copies import choose_copies, copies_of
 from .gather import Gather, construction
 from ..targets import local_tensor
 from .layout import SourceTensor, source_layout, source_tensors
@@ -33,6 +33,7 @@ from .routes import Request, Routes, requests_of, routes_for
 from .source_index import source_index
 from .box_target import BoxTarget
 from .peers import NcclLink, Peers
+from .split import split_plan
 from .transfer import Ends, Moved, message_buffer, transfer, wait_on_device
 
 
@@ -112,7 +113,9 @@ class WeightSync:
       Or a `BoxTarget`: the boxes of each tensor an engine's own weight loaders copy (a vLLM
       worker, `integrations.vllm_update`), received into host tensors it reads from.
     - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel); `quantize`,
-      `dtype`, `plan`, `key_map`, `device`, `max_host_bytes`: as `load_into`'s.
+      `dtype`, `plan`, `key_map`, `device`: as `load_into`'s.
+    - `max_host_bytes`: this rank's bytes per step as a target (received) and as a source
+      (packed, for all its targets), default about one layer; larger items are cut.
     - `group`: a group of torch.distributed's world (default: the default group), or a
       process group of its own, `ProcessGroupGloo(store, rank, size)`, made between
       processes that each have another default group (a trainer's and vLLM's workers'),
@@ -141,9 +144,10 @@ class WeightSync:
         gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
         self._prefix = gather.prefix
         layouts = gather.run("layout", self._layout)
-        self.index, self.pieces = source_index({r: v for r, v in layouts.items() if v is not None})
+        self.index, self.pieces = source_index({r: v for r, (v, _) in layouts.items() if v is not None})
+        self._max_host_bytes = {r: b for r, (_, b) in layouts.items()}  # every rank's: they bound the steps
         wanted = choose_copies(gather.run("planned", self._plan_target), self.pieces)
-        self.routes: Routes = routes_for(self.rank, wanted)
+        self.routes: Routes = routes_for(self.rank, wanted, self._max_host_bytes)
         _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
         gather.close(("layout", "planned", "agreed"))
         self.plan_seconds = time.perf_counter() - started
@@ -161,18 +165,22 @@ class WeightSync:
         self._link = (NcclLink(self.peers, store, self._prefix, rank_timeout)
                       if self.peers.backend == "nccl" else None)
 
-    def _layout(self) -> list | None:
-        """This rank's source boxes (None: no source here); they are kept, to check at each
-        sync that the source still holds the shards the plan was made for."""
+    def _layout(self) -> tuple[list | None, int | None]:
+        """This rank's source boxes (None: no source here), kept to check at each sync that
+        the source still holds the shards the plan was made for; and its `max_host_bytes`."""
+        budget = self._options.max_host_bytes
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise ArgumentError(f"WeightSync: max_host_bytes must be a positive integer (bytes per step), got "
+                                f"{budget!r}.")
         self._source_cuda = False
         if self.source is None:
             self._planned_layout: dict = {}
-            return None
+            return None, budget
         tensors = source_tensors(self.source)
         self._source_cuda = any(local_tensor(t).is_cuda for t in tensors.values())
         layout = source_layout(tensors)
         self._planned_layout = {s.name: s for s in layout}
-        return layout
+        return layout, budget
 
     def _source_now(self) -> dict:
         """The source's tensors now, each still the shard the plan was made for: the same
@@ -199,8 +207,10 @@ class WeightSync:
         if self.target is None:
             self.items: list = []
             return None
+        self._holders = {key: set(held) for key, (_, held) in copies_of(self.pieces).items()}  # for `_cut_at`
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
-            self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes)
+            self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes,
+                                                                   self._cut_at)
             return requests_of(self.items, self.pieces, budget)
         if self.target_mesh is None:
             raise ArgumentError("WeightSync(target=...) needs target_mesh=, the server ranks' DeviceMesh (1-D, "
@@ -209,12 +219,25 @@ class WeightSync:
         rank, world = ranks_of(self.target_mesh, 0, 1)
         refuse_unsupported_holders(self.target)
         layers = quantized_layers(self.target)  # loaded quantized already: planned as the full model
+        budget = self._options.max_host_bytes  # the sync's, per step (`routes`): items larger are cut, not refused
         with planned_as_full(self.target, layers, full_dtype(self.target, layers)):
-            self.load_plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world, self._options)
-            scales = scale_names(self.target, self.load_plan.quantized)
+            plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world,
+                             replace(self._options, max_host_bytes=None))
+            scales = scale_names(self.target, plan.quantized)
+        check_conversions(plan.whole if plan.device.type == "cpu" else {}, budget)
+        self.load_plan = split_plan(plan, self._cut_at)
         self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
         self.items = [item for group in self.load_plan.groups for item in group.items]
-        return requests_of(self.items, self.pieces, self.load_plan.budget)
+        return requests_of(self.items, self.pieces, budget or self.load_plan.budget)
+
+    def _cut_at(self, item) -> int | None:
+        """The bytes an item of this target may hold in one step: this rank's budget, and
+        unless it holds a copy itself, the budget of every source rank that may send it (the
+        copy is chosen later, `copies.py`). None: no limit (the defaults hold any item)."""
+        key = item.entry.key
+        holders = self._holders.get(key) or {self.pieces[key].rank}
+        budgets = [self._max_host_bytes[r] for r in {self.rank} | (set() if self.rank in holders else holders)]
+        return min((b for b in budgets if b is not None), default=None)
 
     def __call__(self) -> SyncReport:
         """One sync: every rank of the group calls it together. Returns this rank's report; a
