@@ -304,7 +304,7 @@ def _nccl_retry(rank, world):
     with pytest.MonkeyPatch.context() as patch:
         made = nccl_over_gloo(patch, gpu)
         sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server else None,
-                                   rank_timeout=20, max_host_bytes=40_000)
+                                   rank_timeout=60, max_host_bytes=40_000)
         assert sync.routes.steps > 2
         _check_exact_all(sync, trainer, server, sync())
         if trainer is not None:
