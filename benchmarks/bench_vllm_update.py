@@ -8,7 +8,8 @@ Runs in the vLLM venv (tests/in_vllm/run.sh makes one), from the clone:
 loads the checkpoint with load_format="lazyload"; two trainer processes (FSDP2 over a gloo
 group of their own, bf16 as the checkpoint) join one update group with the workers; each
 update is an optimizer step, then the update, timed by the engine's caller (the
-collective_rpc, the engine's reload included) and by the trainers (from their side:
+collective_rpc, started once the trainers' optimizer step is done: the transfer and the
+engine's reload; the reload alone apart) and by the trainers (from their side:
 their sync, or their all-gather plus sends). Both ways move the trainer's weights over the
 same gloo group (the tests check that lazyload's equals a fresh load: tests/in_vllm).
 
@@ -61,8 +62,10 @@ class BenchExtension:
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             group.recv([tensor], 0, FULL_TAG + k).wait()
             received.append((name, tensor))
+        started = time.perf_counter()
         self.reload_weights(weights_iterator=iter(received))
-        return {"bytes_received": sum(t.numel() * t.element_size() for _, t in received)}
+        return {"bytes_received": sum(t.numel() * t.element_size() for _, t in received),
+                "reload_seconds": time.perf_counter() - started}
 
 
 def _extension_classes():
@@ -106,6 +109,7 @@ def trainer(rank: int, path: str, ports: tuple[int, int], world: int, tensors: l
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        done.put(("stepped", rank))  # the engine starts its update (and its clock) now
         started = time.perf_counter()
         if way == "lazyload":
             sent = sync().bytes_sent
@@ -158,14 +162,16 @@ def main() -> None:
             way = "lazyload" if update % 2 == 0 else "full tensors"
             for _ in trainers:
                 go.put(way)
+            assert sorted(done.get(timeout=900) for _ in trainers) == [("stepped", r) for r in range(TRAINERS)]
             started = time.perf_counter()
             if way == "lazyload":
-                received = [r["bytes_received"] for r in update_engine(llm)]
+                replies = update_engine(llm)
             else:
-                received = [r["bytes_received"] for r in llm.collective_rpc("bench_full_update", args=(tensors,))]
+                replies = llm.collective_rpc("bench_full_update", args=(tensors,))
             seconds = time.perf_counter() - started
             sides = [done.get(timeout=900) for _ in trainers]
-            rows[way].append((seconds, max(s[2] for s in sides), received, sum(s[3] for s in sides)))
+            rows[way].append((seconds, max(s[2] for s in sides), [r["bytes_received"] for r in replies],
+                              sum(s[3] for s in sides), max(r["reload_seconds"] for r in replies)))
     finally:
         for _ in trainers:
             go.put(None)
@@ -175,14 +181,14 @@ def main() -> None:
                 process.kill()
     print(f"checkpoint {path}: {checkpoint_bytes / 2**20:.0f} MiB; TP {args.tp}; {TRAINERS} FSDP2 trainer ranks; "
           f"{args.updates} updates each way, alternating; {os.cpu_count()} CPUs\n")
-    print("| update | engine-side s (median) | trainer-side s (median) | MiB received per worker | "
-          "x the checkpoint | MiB sent by the trainers |")
-    print("|---|---|---|---|---|---|")
+    print("| update | engine-side s (median) | of which vLLM's reload s | trainer-side s (median) | MiB received "
+          "per worker | x the checkpoint | MiB sent by the trainers |")
+    print("|---|---|---|---|---|---|---|")
     for way, measured in rows.items():
         per_worker = " / ".join(f"{b / 2**20:.0f}" for b in measured[-1][2])
         share = max(measured[-1][2]) / checkpoint_bytes
         print(f"| {way} | {statistics.median(m[0] for m in measured):.2f} | "
-              f"{statistics.median(m[1] for m in measured):.2f} | {per_worker} | {share:.2f} | "
+              f"{statistics.median(m[4] for m in measured):.2f} | {statistics.median(m[1] for m in measured):.2f} | {per_worker} | {share:.2f} | "
               f"{measured[-1][3] / 2**20:.0f} |")
     lazy, full = (statistics.median(m[0] for m in rows[w]) for w in ("lazyload", "full tensors"))
     print(f"\nlazyload's update takes {lazy / full:.2f}x the frameworks' way's time (engine side)")

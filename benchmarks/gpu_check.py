@@ -33,6 +33,8 @@ are compared bit for bit.
 | host memory | (fresh process) peak anonymous memory (RssAnon, sampled every 2 ms) of the ~1.3 GB load, pread and mmap: grows by at most the budget + the bounce buffers + `--memory-slack-mib` (256) |
 | local rank | (fresh process, one GPU) LOCAL_RANK=0: two loads without `device=` land on cuda:0, no warning |
 | sync | (two fresh processes) `WeightSync` from a bf16 Llama on rank 0's GPU into a meta Llama on rank 1 (`device=` its GPU), two syncs with the weights changed between: bit-exact, on the GPU; NCCL with two GPUs, else gloo with both on one GPU (pinned host staging) |
+| sync nccl | (fresh process, one GPU) a 1-rank `WeightSync` over NCCL, colocated: its messages on a `ProcessGroupNCCL` of its own, a message to itself through it (waited for by a CUDA event) exact; a failed sync aborts it and the retry, on a fresh one, is exact |
+| sync failures | (two fresh processes, NCCL, a GPU each: "skipped: needs 2 GPUs" on one) the trainer raises mid-sync: both ranks `SyncError` (saying the retry uses a fresh communicator), the retry exact; then the trainer dies mid-sync (`os._exit`): the server raises `SyncError` naming it within about `rank_timeout`, its communicator aborted, instead of hanging until NCCL's watchdog kills it. CPU half: over gloo |
 
 `--cpu-smoke` (no CUDA needed; CI runs it): the same cases' CPU halves on tiny checkpoints,
 loaded to the CPU through the staging path (pread reader, direct reads off) against the same
@@ -877,7 +879,147 @@ def child_sync(run):
         dist.destroy_process_group()
 
 
-CHILDREN = {"sync": child_sync, "dtensor": child_dtensor, "device-index": child_device_index, "second-load": child_second_load,
+def sync_ranks(device, backend, rank, world, port):
+    """This process as rank `rank` of a `world`-rank job for a WeightSync check (a peer that
+    fails unexpectedly stops the others' collectives within two minutes)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+
+
+def synced_differences(server, trainer, src):
+    """The server's tensors against the trainer's (sent from rank `src`), bit for bit: a
+    collective, every rank calls it."""
+    import torch.distributed as dist
+
+    full = [{n: t.cpu() for n, t in trainer.state_dict().items()} if trainer is not None else None]
+    dist.broadcast_object_list(full, src=src)
+    got = server.state_dict() if server is not None else {}
+    return [f"{n} differs" for n, t in full[0].items() if server is not None and not torch.equal(bits(got[n]), bits(t))]
+
+
+def child_sync_nccl(run):
+    """A 1-rank WeightSync over NCCL on one GPU (a Llama into itself, colocated): its messages
+    on a communicator of its own (`NcclLink`, a fresh ProcessGroupNCCL whose first call is an
+    all-reduce), a message to itself through it arrives exact (waited for through a CUDA event
+    on this stream); a sync that fails aborts that communicator and the retry, on a fresh
+    one, is exact."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import lazyload
+    from lazyload.sync import transfer
+
+    device = torch.device("cuda", 0)
+    sync_ranks(device, "nccl", 0, 1, free_port())
+    try:
+        _, config = run.tiny("llama", "bf16")
+        trainer = build_model("llama", config, torch.bfloat16, empty=None).to(device)
+        server = build_model("llama", config, torch.bfloat16)
+        sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=init_device_mesh("cuda", (1,)),
+                                   rank_timeout=60)
+        sync()
+        link, problems = sync._link, []
+        first = link.comm
+        sent, received = torch.arange(1000, device=device).float(), torch.zeros(1000, device=device)
+        transfer.wait_on_device(link.post([(sent, 0)], [(received, 0)], 0), 60, lambda: None, "a message to itself")
+        problems += [] if torch.equal(sent, received) else ["the message to itself differs"]
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(1)
+        with patch.object(transfer, "_place", lambda *a: (_ for _ in ()).throw(RuntimeError("injected"))):
+            try:
+                sync()
+                problems.append("the injected failure did not fail the sync")
+            except lazyload.SyncError as exc:
+                problems += [] if "fresh communicator" in str(exc) else [f"the error says nothing of it: {exc}"]
+        problems += [] if link.comm is None and link.aborted == [first] else ["the communicator was not aborted"]
+        sync()
+        problems += [] if link.comm is not None and link.comm is not first else ["the retry did not get a fresh one"]
+        problems += synced_differences(server, trainer, 0)
+        return [row("sync nccl", "1-rank NCCL sync: own communicator, a message to itself, abort, fresh retry exact",
+                    problems, f"{len(link.aborted) + 1} communicators")]
+    finally:
+        dist.destroy_process_group()
+
+
+def child_sync_failures(run):
+    """One rank of a 2-rank WeightSync whose trainer fails: rank 0 the server (it hosts the
+    store), rank 1 the trainer, which raises in the middle of a sync (both ranks SyncError;
+    the retry exact: under NCCL on a fresh communicator), then dies in the middle of the
+    next (os._exit): the server raises SyncError naming it within about rank_timeout, its
+    communicator aborted, instead of hanging until NCCL's watchdog kills it. NCCL on a GPU
+    each; the CPU half over gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import lazyload
+    from lazyload.sync import transfer
+
+    rank, timeout = int(os.environ["SYNC_RANK"]), 10.0 if run.cuda else 3.0
+    device = torch.device("cuda", rank) if run.cuda else torch.device("cpu")
+    backend = "nccl" if run.cuda else "gloo"
+    sync_ranks(device, backend, rank, 2, os.environ["SYNC_PORT"])
+    _, config = run.tiny("llama", "bf16")
+    mesh = init_device_mesh(device.type, (2, 1), mesh_dim_names=("role", "tp"))["tp"]
+    trainer = build_model("llama", config, torch.bfloat16, empty=None).to(device) if rank == 1 else None
+    server = build_model("llama", config, torch.bfloat16) if rank == 0 else None
+    sizes = [t.nbytes for t in build_model("llama", config, torch.bfloat16).state_dict().values()]
+    budget = max(max(sizes), sum(sizes) // 4)  # several steps, each tensor fitting one
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh if server is not None else None,
+                               device=device if server is not None else None, rank_timeout=timeout,
+                               max_host_bytes=budget)
+    sync()
+    failing, packs, pack = {"how": "raise"}, [], transfer._pack
+
+    def failing_pack(requests, ends):  # the trainer's second message of a sync
+        packs.append(1)
+        if len(packs) == 2 and failing["how"] == "raise":
+            raise RuntimeError("injected: the trainer fails mid-sync")
+        if len(packs) == 2 and failing["how"] == "die":
+            print(ROWS + "[]", flush=True)
+            os._exit(0)  # no error, no goodbye
+        return pack(requests, ends)
+
+    problems = [] if sync.routes.steps > 2 else [f"{sync.routes.steps} steps: the failure would not be mid-sync"]
+    if trainer is not None:
+        transfer._pack = failing_pack
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(1)
+    try:
+        sync()
+        problems.append("the trainer's failure did not fail the sync")
+    except lazyload.SyncError as exc:
+        if backend == "nccl" and "fresh communicator" not in str(exc):
+            problems.append(f"the error does not say the retry runs on a fresh communicator: {exc}")
+    packs.clear()
+    failing["how"] = None
+    sync()  # the retry
+    problems += synced_differences(server, trainer, 1)
+    packs.clear()
+    failing["how"] = "die"
+    started = time.perf_counter()
+    try:
+        sync()
+        problems.append("the trainer's death did not fail the sync")
+    except lazyload.SyncError as exc:
+        seconds = time.perf_counter() - started
+        problems += [] if 1 in (exc.ranks or ()) else [f"the error does not name rank 1: {exc}"]
+        problems += [] if seconds < 2 * timeout + 15 else [f"raised after {seconds:.0f} s"]
+        problems += [] if backend != "nccl" or sync._link.comm is None else ["the communicator was not aborted"]
+    check = "trainer raises, retry exact; trainer dies, server raises in time"
+    rows = [row("sync failures", f"{backend}: {check}", problems, f"rank_timeout {timeout:g} s")]
+    print(ROWS + json.dumps(rows), flush=True)
+    os._exit(0)  # no teardown with a dead peer (NCCL's could wait for it)
+
+
+CHILDREN = {"sync": child_sync, "sync-nccl": child_sync_nccl, "sync-failures": child_sync_failures,
+            "dtensor": child_dtensor, "device-index": child_device_index, "second-load": child_second_load,
             "one-visible": child_one_visible, "memory": child_memory, "local-rank": child_local_rank}
 
 
@@ -937,9 +1079,30 @@ def case_sync(run):
                                     for rank in (0, 1)])
 
 
-CASES = (case_sync, case_reference, case_race, case_mixed, case_mmap, case_conversions, case_quantized, case_fp8_modules,
-         case_whole, case_remote, case_unpinned, case_in_place, case_fresh_processes, case_h2d, case_big_paths,
-         case_quantize_at_size, case_quantize_speed)
+def case_sync_failures(run):
+    """`child_sync_nccl` (one GPU) and the two ranks of `child_sync_failures` (NCCL needs a
+    GPU per rank: NCCL refuses two ranks of one communicator on one GPU), each a fresh
+    process; the CPU half: the second over gloo."""
+    run.tiny("llama", "bf16")
+    gpus = torch.cuda.device_count() if run.cuda else 0
+    check = "trainer raises, retry exact; trainer dies, server raises in time"
+    children, rows = [], []
+    if run.cuda:
+        children.append(("sync-nccl", {}, "sync nccl", "1-rank NCCL sync"))
+    else:
+        rows.append(skip("sync nccl", "1-rank NCCL sync: own communicator, abort, fresh retry", "needs CUDA (NCCL)"))
+    if run.cuda and gpus < 2:
+        rows.append(skip("sync failures", f"nccl: {check}", "skipped: needs 2 GPUs"))
+    else:
+        port = str(free_port())
+        children += [("sync-failures", {"SYNC_RANK": str(rank), "SYNC_PORT": port}, "sync failures", check)
+                     for rank in (0, 1)]
+    return in_fresh_processes(run, children) + rows
+
+
+CASES = (case_sync, case_sync_failures, case_reference, case_race, case_mixed, case_mmap, case_conversions,
+         case_quantized, case_fp8_modules, case_whole, case_remote, case_unpinned, case_in_place, case_fresh_processes,
+         case_h2d, case_big_paths, case_quantize_at_size, case_quantize_speed)
 
 
 def main():

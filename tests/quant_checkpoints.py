@@ -219,20 +219,25 @@ def write_ct_packed_checkpoint(src, dst, scheme: str, group_size: int | None = N
     """The full-precision checkpoint at `src` (save_pretrained) quantized and written by
     compressed-tensors' own code into `dst`: `scheme` a preset ("NVFP4": nvfp4-pack-quantized
     with a global scale and static input global scales; "W4A16": pack-quantized INT4, with
-    `group_size`) on every Linear but the head; the scales from its own observers' math
-    (`generate_gparam`, `compute_dynamic_scales_and_zp`), `ModelCompressor` packing the
+    `group_size`; "W8A8" / "FP8_DYNAMIC": int8 / float8 weights with per-channel scales,
+    dynamic per-token inputs) on every Linear but the head; the scales from its own
+    observers' math (`generate_gparam`, `compute_dynamic_scales_and_zp`, `calculate_qparams`), `ModelCompressor` packing the
     weights, save_pretrained writing several shards and `update_config` the config."""
+    from inspect import signature
+
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp, generate_gparam
+    from compressed_tensors.quantization.utils.helpers import (calculate_qparams, compute_dynamic_scales_and_zp,
+                                                                generate_gparam)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
     quant = preset_name_to_scheme(scheme, ["Linear"])
     if group_size is not None:
         quant.weights.group_size = group_size
+    quiet = {"show_progress": False} if "show_progress" in signature(apply_quantization_config).parameters else {}
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": quant}, ignore=["lm_head"]),
-                              show_progress=False)
+                              **quiet)  # compressed-tensors < 0.18 (vLLM's pin) has no show_progress
     with torch.no_grad():
         for module in model.modules():
             if getattr(module, "quantization_scheme", None) is None:
@@ -242,7 +247,11 @@ def write_ct_packed_checkpoint(src, dst, scheme: str, group_size: int | None = N
             if hasattr(module, "weight_global_scale"):  # NVFP4: the tensor's amax onto FP8 x FP4's range
                 glob = generate_gparam(w.float().amin(), w.float().amax())
                 module.weight_global_scale.copy_(glob)
-            scale, _ = compute_dynamic_scales_and_zp(w, module.quantization_scheme.weights, module, global_scale=glob)
+            args = module.quantization_scheme.weights
+            if args.strategy == "channel":  # its MinMax observer's per-row range (not a dynamic strategy)
+                scale, _ = calculate_qparams(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), args)
+            else:
+                scale, _ = compute_dynamic_scales_and_zp(w, args, module, global_scale=glob)
             module.weight_scale.copy_(scale)
             if hasattr(module, "input_global_scale"):  # as a calibration would leave it
                 module.input_global_scale.fill_(448.0 * 6.0 / 4.0)

@@ -15,7 +15,14 @@ the caller while CUDA stages it (after the stream's earlier work) and lands late
 division in queued work is CUDA's (`a * (1 / b)`, see `cuda_division`). Also kept: an event
 never recorded waits for nothing; `synchronize()` of an event made without `blocking=True`
 spins; a refused `cudaHostRegister` leaves the thread's last error set; timing events
-measure what ran on their stream between them (1 ns per byte copied)."""
+measure what ran on their stream between them (1 ns per byte copied).
+
+NCCL stands in on a gloo process group (`StandInNCCL`, installed by `nccl_over_gloo`) as
+NCCL behaves: its operations run on a stream of their own, in the order posted; tags are
+ignored (a peer's messages pair by order); `wait()` makes the caller's current stream wait
+and returns at once, so completion is seen only through an event recorded after it; its
+set-up blocks the host until every rank joins; `abort()` ends what is stuck on it. The
+weight sync's gloo jobs run under it (tests/test_sync.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -328,6 +335,144 @@ class StandInGPU:
         with self.lock:
             if any(a < hi and lo < a + n for a, n in self.in_flight):
                 self.problems.append("a staging range was freed while a copy from it was in flight")
+
+
+class StandInWork:
+    """An NCCL work: done when its stream reaches it; `wait()` does not block the host."""
+
+    def __init__(self, gpu: StandInGPU):
+        self.gpu, self.mark, self.error = gpu, Mark(), None
+
+    def wait(self, timeout=None) -> bool:
+        self.gpu.current().enqueue(self.mark.wait)  # the caller's current stream waits; the host goes on
+        return True
+
+    def is_completed(self) -> bool:
+        return self.mark.reached.is_set()
+
+    def exception(self):
+        return self.error
+
+
+class StandInNCCL:
+    """`ProcessGroupNCCL(store, rank, size, options)` on gloo (see the module doc). Over a
+    gloo process group of its own, made at the first operation (NCCL sets up its communicator
+    then, blocking the host until every rank joins), or `over` an existing one (a registered
+    group's, for `batch_isend_irecv`); peers are ranks in the group."""
+
+    class Options:
+        _timeout = None
+
+    def __init__(self, gpu: StandInGPU, store=None, rank: int = 0, size: int = 1, options=None, over=None):
+        self.gpu, self.store, self.size, self.gloo = gpu, store, size, over
+        self.me = rank if over is None else over.rank()
+        self.stream = gpu.stream()
+        self.batch: list | None = None
+        self.aborted = False
+
+    def _group(self):
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        if self.aborted:
+            raise RuntimeError("NCCL communicator was aborted")
+        if self.gloo is None:
+            self.gloo = dist.ProcessGroupGloo(self.store, self.me, self.size, timedelta(seconds=WAIT))
+        return self.gloo
+
+    def allreduce(self, tensors):
+        gloo = self._group()
+        return self._run(lambda: [gloo.allreduce(tensors)])
+
+    def _start_coalescing(self) -> None:
+        self.batch = []
+
+    def send(self, tensors, peer: int, tag: int) -> None:
+        self.batch.append(("send", tensors, peer))
+
+    def recv(self, tensors, peer: int, tag: int) -> None:
+        self.batch.append(("recv", tensors, peer))
+
+    def _end_coalescing(self) -> StandInWork:
+        gloo, batch, self.batch = self._group(), self.batch, None
+        # every message under one tag: a peer's sends and receives pair by order, as NCCL's do
+        return self._run(lambda: [getattr(gloo, op)(tensors, peer, 0) for op, tensors, peer in batch])
+
+    def _run(self, post) -> StandInWork:
+        """`post()`'s gloo operations, started and waited for on this communicator's stream
+        once the caller's current stream reached this point (NCCL's stream waits for it)."""
+        work, stream = StandInWork(self.gpu), self.stream
+        self.stream.enqueue(self.gpu.current().mark().wait)
+
+        def run():
+            try:
+                for each in post():
+                    each.wait()
+            except Exception as exc:  # the work failed (a closed pair, a size that differs)
+                work.error = exc
+            work.mark.reach(stream.clock)
+
+        self.stream.enqueue(run)
+        return work
+
+    def abort(self) -> None:
+        """What is pending ends (failed): a gloo wait that expires closes every pair of its
+        group, and the waits stuck on them raise; the peers' too (NCCL's abort is local: a
+        peer's kernels wait until it aborts its own, as every rank of a failed sync does)."""
+        from datetime import timedelta
+
+        self.aborted = True
+        if self.gloo is not None and self.size > 1:
+            try:
+                self.gloo.recv([torch.zeros(1)], (self.me + 1) % self.size, 1 << 30).wait(timedelta(milliseconds=1))
+            except RuntimeError:
+                pass
+
+
+def nccl_over_gloo(monkeypatch, gpu: StandInGPU) -> list[StandInNCCL]:
+    """The weight sync's NCCL path over the gloo groups of this process: every group reports
+    the backend "nccl", `ProcessGroupNCCL` and `batch_isend_irecv` are `StandInNCCL`'s (one per
+    registered group), CUDA events and streams `gpu`'s, and a message on "the device" is a
+    host tensor. Returns the communicators made, in order."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from lazyload.sync import peers, transfer, weight_sync
+
+    made: list[StandInNCCL] = []
+    of = peers.Peers.of
+    monkeypatch.setattr(peers.Peers, "of", classmethod(lambda cls, group: dataclasses.replace(of(group),
+                                                                                                backend="nccl")))
+
+    def process_group_nccl(store, rank, size, options=None):
+        made.append(StandInNCCL(gpu, store, rank, size, options))
+        return made[-1]
+
+    process_group_nccl.Options = StandInNCCL.Options
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", process_group_nccl, raising=False)
+    registered: dict = {}
+
+    def batch_isend_irecv(ops):
+        group = ops[0].group
+        if group not in registered:
+            registered[group] = StandInNCCL(gpu, over=group)
+        comm = registered[group]
+        comm._start_coalescing()
+        for op in ops:
+            (comm.send if op.op is dist.isend else comm.recv)([op.tensor], op.group_peer, op.tag)
+        return [comm._end_coalescing()]
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: Event(gpu, **kw))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: gpu.current())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def message_buffer(nbytes, ends):  # the device's memory, on the host
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(transfer, "message_buffer", message_buffer)
+    monkeypatch.setattr(weight_sync, "message_buffer", message_buffer, raising=False)
+    return made
 
 
 DIVISIONS = ((torch.Tensor, "__truediv__"), (torch.Tensor, "div"), (torch.Tensor, "true_divide"),
@@ -756,3 +901,63 @@ def test_quantize_on_load_is_the_same_under_cuda_division(monkeypatch, dtype):
     cuda_division(monkeypatch, lambda: True)
     got = quantized()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# --------------------------------------------------------------------------- NCCL over gloo
+
+
+def test_the_nccl_stand_in_pairs_by_order_waits_on_the_stream_and_aborts():
+    """Two ranks of `StandInNCCL` (threads of this process, a GPU each): set up by a first
+    collective both join; `wait()` returns before the peer has sent anything, and only an
+    event recorded after it tells when the messages are in; a peer's messages pair by
+    order, whatever their tags; `abort()` ends a receive that nothing will match, failed."""
+    import torch.distributed as dist
+
+    gpus = [StandInGPU(seed=rank) for rank in range(2)]
+    store = dist.HashStore()
+    comms = [StandInNCCL(gpu, store, rank, 2) for rank, gpu in enumerate(gpus)]
+    sums = [torch.ones(1), torch.ones(1)]
+    setup = [threading.Thread(target=comm.allreduce, args=([total],)) for comm, total in zip(comms, sums)]
+    for thread in setup:
+        thread.start()
+    for thread in setup:
+        thread.join(WAIT)
+
+    def posted(rank, ops):
+        """rank's (op, tensor, tag) to or from the other, one batch, waited for as NCCL's are."""
+        comm = comms[rank]
+        comm._start_coalescing()
+        for op, tensor, tag in ops:
+            getattr(comm, op)([tensor], 1 - rank, tag)
+        work = comm._end_coalescing()
+        work.wait()  # returns at once
+        done = Event(gpus[rank])
+        done.record()
+        return work, done
+
+    def completed(done) -> bool:
+        deadline = time.monotonic() + WAIT
+        while not done.query() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return done.query()
+
+    first, second = torch.zeros(3), torch.zeros(3)
+    _, received = posted(1, [("recv", first, 2), ("recv", second, 1)])
+    time.sleep(0.05)
+    assert not received.query()  # nothing sent yet: the host went on, the stream waits
+    _, sent = posted(0, [("send", torch.full((3,), 1.0), 1), ("send", torch.full((3,), 2.0), 2)])
+    assert completed(received) and completed(sent)
+    assert sums[0].item() == sums[1].item() == 2  # the set-up collective ran on each stream
+    assert first.tolist() == [1.0] * 3 and second.tolist() == [2.0] * 3  # by order: tags ignored
+
+    stuck, waiting = posted(1, [("recv", torch.zeros(3), 0)])
+    time.sleep(0.05)
+    assert not waiting.query()
+    comms[1].abort()
+    assert completed(waiting) and stuck.exception() is not None
+    for comm in comms:
+        comm.abort()
+    for gpu in gpus:
+        gpu.synchronize()
+        gpu.close()
+        assert gpu.problems == []

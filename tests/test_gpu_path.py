@@ -356,16 +356,16 @@ def test_gpu_check_without_cuda_says_so_and_exits_cleanly(tmp_path):
 def test_gpu_check_cpu_smoke_runs_its_cpu_halves(tmp_path):
     proc = gpu_check(tmp_path, "--cpu-smoke")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    cases = {line.split("|")[1].strip() for line in table[2:]}
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")][1:]  # the rows, not the header
+    cases = {line.split("|")[1].strip() for line in table}
     assert {"reference", "race", "mixed dtypes", "mmap", "conversions", "in place", "dtensor", "device index",
             "one visible GPU", "pinned", "h2d", "fp8 checkpoint", "quantize", "whole conversion", "remote",
             "second load", "unpinned", "quantize speed", "quantize at size", "host memory", "local rank",
-            "fp8 modules"} <= cases, cases
+            "fp8 modules", "sync", "sync failures", "sync nccl"} <= cases, cases
     assert all("| FAIL |" not in line for line in table)
-    ran = [line for line in table[2:] if "| PASS |" in line]
-    assert any(line.startswith("| host memory |") for line in ran) and any(line.startswith("| local rank |")
-                                                                          for line in ran)
+    ran = [line for line in table if "| PASS |" in line]
+    for case in ("host memory", "local rank", "sync", "sync failures"):  # CPU halves that ran
+        assert any(line.startswith(f"| {case} |") for line in ran), case
 
 
 # --------------------------------------------------------------------------- quantize into 128x128 blocks

@@ -120,6 +120,20 @@ def test_a_box_copied_again_is_counted(checkpoint):
     assert reads.totals.bytes_read == 3 * 8 * 4 * 4 and reads.totals.bytes_repeated == 8 * 4 * 4
 
 
+def test_copies_into_another_dtype_are_counted_by_path(checkpoint):
+    """The report's `casts`: stored bytes read into another dtype, by dtype path (a loader's
+    own `.to` in between); a copy into the stored dtype (a pre-quantized weight loaded as
+    stored) counts nothing."""
+    reads = BoxReads(checkpoint, ReadOptions())
+    w, b = reads.tensor("model.layers.0.w"), reads.tensor("model.layers.1.b")
+    torch.empty(8, 4).copy_(w[0])  # float32 as stored
+    torch.empty(12, dtype=torch.bfloat16).copy_(b[0])  # bfloat16 as stored
+    torch.empty(8, 4, dtype=torch.float16).copy_(w[1])
+    torch.empty(8, 4, dtype=torch.float16).copy_(w[2].to(torch.bfloat16))
+    reads.run()
+    assert reads.totals.casts == {"float32->float16": 8 * 4 * 4, "float32->bfloat16->float16": 8 * 4 * 4}
+
+
 def test_a_copy_of_another_shape_is_refused(checkpoint):
     reads = BoxReads(checkpoint, ReadOptions())
     with pytest.raises(ShapeMismatchError, match="model.layers.0.w"):

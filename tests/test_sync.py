@@ -286,6 +286,48 @@ def _fails_waiting(sync, rank, trainer, server):
     _check_exact_all(sync, trainer, server, sync())
 
 
+def _nccl_retry(rank, world):
+    """Under NCCL (stood in for on gloo, tests/test_cuda_harness.py: tags ignored, a wait
+    that does not block the host, completion seen only through CUDA events): trainer rank 0
+    fails mid-sync, its peers' sends and receives of that step left posted; every rank raises
+    a SyncError saying that the retry runs on a fresh communicator, its own aborted; the
+    retry completes on a fresh one, exact, and the stand-in GPU saw no fault."""
+    import lazyload
+    import lazyload.sync.transfer as transfer
+    from test_cuda_harness import StandInGPU, nccl_over_gloo
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = _trainer(mesh["x"]) if rank < 2 else None
+    server = _meta_server() if rank >= 2 else None
+    gpu = StandInGPU(seed=rank)
+    with pytest.MonkeyPatch.context() as patch:
+        made = nccl_over_gloo(patch, gpu)
+        sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server else None,
+                                   rank_timeout=60, max_host_bytes=40_000)
+        assert sync.routes.steps > 2
+        _check_exact_all(sync, trainer, server, sync())
+        if trainer is not None:
+            _step(trainer, torch.optim.SGD(trainer.parameters(), lr=0.1))  # the retry's bytes differ from the first's
+        if rank == 0:
+            pack, calls = transfer._pack, []
+
+            def failing(requests, ends):
+                calls.append(1)
+                if len(calls) == 3:  # once, in step 1: its peers posted theirs
+                    raise RuntimeError("injected: the trainer fails mid-sync")
+                return pack(requests, ends)
+            patch.setattr(transfer, "_pack", failing)
+        with pytest.raises(lazyload.SyncError, match="the retry runs on a fresh communicator"):
+            sync()
+        assert [comm.aborted for comm in made] == [True]
+        _check_exact_all(sync, trainer, server, sync())
+        assert [comm.aborted for comm in made] == [True, False]
+    gpu.synchronize()
+    gpu.close()
+    assert gpu.problems == []
+
+
 def _trainer_server(rank, arch="llama", make_server=None, **options):
     """FSDP2 over ranks 0-1, the server (TP 2, or `plan="ep"`) over ranks 2-3: built on meta,
     or by `make_server(arch, mesh)`."""
@@ -774,7 +816,7 @@ def _run_case(case, rank, world):
 # cases that take the rank and the job's world, by name
 _WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatched": _mismatched, "recast": _recast,
                     "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size,
-                    "own-group": _own_group, "copies": _copies, "budgets": _budgets}
+                    "own-group": _own_group, "copies": _copies, "budgets": _budgets, "nccl-retry": _nccl_retry}
 
 
 def test_sync(tmp_path):
@@ -782,7 +824,7 @@ def test_sync(tmp_path):
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
-             "uneven", "renamed", "mismatched", "fault", "recast", "replica-groups", "store-size",
+             "uneven", "renamed", "mismatched", "fault", "nccl-retry", "recast", "replica-groups", "store-size",
              "digests-differ", "own-group", "copies", "budgets"]
     spawn_cases(4, cases, tmp_path, _run_case)
 

@@ -3,8 +3,9 @@ read together, box by box, through lazyload's planner, schedule and readers.
 
 `BoxReads` is the sink of every `LazySource` of one load: `copy` records (checkpoint
 tensor, box, destination) and reads nothing; `run()` then reads every recorded box in layer
-order under the byte budget, casting into the destinations. `read` (an operation the
-geometry cannot record) reads a view whole at once and counts it as a fallback.
+order under the byte budget, casting into the destinations (`totals.casts` counts the bytes
+cast, by dtype path). `read` (an operation the geometry cannot record) reads a view whole
+at once and counts it as a fallback.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class ReadTotals:
     bytes_repeated: int = 0  # of those, boxes asked for again (an engine copying the same box twice)
     boxes: int = 0
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
+    casts: dict[str, int] = field(default_factory=dict)  # "int8->float32" (via a loader's cast: "a->b->c"): stored bytes
     reader: str = ""
     fields: dict[str, Any] = field(default_factory=dict)  # a remote reader's request counts, its unversioned files
 
@@ -133,8 +135,18 @@ class BoxReads:
         for c in copies:
             if c.via is not None:
                 c.dst.copy_(staged[id(c)])
+            self._count_cast(c)
         self.totals.bytes_read += reader.bytes_read
         self.totals.bytes_planned += sum(item.nbytes for item in items)
         self.totals.boxes += len(copies)
         self.totals.reader = reader_name(self.options.reader, device, self.checkpoint.remote)
         self.totals.add_fields(reader.report_fields())
+
+    def _count_cast(self, c: Copy) -> None:
+        """Count a copy whose stored dtype is not its destination's (a quantized weight that
+        should pass through as stored shows up here)."""
+        stored = self.checkpoint.index.dtype(c.name)
+        path = [stored] + ([c.via] if c.via is not None else []) + [c.dst.dtype]
+        if len(set(path)) > 1:
+            key = "->".join(str(d).removeprefix("torch.") for d in path)
+            self.totals.casts[key] = self.totals.casts.get(key, 0) + box_numel(c.box) * stored.itemsize

@@ -121,7 +121,9 @@ class WorkerReport:
     reload replays some loads), `header_bytes` of the checkpoint's headers, `read_syscall_bytes`
     what the worker process read through read()/pread() meanwhile (the kernel's count,
     not lazyload's: with reader "pread" about `bytes_read` + `header_bytes`), `fallbacks` (tensor, operation) read whole because a weight
-    loader did something no box records, `peak_rss`/`peak_anon` of the worker process."""
+    loader did something no box records, `casts` the bytes read into another dtype than
+    stored, by dtype path ("float8_e4m3fn->float32"; a pre-quantized weight that vLLM's
+    quantization method loads as stored has none), `peak_rss`/`peak_anon` of the worker process."""
 
     checkpoint: str
     rank: int
@@ -136,6 +138,7 @@ class WorkerReport:
     checkpoint_bytes: int = 0
     seconds: float = 0.0
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    casts: dict[str, int] = field(default_factory=dict)
     peak_rss: int = 0
     peak_anon: int = 0
     read_syscall_bytes: int | None = None  # the worker's read()/pread() bytes during the load (/proc/self/io rchar)
@@ -199,6 +202,7 @@ class Load:
                               bytes_repeated=totals.bytes_repeated,
                               header_bytes=index.header_bytes_read, checkpoint_bytes=index.total_bytes,
                               seconds=time.perf_counter() - self.started, fallbacks=list(totals.fallbacks),
+                              casts=dict(totals.casts),
                               peak_rss=self.memory.peak_rss, peak_anon=self.memory.peak_anon, reader=totals.reader,
                               read_syscall_bytes=None if self.rchar is None else read_syscall_bytes() - self.rchar,
                               remote=dict(totals.fields))

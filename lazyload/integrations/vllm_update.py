@@ -21,6 +21,7 @@ The received boxes stay in host memory between updates (the worker's share of th
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -103,8 +104,9 @@ class WorkerUpdate:
     def run(self, reload) -> dict:
         report = self.sync()  # a failure raises here: the weights untouched
         sink = Received(self.sync.target)
+        started = time.perf_counter()
         reload(received_weights(self.sync, sink))
-        return {**dataclasses.asdict(report), "fallbacks": sink.fallbacks}
+        return {**dataclasses.asdict(report), "fallbacks": sink.fallbacks, "reload_seconds": time.perf_counter() - started}
 
 
 class WeightUpdateExtension:

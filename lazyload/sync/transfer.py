@@ -6,9 +6,12 @@ load plan says); boxes a colocated rank holds itself are copied without the wire
 
 Every wait is bounded by `rank_timeout` and watched (`wait_polling`): a rank that fails
 announces it in the store, and the others stop waiting at once, leaving their sends and
-receives of that sync pending (kept alive, never waited for with a timeout: gloo closes a
-pair whose wait timed out, which would fail every later sync). A retry after a failed sync
-sends under a fresh tag (`sync_tag`), so that its messages never match the failed sync's."""
+receives of that sync pending. Over gloo they are kept alive, never waited for with a
+timeout (gloo closes a pair whose wait timed out, which would fail every later sync), and a
+retry sends under a fresh tag (`sync_tag`), so that its messages never match the failed
+sync's. NCCL ignores tags and its wait does not block the host: the wait is timed on the
+host through a CUDA event (`wait_on_device`), and a failed sync's communicator is aborted
+and the retry runs on a fresh one (`peers.NcclLink`)."""
 from __future__ import annotations
 
 import threading
@@ -51,8 +54,8 @@ class Ends:
     dtypes: dict[str, torch.dtype]  # stored key -> its dtype
     items: list
     dests: dict[str, Any]
-    peers: Any  # sync.peers.Peers: who the ranks are and how messages reach them
-    tag: int
+    peers: Any  # how messages reach the peers: sync.peers.Peers (gloo), or its NcclLink
+    tag: int  # gloo's (NCCL ignores tags)
     device: torch.device  # where messages are staged: the host for gloo, the GPU for NCCL
     timeout: float
     aborted: Callable[[], str | None]  # another rank's failure, announced, or None
@@ -127,9 +130,12 @@ def wait_polling(works: list, ends: Ends, what: str) -> None:
     """Wait for `works` in a helper thread (gloo completes a send or receive only inside a
     wait, and a timed wait that expires closes its pair), while this one watches: done,
     failed (CollectiveError), another rank's failure announced, or `ends.timeout` seconds
-    passed (CollectiveError; the helper is left waiting on what will never come)."""
+    passed (CollectiveError; the helper is left waiting on what will never come). NCCL's
+    works: `wait_on_device`."""
     if not works:
         return
+    if ends.peers.backend == "nccl":
+        return wait_on_device(works, ends.timeout, ends.aborted, what)
     done, failure = threading.Event(), []
 
     def wait() -> None:
@@ -150,3 +156,36 @@ def wait_polling(works: list, ends: Ends, what: str) -> None:
             raise CollectiveError(f"{what} stopped: {reason}")
     if failure:
         raise CollectiveError(f"{what} failed ({type(failure[0]).__name__}: {failure[0]})") from failure[0]
+
+
+def wait_on_device(works: list, timeout: float, aborted: Callable[[], str | None], what: str) -> None:
+    """NCCL's works, on this thread: `work.wait()` only makes the caller's current stream wait
+    for NCCL's (the host goes on at once), so an event recorded after it on that stream
+    completes when the messages have; the host polls it, and stops (CollectiveError) when
+    `timeout` seconds passed or another rank's failure is announced, or when a work failed
+    (its communicator broken or aborted: the event completes, the bytes are not there)."""
+    try:
+        for work in works:
+            work.wait()
+        done = torch.cuda.Event()
+        done.record()
+    except Exception as exc:
+        raise CollectiveError(f"{what} failed ({type(exc).__name__}: {exc})") from exc
+    deadline = time.monotonic() + timeout
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise CollectiveError(f"{what} did not finish within {timeout:g} s")
+        if (reason := aborted()) is not None:
+            raise CollectiveError(f"{what} stopped: {reason}")
+        time.sleep(0.001)
+    for work in works:
+        if (error := _failure(work)) is not None:
+            raise CollectiveError(f"{what} failed ({type(error).__name__}: {error})")
+
+
+def _failure(work: Any) -> BaseException | None:
+    """The error of a completed work, if it failed (None: it succeeded)."""
+    try:
+        return work.exception() if work.is_completed() else None
+    except Exception as exc:  # an error held by the work may be raised instead of returned
+        return exc

