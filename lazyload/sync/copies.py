@@ -19,6 +19,7 @@ by position; a colocated rank's own copy is read at the same place of its own te
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from itertools import groupby
 
 from ..expr import box_numel
@@ -82,5 +83,5 @@ def _step(target: int, requests: list[Request], copies: dict, served: Counter, l
             served[box, source] += 1
             load[source] += box_numel(request.box)
         if source != request.source:
-            out[i] = Request(request.step, source, held[source], request.box, request.itemsize)
+            out[i] = replace(request, source=source, key=held[source])
     return out
