@@ -53,6 +53,30 @@ class Gather:
                                   "rank.", failed)
         return {r: v[1] for r, v in values.items()}
 
+    def exchange(self, stage: str, compute: Callable[[], tuple[dict[int, Any], Any] | None]) -> tuple[dict, dict]:
+        """Values addressed rank to rank: `compute()` on this rank gives (peer -> value, a
+        summary, or None); each value goes under a key of its pair, and only its peer reads
+        it (then deletes it), while every rank reads every rank's summary and the peers it
+        addressed, as `run` does. Returns (rank -> summary, rank -> its value to this rank):
+        a rank's store traffic is its own values and the summaries, not the whole job's."""
+        def publish() -> tuple[tuple[int, ...], Any] | None:
+            computed = compute()
+            if computed is None:
+                return None
+            values, summary = computed
+            for peer, value in values.items():
+                self.store.set(self._key(stage, f"{self.rank}>{peer}"), pickle.dumps(value))
+            return tuple(values), summary
+
+        published = self.run(stage, publish)
+        mine = {}
+        for rank, value in sorted(published.items()):
+            if value is not None and self.rank in value[0]:
+                key = self._key(stage, f"{rank}>{self.rank}")
+                mine[rank] = pickle.loads(self.store.get(key))
+                self.store.delete_key(key)
+        return {r: v if v is None else v[1] for r, v in published.items()}, mine
+
     def close(self, stages: tuple[str, ...]) -> None:
         """This rank read every value of `stages`; the last rank to say so deletes them, so
         that a long job constructing many WeightSyncs does not grow the store (no rank waits:
@@ -62,7 +86,7 @@ class Gather:
         for key in [self._key(stage, r) for stage in stages for r in self.ranks] + [f"{self.prefix}/read"]:
             self.store.delete_key(key)
 
-    def _key(self, stage: str, rank: int) -> str:
+    def _key(self, stage: str, rank: int | str) -> str:
         return f"{self.prefix}/{stage}/{rank}"
 
     def _collect(self, stage: str) -> dict[int, tuple]:

@@ -1,14 +1,16 @@
 """The sync plan: which boxes move between which ranks, and when, computed once from
-metadata (every target rank's read items, exchanged at construction). Each rank's
+metadata (each target rank's read items, as requests it addresses to each source rank: a
+source reads only the requests of it, every rank a compact summary of each target's). Each rank's
 `max_host_bytes` (default about one layer of its traffic) bounds its bytes per step on each
 side: a target rank's requests come in windows of at most its budget (`requests_of`), and
 a step holds at most one window of each target; a source rank's packed messages of a step,
 summed over the targets it sends to, stay within its budget (`in_steps`, the same on every
-rank from the same requests). At step k every rank posts all its sends and receives of
+rank from the same summaries). At step k every rank posts all its sends and receives of
 step k, then waits for them, so that no pair can deadlock."""
 from __future__ import annotations
 
 import hashlib
+from array import array
 import math
 from collections import deque
 from dataclasses import dataclass, replace
@@ -149,36 +151,105 @@ class Routes:
     digest: str
 
 
-def routes_for(me: int, wanted: dict[int, list[Request] | None], max_host_bytes: dict[int, int | None]) -> Routes:
-    """This rank's routes, from every target rank's requests (`wanted`: global rank -> its
-    requests, None for a rank that holds no target) and every rank's `max_host_bytes`."""
-    wanted = in_steps(wanted, max_host_bytes)
+def routes_for(me: int, mine: list[Request] | None, asked: dict[int, list[Request]],
+               summaries: dict[int, "Summary | None"], max_host_bytes: dict[int, int | None]) -> Routes:
+    """This rank's routes: what it receives, from its own requests (`mine`; None on a rank
+    that holds no target), and what it sends, from the requests each target rank addressed
+    to it (`asked`: target rank -> its requests of this rank, in its order), each checked
+    against the digest its target published; their steps from every target's `Summary`
+    (`in_steps`) and every rank's `max_host_bytes`."""
+    stepped = in_steps({t: s.sized() for t, s in summaries.items() if s is not None}, max_host_bytes)
+    steps_of = {t: [r.step for r in requests] for t, requests in stepped.items() if requests}
     sends: dict[int, dict[int, list[Request]]] = {}
     receives: dict[int, dict[int, list[int]]] = {}
     local: dict[int, list[int]] = {}
-    steps = 0
-    for target, requests in sorted((r, q) for r, q in wanted.items() if q):
-        steps = max(steps, requests[-1].step + 1)
-        for position, request in enumerate(requests):
-            if request.source == me and target == me:
-                local.setdefault(request.step, []).append(position)
-            elif request.source == me:
-                sends.setdefault(request.step, {}).setdefault(target, []).append(request)
-            elif target == me:
-                receives.setdefault(request.step, {}).setdefault(request.source, []).append(position)
+    for target, requests in sorted(asked.items()):
+        if pair_digest(requests) != summaries[target].pairs.get(me):
+            raise PlanError(f"WeightSync: rank {me} read rank {target}'s requests of it, which do not match the digest "
+                            f"rank {target} published (another lazyload version there, or a store that lost a write); "
+                            "every rank must run the same lazyload version; no byte moved.")
+        mine_there = [step for step, r in zip(steps_of[target], stepped[target]) if r.source == me]
+        for step, request in zip(mine_there, requests):
+            sends.setdefault(step, {}).setdefault(target, []).append(replace(request, step=step))
+    for position, request in enumerate(mine or ()):
+        step = steps_of[me][position]
+        if request.source == me:
+            local.setdefault(step, []).append(position)
+        else:
+            receives.setdefault(step, {}).setdefault(request.source, []).append(position)
+    steps = max((s[-1] + 1 for s in steps_of.values()), default=0)
     return Routes(steps, {s: {t: tuple(q) for t, q in by.items()} for s, by in sends.items()},
                   {s: {r: tuple(q) for r, q in by.items()} for s, by in receives.items()},
-                  {s: tuple(q) for s, q in local.items()}, sync_digest(wanted))
+                  {s: tuple(q) for s, q in local.items()}, sync_digest(summaries, steps_of))
 
 
-def sync_digest(wanted: dict[int, list[Request] | None]) -> str:
-    """The digest of the whole sync plan: equal on every rank (each one computes it from the
-    same exchanged requests)."""
-    digest = hashlib.sha256()
-    for target, requests in sorted((r, q) for r, q in wanted.items() if q):
+@dataclass(frozen=True)
+class Sized:
+    """Another target rank's request as `in_steps` needs it: its window, source, bytes and
+    layer (`key`, enough for `layer_of`), not its key or box."""
+
+    step: int
+    source: int
+    key: str
+    itemsize: int
+    nbytes: int
+    box: Box = ()
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a target rank tells every rank of its requests: per source rank it asks, the
+    digest of the requests addressed to it (kept under a key of the pair, read by that source
+    alone); and, in arrays, what `in_steps` needs of each request (window, source, bytes,
+    itemsize, layer): a few bytes each, not its key and box."""
+
+    pairs: dict[int, str]
+    layers: tuple[str, ...]
+    columns: tuple[array, ...]  # window, source, nbytes, itemsize, layer (its index in `layers`)
+
+    @classmethod
+    def of(cls, target: int, requests: list[Request]) -> "Summary":
+        layers: dict[str, int] = {}
+        columns = (array("i"), array("i"), array("q"), array("B"), array("i"))  # 4, 4, 8, 1, 4 bytes
         for r in requests:
-            wire = f"\0{r.wire}" if r.wire is not None else ""  # both ends agree on the bytes sent
-            digest.update(f"{target}\0{r.step}\0{r.source}\0{r.key}\0{r.box}{wire}\n".encode())
+            layer = layers.setdefault(layer_of(r.key.rpartition("@")[0]), len(layers))
+            for column, value in zip(columns, (r.step, r.source, r.nbytes, r.itemsize, layer)):
+                column.append(value)
+        return cls({source: pair_digest(q) for source, q in sorted(addressed(target, requests).items())}, tuple(layers),
+                   columns)
+
+    def sized(self) -> list[Sized]:
+        keys = [f"{layer}.@" for layer in self.layers]  # layer_of(key before "@") gives the layer back
+        return [Sized(w, s, keys[k], i, n) for w, s, n, i, k in zip(*self.columns)]
+
+
+def addressed(target: int, requests: list[Request]) -> dict[int, list[Request]]:
+    """A target rank's requests of other source ranks, by the rank they ask (each in the
+    target's order); its own copies (a colocated rank's) go over no wire."""
+    out: dict[int, list[Request]] = {}
+    for request in requests:
+        if request.source != target:
+            out.setdefault(request.source, []).append(request)
+    return out
+
+
+def pair_digest(requests: list[Request]) -> str:
+    """The digest of one target rank's requests of one source rank."""
+    digest = hashlib.sha256()
+    for r in requests:
+        wire = f"\0{r.wire}" if r.wire is not None else ""  # both ends agree on the bytes sent
+        digest.update(f"{r.step}\0{r.source}\0{r.key}\0{r.box}{wire}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def sync_digest(summaries: dict[int, Summary | None], steps_of: dict[int, list[int]]) -> str:
+    """The digest of the whole sync plan: every target rank's requests (by their pairs'
+    digests) and the steps each runs at; every rank computes it from the same summaries."""
+    digest = hashlib.sha256()
+    for target, summary in sorted((r, s) for r, s in summaries.items() if s is not None):
+        for source, pair in summary.pairs.items():
+            digest.update(f"{target}\0{source}\0{pair}\n".encode())
+        digest.update(array("q", steps_of.get(target, ())).tobytes())
     return digest.hexdigest()[:16]
 
 

@@ -30,7 +30,7 @@ from .copies import choose_copies, copies_of
 from .gather import Gather, construction
 from ..targets import local_tensor
 from .layout import SourceTensor, source_layout, source_tensors
-from .routes import Request, Routes, requests_of, routes_for
+from .routes import Request, Routes, Summary, addressed, requests_of, routes_for
 from .source_index import source_index
 from .box_target import BoxTarget
 from .peers import NcclLink, Peers
@@ -112,8 +112,9 @@ def cast_on_wire(plan: LoadPlan, items: list) -> dict[int, torch.dtype]:
 
 
 def _check_same_plan(rank: int, digests: dict[int, str]) -> None:
-    """Every rank derived the same sync plan from the exchanged requests (its digest): a rank
-    running another lazyload, or planning otherwise, would pair messages of other sizes."""
+    """Every rank derived the same sync plan digest from the targets' published summaries (each
+    source checked the requests it read against them): a rank running another lazyload, or
+    planning otherwise, would pair messages of other sizes."""
     if len(set(digests.values())) > 1:
         counts = {d: sum(1 for v in digests.values() if v == d) for d in digests.values()}
         ref = max(counts, key=lambda d: (counts[d], -min(r for r, v in digests.items() if v == d)))
@@ -179,8 +180,8 @@ class WeightSync:
         layouts = gather.run("layout", self._layout)
         self.index, self.pieces = source_index({r: v for r, (v, _) in layouts.items() if v is not None})
         self._max_host_bytes = {r: b for r, (_, b) in layouts.items()}  # every rank's: they bound the steps
-        wanted = choose_copies(gather.run("planned", self._plan_target), self.pieces)
-        self.routes: Routes = routes_for(self.rank, wanted, self._max_host_bytes)
+        summaries, asked = gather.exchange("planned", self._requests)
+        self.routes: Routes = routes_for(self.rank, self._wanted, asked, summaries, self._max_host_bytes)
         _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
         gather.close(("layout", "planned", "agreed"))
         self.plan_seconds = time.perf_counter() - started
@@ -232,6 +233,15 @@ class WeightSync:
     @property
     def plan_digest(self) -> str:
         return self.routes.digest
+
+    def _requests(self) -> tuple[dict[int, list[Request]], Summary] | None:
+        """This rank's requests (the copies chosen), by the source rank each asks, and their
+        summary; None on a rank without a target. Kept: its routes receive in their order."""
+        requests = self._plan_target()
+        self._wanted = None if requests is None else choose_copies({self.rank: requests}, self.pieces)[self.rank]
+        if self._wanted is None:
+            return None
+        return addressed(self.rank, self._wanted), Summary.of(self.rank, self._wanted)
 
     def _plan_target(self) -> list[Request] | None:
         """This rank's load plan of the target from the sources' index, and its requests."""

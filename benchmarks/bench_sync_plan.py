@@ -1,0 +1,350 @@
+"""The control plane of a weight sync at scale (issue 39): every rank of a job constructs its
+`WeightSync` in one process, without torch.distributed, over an in-memory store that counts
+the bytes and keys each rank writes and reads.
+
+Each rank is a thread running the real `WeightSync.__init__` (its layout exchange,
+`source_index`, `plan_load` of a meta model on server ranks, the requests, `choose_copies`,
+the routes and the plan's agreement); only the source's layout is synthetic: the boxes FSDP
+(and TP) would give each trainer rank, written as `SourceTensor`s (a process-free run has no
+DeviceMesh for real DTensors). Store traffic is counted for every rank of the job. The job's
+threads are not timed (waking each other, they would count the fake store's waits): the first
+and last trainer and server ranks are, each constructed again alone over the store the job
+left, timed (CPU seconds), then again under tracemalloc for its peak. Models at their
+published widths and a reduced depth; the last columns project to the full depth by the
+tensors' count (every figure grows with it). `--divide N` runs fewer ranks (FSDP and
+replicas divided by N): a job's figures against its world.
+
+    python benchmarks/bench_sync_plan.py [--cases llama-405b,deepseek-v3,llama-70b-1024] [--layers 1]
+    python benchmarks/bench_sync_plan.py --cases tiny     # a few seconds: 8 ranks of a small Llama
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pickle
+import sys
+import threading
+import time
+import tracemalloc
+from collections import Counter, defaultdict
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MiB = 1 << 20
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+ROWWISE = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # a shape of sparse_checkpoint.SHAPES, or "tiny"
+    full_layers: int
+    fsdp: int  # trainer ranks: fsdp x tp, rank = dp * tp + t
+    tp: int
+    replicas: int  # server ranks after the trainer's: replicas x world
+    world: int
+    plan: str | None = None  # the server's plan ("ep": experts split over its ranks)
+
+
+CASES = {
+    "llama-405b": Case("Llama 405B, FSDP 64 x TP 8 -> 16 x TP 8", "llama-405b", 126, 64, 8, 16, 8),
+    "deepseek-v3": Case("DeepSeek-V3, FSDP 256 -> 4 x EP 16", "deepseek-v3", 61, 256, 1, 4, 16, "ep"),
+    "llama-70b-1024": Case("Llama 70B, FSDP 64 x TP 8 -> 64 x TP 8", "llama-70b", 80, 64, 8, 64, 8),
+    "tiny": Case("tiny Llama, FSDP 2 x TP 2 -> 2 x TP 2", "tiny", 2, 2, 2, 2, 2),
+}
+
+
+def config_of(case: Case, layers: int):
+    import sparse_checkpoint
+    from transformers import LlamaConfig
+
+    if case.model == "tiny":
+        return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    if case.model == "llama-70b":
+        return LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers,
+                           num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False, dtype="bfloat16")
+    config, _ = sparse_checkpoint.SHAPES[case.model](layers)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the trainer holds bf16 weights
+    return config
+
+
+def meta_model(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def _chunk(lo: int, hi: int, parts: int, i: int) -> tuple[int, int]:
+    """FSDP2's (torch.chunk's) i-th of `parts` pieces of rows lo..hi."""
+    size = -(-(hi - lo) // parts)
+    return min(hi, lo + i * size), min(hi, lo + (i + 1) * size)
+
+
+def trainer_layout(shapes: dict, dtype: str, case: Case, rank: int) -> list:
+    """The boxes a FSDP x TP trainer rank holds: TP (Megatron's colwise/rowwise) first, then
+    FSDP's dim-0 chunk of the TP shard; norms and biases replicated over TP (copies)."""
+    from lazyload.sync.layout import Held, SourceTensor
+
+    dp, t = divmod(rank, case.tp)
+    out = []
+    for name, shape in shapes.items():
+        box = [(0, n) for n in shape]
+        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if case.tp > 1 and len(shape) >= 2 and leaf in COLWISE + ROWWISE:
+            dim = 0 if leaf in COLWISE else 1
+            box[dim] = _chunk(0, shape[dim], case.tp, t)
+        box[0] = _chunk(*box[0], case.fsdp, dp)
+        held = (Held(tuple(box), (0,) * len(shape)),) if box[0][1] > box[0][0] else ()
+        out.append(SourceTensor(name, dtype, tuple(shape), held))
+    return out
+
+
+class CountingStore:
+    """An in-memory store with TCPStore's verbs; bytes and keys counted per calling rank
+    (the thread's `rank`). Deleted keys are kept: a rank constructed again alone reads what
+    it read in the job."""
+
+    def __init__(self):
+        self.values, self.cond, self.local = {}, threading.Condition(), threading.local()
+        self.read, self.written, self.gets, self.sets = Counter(), Counter(), Counter(), Counter()
+        self.keys_read = defaultdict(set)  # rank -> the keys it read
+
+    def _rank(self):
+        return getattr(self.local, "rank", -1)
+
+    def set(self, key, value):
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        with self.cond:
+            self.values[key] = value
+            self.written[self._rank()] += len(value) + len(key)
+            self.sets[self._rank()] += 1
+            self.cond.notify_all()
+
+    def get(self, key):
+        self.wait([key], timedelta(seconds=60))
+        value = self.values[key]
+        self.read[self._rank()] += len(value) + len(key)
+        self.gets[self._rank()] += 1
+        self.keys_read[self._rank()].add(key)
+        return value
+
+    def multi_get(self, keys):
+        return [self.get(k) for k in keys]
+
+    def wait(self, keys, timeout=None):
+        deadline = time.monotonic() + (timeout.total_seconds() if timeout else 60)
+        with self.cond:
+            while not all(k in self.values for k in keys):
+                if not self.cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"store wait timed out: {[k for k in keys if k not in self.values][:3]}")
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def add(self, key, amount):
+        with self.cond:
+            value = int(self.values.get(key, b"0")) + amount
+            self.values[key] = str(value).encode()
+            self.cond.notify_all()
+            return value
+
+    def delete_key(self, key):
+        with self.cond:
+            return key in self.values
+
+    def num_keys(self):
+        return len(self.values)
+
+
+class FakeGroup:
+    """A process group of its own as `sync.peers.Peers` sees one (construction sends nothing)."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def name(self):
+        return "gloo"
+
+    def send(self, *args):
+        raise AssertionError("construction sends nothing")
+
+    recv = send
+
+
+class FakeMesh:
+    """A 1-D tensor-parallel mesh: the server rank's coordinate and size."""
+
+    ndim, mesh_dim_names = 1, None
+
+    def __init__(self, rank, size):
+        self.rank, self.world = rank, size
+
+    def get_local_rank(self):
+        return self.rank
+
+    def size(self):
+        return self.world
+
+
+def simulated_sync(layouts: dict):
+    """WeightSync whose source layout is the synthetic one of its rank."""
+    from lazyload.sync.weight_sync import WeightSync
+
+    class SimulatedSync(WeightSync):
+        def _layout(self):
+            self._source_cuda = False
+            layout = layouts.get(self.rank)
+            self._planned_layout = {s.name: s for s in layout or ()}
+            return layout, None  # max_host_bytes: the default
+
+    return SimulatedSync
+
+
+def construct(cls, rank, world, store, model, case):
+    server = rank - case.fsdp * case.tp
+    target = model if server >= 0 else None
+    mesh = FakeMesh(server % case.world, case.world) if server >= 0 else None
+    return cls(source=object() if server < 0 else None, target=target, target_mesh=mesh, group=FakeGroup(rank, world),
+               store=store, rank_timeout=3600, plan=case.plan)
+
+
+def run_case(case: Case, layers: int) -> dict:
+    import lazyload.sync.weight_sync as weight_sync
+
+    config = config_of(case, layers)
+    model = meta_model(config)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    trainers = case.fsdp * case.tp
+    world = trainers + case.replicas * case.world
+    layouts = {r: trainer_layout(shapes, "torch.bfloat16", case, r) for r in range(trainers)}
+    cls = simulated_sync(layouts)
+    store, results, errors = CountingStore(), {}, []
+    construction = weight_sync.construction
+    weight_sync.construction = lambda ranks: ("lazyload/sync/bench/0", 0)  # one process stands for every rank
+
+    def one(rank):
+        store.local.rank = rank
+        try:
+            own = meta_model(config) if rank >= trainers else None  # planning a model is not thread-safe
+            results[rank] = routes_figures(construct(cls, rank, world, store, own, case), rank)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append((rank, exc))
+
+    try:
+        threading.stack_size(1 << 20)
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise RuntimeError(f"rank {errors[0][0]} failed") from errors[0][1]
+        seconds, peaks = {}, {}
+        for rank in sorted({0, trainers - 1, trainers, world - 1}):  # alone, the store left as the job left it
+            store.local.rank = ("again", rank)
+            started = time.process_time()
+            construct(cls, rank, world, store, model, case)
+            seconds[rank] = time.process_time() - started
+            tracemalloc.start()
+            construct(cls, rank, world, store, model, case)
+            peaks[rank] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+    finally:
+        weight_sync.construction = construction
+    traffic = [store.read[r] + store.written[r] for r in range(world)]
+    figures = [results[r] for r in range(world) if results[r]]
+    return {"world": world, "tensors": len(shapes), "full_tensors": None, "seconds": list(seconds.values()), "peaks": peaks,
+            "traffic": traffic, "gets": [store.gets[r] for r in range(world)],
+            "pieces": sum(len(h.held) for layout in layouts.values() for h in layout),
+            "messages": max(f[0] for f in figures), "holders": max(f[1] for f in figures),
+            "requests": max(f[2] for f in figures), "steps": max(f[3] for f in figures), "store": store}
+
+
+def routes_figures(sync, rank) -> tuple | None:
+    """A server rank's (most messages in a step, most distinct source ranks holding that step's
+    boxes, most requests in a step, steps); None on a trainer rank."""
+    if not sync.items:
+        return None
+    copies = _copies(sync.pieces)
+    by_step_sources, by_step_requests, by_step_holders = Counter(), Counter(), defaultdict(set)
+    for step, by_source in sync.routes.receives.items():
+        by_step_sources[step] = len(by_source)
+        for source, positions in by_source.items():
+            by_step_requests[step] += len(positions)
+            for p in positions:
+                key = sync.items[p].entry.key
+                by_step_holders[step] |= copies.get(key, {sync.pieces[key].rank})
+    steps = sync.routes.steps
+    return (max(by_step_sources.values(), default=0), max((len(h) for h in by_step_holders.values()), default=0),
+            max(by_step_requests.values(), default=0), steps)
+
+
+def _copies(pieces) -> dict:
+    """Stored key -> the source ranks holding the same box of the same tensor."""
+    by_box = defaultdict(set)
+    for piece in pieces.values():
+        by_box[piece.name, piece.held.box].add(piece.rank)
+    return {key: by_box[p.name, p.held.box] for key, p in pieces.items()}
+
+
+def full_tensors(case: Case) -> int:
+    if case.model == "tiny":
+        return len(meta_model(config_of(case, case.full_layers)).state_dict())
+    config = config_of(case, case.full_layers)
+    return len(meta_model(config).state_dict())
+
+
+def row(case: Case, layers: int, r: dict, full: int) -> str:
+    scale = full / r["tensors"]
+    world, seconds, traffic = r["world"], r["seconds"], r["traffic"]
+    peak = max(r["peaks"].values())
+    return (f"| {case.name} | {world:,} | {layers}: {r['tensors']:,} tensors, {r['pieces']:,} pieces "
+            f"| {max(seconds):.2f} s | {peak / MiB:,.1f} MiB | {max(traffic) / MiB:,.1f} MiB "
+            f"| {sum(traffic) / MiB:,.0f} MiB | {max(r['gets']):,} "
+            f"| {r['messages']} / {r['holders']} ({r['requests']:,} boxes, {r['steps']} steps) "
+            f"| {max(seconds) * scale:.1f} s | {peak * scale / MiB:,.0f} MiB | {max(traffic) * scale / MiB:,.0f} MiB "
+            f"| {sum(traffic) * scale / 2**30:,.1f} GiB |")
+
+
+HEADER = ("| job | ranks | layers: tensors, source pieces | construction (slowest rank, CPU) | peak memory (its "
+          "largest) | store traffic, most of a rank | store traffic, all ranks | store reads, most "
+          "of a rank | messages / distinct holders, a server rank's busiest step | projected: construction "
+          "| projected: peak memory | projected: traffic of a rank | projected: all traffic |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="llama-405b,deepseek-v3,llama-70b-1024")
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers simulated (projected to the full depth)")
+    parser.add_argument("--divide", type=int, default=1, help="fewer ranks: FSDP and replicas divided by this")
+    args = parser.parse_args()
+    print(HEADER)
+    for name in args.cases.split(","):
+        case = CASES[name]
+        if args.divide > 1:
+            case = replace(case, name=f"{case.name} / {args.divide}", fsdp=max(1, case.fsdp // args.divide),
+                           replicas=max(1, case.replicas // args.divide))
+        layers = min(args.layers, case.full_layers)
+        if case.model == "deepseek-v3":
+            layers = max(layers, 4)  # the first MoE layer is the fourth
+        r = run_case(case, layers)
+        print(row(case, layers, r, full_tensors(case)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

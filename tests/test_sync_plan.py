@@ -1,0 +1,103 @@
+"""The control plane of a weight sync (issue 39, "Scale"): each source rank reads only the
+requests addressed to it, and each target rank chooses its copies from its own requests.
+Every rank of a small job constructs its WeightSync in one process, as
+benchmarks/bench_sync_plan.py does at full width (its tiny case, run here)."""
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _bench():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import bench_sync_plan
+
+    return bench_sync_plan
+
+
+def _requests_in(value, found: list) -> list:
+    """Every sync Request inside a stored value (lists, tuples, dicts of them)."""
+    from lazyload.sync.routes import Request
+
+    if isinstance(value, Request):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _requests_in(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _requests_in(v, found)
+    return found
+
+
+def test_each_rank_reads_only_requests_of_it():
+    """A 2-D trainer (FSDP 2 x TP 2) into 2 replicas of TP 2, every rank constructing: no rank
+    reads from the store a request that asks another source rank (on main every rank read
+    every target's requests); server ranks receive from the sources of their TP coordinate
+    only, one message per source and step; the benchmark's table row prints."""
+    bench = _bench()
+    case = bench.CASES["tiny"]
+    result = bench.run_case(case, 1)
+    store, trainers = result["store"], case.fsdp * case.tp
+    read_by = {}
+    for rank in range(result["world"]):
+        for key in store.keys_read[rank]:
+            try:
+                value = pickle.loads(store.values[key])
+            except Exception:
+                continue  # a counter
+            for request in _requests_in(value, []):
+                read_by.setdefault(rank, set()).add(request.source)
+    assert set(read_by) <= set(range(trainers)), read_by  # server ranks read no request
+    assert all(sources == {rank} for rank, sources in read_by.items()), read_by
+    assert result["messages"] <= result["holders"]
+    assert "| tiny Llama" in bench.row(case, 1, result, bench.full_tensors(case))
+
+
+def test_copies_chosen_without_the_other_targets():
+    """A target rank's choice of copies is the same whether or not the other targets'
+    requests are known (it makes it before any rank reads them), and replicas still spread."""
+    from lazyload.expr import full_box
+    from lazyload.sync.copies import choose_copies
+    from lazyload.sync.routes import Request
+    from lazyload.sync.source_index import source_index
+    from test_sync import _two_d_sources
+
+    index, pieces = source_index(_two_d_sources())
+    keys = list(index.for_rank(0, 1).expr("norm").keys())
+    wanted = [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box]), 4) for k in keys]
+    together = choose_copies({8: wanted, 9: wanted}, pieces)
+    assert together[9] == choose_copies({9: wanted}, pieces)[9]
+    assert together[8] == choose_copies({8: wanted}, pieces)[8]
+    assert {r.source for r in together[8]}.isdisjoint({r.source for r in together[9]})
+
+
+def test_requests_read_are_checked_against_their_digest():
+    """A source rank sends what the target addressed to it, in the target's steps, and the
+    target receives in the same order; requests that differ from the digest their target
+    published (another lazyload there, a lost write) are a PlanError before any byte moves."""
+    import dataclasses
+
+    import pytest
+
+    from lazyload.errors import PlanError
+    from lazyload.sync.routes import Request, Summary, addressed, routes_for
+
+    wanted = [Request(0, 0, "w@0.0", ((0, 2),), 4), Request(0, 1, "w@1.0", ((0, 2),), 4),
+              Request(1, 0, "v@0.0", ((0, 3),), 4), Request(1, 2, "v@2.0", ((0, 3),), 4)]
+    summaries, budgets = {0: None, 1: None, 2: Summary.of(2, wanted)}, dict.fromkeys(range(3), 16)
+    asked = addressed(2, wanted)
+    assert sorted(asked) == [0, 1]  # rank 2's own copy goes over no wire
+    source = routes_for(0, None, {2: asked[0]}, summaries, budgets)
+    target = routes_for(2, wanted, {}, summaries, budgets)
+    assert [list(by) for by in source.sends.values()] == [[2], [2]]
+    assert {s: {r: p for r, p in by.items()} for s, by in target.receives.items()} == {0: {0: (0,), 1: (1,)},
+                                                                                      1: {0: (2,)}}
+    assert target.local == {1: (3,)} and source.digest == target.digest and source.steps == target.steps == 2
+    tampered = [asked[0][0], dataclasses.replace(asked[0][1], box=((0, 2),))]
+    with pytest.raises(PlanError, match="rank 2's requests of it"):
+        routes_for(0, None, {2: tampered}, summaries, budgets)
