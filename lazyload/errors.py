@@ -168,8 +168,8 @@ class ExchangeError(LazyLoadError):
 class SyncError(RankFailedError):
     """A weight sync (`lazyload.WeightSync`) that did not complete on every rank: this rank's
     error, or another rank's that failed or stopped. `report`: this rank's `SyncReport`, whose
-    `partial` names the target tensors that hold the new version; calling the sync again
-    completes it."""
+    `written` names the target tensors that hold the new version, `untouched` those that hold
+    the last one (its `version` not advanced); calling the sync again completes it."""
 
     def __init__(self, message: str, ranks: dict[int, str] | None = None, report: object = None):
         super().__init__(message, ranks)

@@ -79,11 +79,7 @@ def _check_exact(sync, server, full: dict) -> None:
     for target in sync.load_plan.targets:
         local = _local(state[target.name])
         assert tuple(local.shape) == target.local_shape, target.name
-        expected = torch.empty_like(local)
-        for region in target.regions:
-            at = tuple(slice(s, s + b - a) for (a, b), s in zip(region.global_box, region.local_start))
-            expected[at] = full[target.name][tuple(slice(a, b) for a, b in region.global_box)]
-        assert torch.equal(local, expected), target.name
+        assert torch.equal(local, _planned_slices(target, local, full[target.name])), target.name
     if next(server.parameters()).dtype != torch.float32:
         return  # cast on arrival: the slices compared above; logits in another precision differ
     plain = _model(config=server.config)
@@ -91,6 +87,15 @@ def _check_exact(sync, server, full: dict) -> None:
     ids = torch.arange(12).reshape(2, 6) % 200
     with torch.no_grad():
         torch.testing.assert_close(server(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def _planned_slices(target, like, full):
+    """The target rank's planned slices of `full`, a tensor like its local one."""
+    expected = torch.empty_like(like)
+    for region in target.regions:
+        at = tuple(slice(s, s + b - a) for (a, b), s in zip(region.global_box, region.local_start))
+        expected[at] = full[tuple(slice(a, b) for a, b in region.global_box)]
+    return expected
 
 
 def _local(tensor):
@@ -228,7 +233,10 @@ def _fault(rank):
     dist.barrier()  # every rank constructed: the construction's keys are gone from the store
     keys = [f"{sync._prefix}/{stage}/{r}" for stage in ("layout", "planned") for r in range(4)]
     assert not any(_get_default_store().check([key]) for key in keys + [f"{sync._prefix}/read"])
-    sync()
+    first = sync()
+    assert first.version == sync.version == 1 and first.written == first.untouched == ()
+    _check_peers(sync, first)
+    before = {n: _local(t).clone() for n, t in server.state_dict().items()} if server is not None else None
     if trainer is not None:
         _step(trainer, torch.optim.SGD(trainer.parameters(), lr=0.1))
     pack, calls, wait = transfer._pack, [], transfer.wait_polling
@@ -252,11 +260,13 @@ def _fault(rank):
         sync()
     transfer._pack, transfer.wait_polling = pack, wait
     assert sync._failures == 1  # the retry sends under a fresh tag on every rank
-    partial = caught.value.report.partial
-    if server is not None:
-        assert 0 < len(partial) < len(sync.load_plan.targets)
+    failed = caught.value.report
+    assert failed.partial == failed.written and failed.version == sync.version == 1  # not advanced
+    assert "its version stays 1" in str(caught.value)
+    _check_peers(sync, failed, completed=False)
+    _check_torn(sync, server, failed, before, _shared_full(trainer))
     report = sync()
-    assert report.partial == ()
+    assert report.partial == report.written == report.untouched == () and report.version == 2
     _check_exact_all(sync, trainer, server, report)
     _fails_waiting(sync, rank, trainer, server)
 
@@ -282,8 +292,58 @@ def _fails_waiting(sync, rank, trainer, server):
         completed = sum(box_numel(r.box) * sync.index[r.key].dtype.itemsize for step in (0, 1)
                         for requests in sync.routes.sends.get(step, {}).values() for r in requests)
         assert sync.routes.sends.get(2) and caught.value.report.bytes_sent == completed > 0
-    assert sync._failures == 2
-    _check_exact_all(sync, trainer, server, sync())
+    assert sync._failures == 2 and caught.value.report.version == 2
+    report = sync()
+    assert report.version == 3
+    _check_exact_all(sync, trainer, server, report)
+
+
+def _check_peers(sync, report, completed=True):
+    """The report's traffic per peer: summing to its totals, one message per step with that
+    peer (of the steps that completed); and after a sync that completed, every planned
+    message, each rank's sends to a peer what that peer received from it."""
+    peers = report.peers
+    assert sum(t.bytes_sent for t in peers.values()) == report.bytes_sent
+    assert sum(t.bytes_received for t in peers.values()) == report.bytes_received
+    for peer, traffic in peers.items():
+        assert traffic.messages_sent <= sum(peer in by for by in sync.routes.sends.values())
+        assert traffic.messages_received <= sum(peer in by for by in sync.routes.receives.values())
+        assert (traffic.bytes_sent > 0) == (traffic.messages_sent > 0), (peer, traffic)
+    if not completed:
+        return  # failed: a peer may have counted a step that this rank gave up waiting for
+    assert {p: t.messages_sent for p, t in peers.items() if t.messages_sent} == _per_peer(sync.routes.sends)
+    assert {p: t.messages_received for p, t in peers.items() if t.messages_received} == _per_peer(sync.routes.receives)
+    every = [None] * len(sync.ranks)
+    dist.all_gather_object(every, (sync.rank, peers), group=sync.group)
+    by_rank = dict(every)
+    for rank, mine in by_rank.items():
+        for peer, traffic in mine.items():
+            theirs = by_rank[peer][rank]
+            assert (traffic.bytes_sent, traffic.messages_sent) == (theirs.bytes_received, theirs.messages_received)
+
+
+def _per_peer(steps: dict) -> dict:
+    """Peer -> the steps that have a message with it."""
+    out = {}
+    for by_peer in steps.values():
+        for peer in by_peer:
+            out[peer] = out.get(peer, 0) + 1
+    return out
+
+
+def _check_torn(sync, server, report, before, now):
+    """A failed sync's report on a server rank: `written` tensors hold the new weights,
+    `untouched` ones the last sync's, both present, and the rest neither of those lists."""
+    if server is None:
+        assert report.written == report.untouched == ()
+        return
+    state, targets = server.state_dict(), {t.name: t for t in sync.load_plan.targets}
+    assert report.written and report.untouched and not set(report.written) & set(report.untouched)
+    for name in report.untouched:
+        assert torch.equal(_local(state[name]), before[name]), name
+    for name in report.written:
+        expected = _planned_slices(targets[name], before[name], now[name])
+        assert torch.equal(_local(state[name]), expected) and not torch.equal(expected, before[name]), name
 
 
 def _nccl_retry(rank, world):
@@ -433,6 +493,7 @@ def _renamed_state_dict(rank, world):
     sync = lazyload.WeightSync(source=source, target=server, target_mesh=init_device_mesh("cpu", (world,)),
                                key_map={r"^policy\.": ""})
     report = sync()
+    assert report.version == 1
     full = [{n.removeprefix("policy."): t for n, t in source.items()} if rank == 0 else None]
     dist.broadcast_object_list(full, src=0)
     _check_exact(sync, server, full[0])
@@ -447,18 +508,71 @@ def _renamed_state_dict(rank, world):
         full[0] = {n.removeprefix("policy."): t for n, t in source.items()}
     again = lazyload.WeightSync(source=source, target=server, target_mesh=init_device_mesh("cpu", (world,)),
                                 key_map={r"^policy\.": ""})
-    again()
+    assert again().version == again.version == 2  # the target's count, over both WeightSyncs
     dist.broadcast_object_list(full, src=0)
     _check_exact(again, server, full[0])
     assert _ptrs(server) == ptrs
-    # float32 trainer weights into a bfloat16 server: sent as held, cast on arrival
-    bf16 = _meta_server()
-    cast = lazyload.WeightSync(source=source, target=bf16, target_mesh=init_device_mesh("cpu", (world,)),
-                               key_map={r"^policy\.": ""}, dtype=torch.bfloat16)
-    report = cast()
-    assert next(bf16.parameters()).dtype == torch.bfloat16
-    _check_exact(cast, bf16, full[0])
-    assert report.bytes_received + report.bytes_local == _share(cast, full[0])
+    _cast_on_send(rank, world, source)
+
+
+def _cast_on_send(rank, world, source):
+    """float32 weights into a bfloat16 server: the source casts each box before sending it
+    (the requests and the plan digest say so), half the bytes of a sync that sends float32
+    and casts on arrival (`cast_on_wire` patched out), and the server's bits equal to that
+    sync's and to load_into(dtype=bfloat16) of the same weights, for values that round to
+    even on a tie, subnormals, overflow to inf, a NaN and -0.0."""
+    import shutil
+    import tempfile
+
+    import lazyload
+    import lazyload.sync.weight_sync as weight_sync
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    path = [None]
+    if rank == 0:
+        hard = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130, -(2 ** -133), 3.0e38,
+                             torch.finfo(torch.float32).max, float("nan"), -0.0, 1 / 3])
+        with torch.no_grad():
+            source["policy.model.norm.weight"][:len(hard)] = hard
+            source["policy.model.layers.0.self_attn.q_proj.weight"][-1, :len(hard)] = hard
+        path[0] = f"{tempfile.mkdtemp()}/weights.safetensors"
+        save_file({n.removeprefix("policy."): t.contiguous() for n, t in source.items()}, path[0])
+    dist.broadcast_object_list(path, src=0)
+    servers, reports, syncs = [], [], []
+    cast_on_wire = weight_sync.cast_on_wire
+    try:
+        for on_send in (True, False):
+            if not on_send:
+                weight_sync.cast_on_wire = lambda plan, items: {}
+            servers.append(_meta_server())
+            syncs.append(lazyload.WeightSync(source=source, target=servers[-1], target_mesh=mesh,
+                                             key_map={r"^policy\.": ""}, dtype=torch.bfloat16))
+            reports.append(syncs[-1]())
+    finally:
+        weight_sync.cast_on_wire = cast_on_wire
+    loaded = _meta_server()  # whole, in this process (ranks' loads are numbered per process: not in step here)
+    lazyload.LazyCheckpoint(path[0]).load_into(loaded, dtype=torch.bfloat16)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0].rpartition("/")[0])
+    sent, arrived = reports
+    assert syncs[0].plan_digest != syncs[1].plan_digest  # the digest covers the wire dtype
+    if rank == 0:
+        requests = [r for by in syncs[0].routes.sends.values() for rs in by.values() for r in rs]
+        assert requests and all(r.wire == torch.bfloat16 and r.itemsize == 2 for r in requests)
+        assert 0 < 2 * sent.bytes_sent == arrived.bytes_sent
+    else:
+        assert 0 < 2 * sent.bytes_received == arrived.bytes_received
+    whole = loaded.state_dict()
+    for sync, server in zip(syncs, servers):
+        assert next(server.parameters()).dtype == torch.bfloat16
+        state = server.state_dict()
+        for target in sync.load_plan.targets:
+            local = _local(state[target.name])
+            expected = _planned_slices(target, local, whole[target.name])
+            assert torch.equal(local.view(torch.int16), expected.view(torch.int16)), target.name
 
 
 def _converted(rank, world, directory):

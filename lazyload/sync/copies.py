@@ -19,6 +19,7 @@ by position; a colocated rank's own copy is read at the same place of its own te
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from itertools import groupby
 
 from .routes import Request
@@ -76,5 +77,5 @@ def _step(target: int, requests: list[Request], copies: dict) -> list[Request]:
         request = requests[i]
         source = target if target in held else _spread(target, sources.intersection(held))
         if source != request.source:
-            out[i] = Request(request.step, source, held[source], request.box, request.itemsize)
+            out[i] = replace(request, source=source, key=held[source])
     return out

@@ -25,33 +25,39 @@ from .source_index import Piece
 
 @dataclass(frozen=True)
 class Request:
-    """A target rank asks source rank `source` for `box` of the piece stored as `key`, at `step`."""
+    """A target rank asks source rank `source` for `box` of the piece stored as `key`, at `step`;
+    `wire`: the narrower dtype the source casts it to before sending (the target's, which it
+    would only cast to on arrival), None: sent as stored."""
 
     step: int
     source: int
     key: str
     box: Box
-    itemsize: int  # of the stored key's dtype
+    itemsize: int  # of its dtype on the wire: the stored key's, or `wire`
+    wire: torch.dtype | None = None
 
     @property
     def nbytes(self) -> int:
         return box_numel(self.box) * self.itemsize
 
 
-def requests_of(items: list, pieces: dict[str, Piece], budget: int) -> list[Request]:
+def requests_of(items: list, pieces: dict[str, Piece], budget: int,
+                wires: dict[int, torch.dtype] | None = None) -> list[Request]:
     """A target rank's requests, one per read item (in `items`' order, layer by layer), their
     `step` the window they fall in: windows of at most `budget` bytes as its messages pack
-    them (a larger item alone). `in_steps` turns windows into steps."""
+    them (a larger item alone). `in_steps` turns windows into steps. `wires`: the items
+    (by position) sent cast to a narrower dtype."""
     out, window, held, ends = [], 0, 0, {}
-    for item in items:
-        source, itemsize = pieces[item.entry.key].rank, item.entry.itemsize
+    for position, item in enumerate(items):
+        wire = (wires or {}).get(position)
+        source, itemsize = pieces[item.entry.key].rank, (wire or item.entry.dtype).itemsize
         nbytes = box_numel(item.src_box) * itemsize
         grow = packed_growth(ends.get(source, 0), nbytes, itemsize)
         if held and held + grow > budget:
             window, held, ends, grow = window + 1, 0, {}, nbytes
         held += grow
         ends[source] = ends.get(source, 0) + grow
-        out.append(Request(window, source, item.entry.key, item.src_box, itemsize))
+        out.append(Request(window, source, item.entry.key, item.src_box, itemsize, wire))
     return out
 
 
@@ -116,7 +122,7 @@ def in_steps(wanted: dict[int, list[Request] | None],
                 if packed.get(r.source, 0) + grow > sending[r.source]:
                     continue
                 packed[r.source], ends[r.source, target] = packed.get(r.source, 0) + grow, end + grow
-            out[target].append(Request(step, r.source, r.key, r.box, r.itemsize))
+            out[target].append(replace(r, step=step))
             taken[target], took = i + 1, took + 1
             if i + 1 < len(queues[target]):
                 turns.append(target)
@@ -231,7 +237,8 @@ def pair_digest(requests: list[Request]) -> str:
     """The digest of one target rank's requests of one source rank."""
     digest = hashlib.sha256()
     for r in requests:
-        digest.update(f"{r.step}\0{r.source}\0{r.key}\0{r.box}\n".encode())
+        wire = f"\0{r.wire}" if r.wire is not None else ""  # both ends agree on the bytes sent
+        digest.update(f"{r.step}\0{r.source}\0{r.key}\0{r.box}{wire}\n".encode())
     return digest.hexdigest()[:16]
 
 

@@ -1,6 +1,7 @@
 """The transfer of one sync: the routes carried out, step by step (`routes.py`). A source
 packs each target's boxes of a step into one message (the boxes' bytes as the source holds
-them: exact for every dtype) and sends it point-to-point; a target receives one message per
+them: exact for every dtype; or, for a box the target would only cast to a narrower dtype,
+cast here, `copy_` rounding as the target's would) and sends it point-to-point; a target receives one message per
 source and step and places each box into its destination (cast, quantized, converted as the
 load plan says); boxes a colocated rank holds itself are copied without the wire.
 
@@ -22,10 +23,19 @@ from typing import Any, Callable
 import torch
 
 from ..agreement import CollectiveError
-from ..expr import box_numel
 from .layout import local_piece
 from .routes import Request, Routes, packed_offsets, slot
 from .source_index import Piece
+
+
+@dataclass
+class Traffic:
+    """This rank's messages and bytes with one peer in one sync (steps completed only)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
 
 
 @dataclass
@@ -37,11 +47,17 @@ class Moved:
     local: int = 0
     left: dict[str, int] = field(default_factory=dict)  # target -> its items not placed yet
     done: list[str] = field(default_factory=list)  # targets that hold the new version
+    touched: set[str] = field(default_factory=set)  # targets that got at least one item
+    peers: dict[int, Traffic] = field(default_factory=dict)  # peer rank -> what moved with it
 
     def placed(self, target: str) -> None:
+        self.touched.add(target)
         self.left[target] -= 1
         if not self.left[target]:
             self.done.append(target)
+
+    def peer(self, rank: int) -> Traffic:
+        return self.peers.setdefault(rank, Traffic())
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,7 @@ class Ends:
     aborted: Callable[[], str | None]  # another rank's failure, announced, or None
     abandoned: list  # works (and their buffers) of failed syncs, kept alive
     pinned: bool = False  # host messages of CUDA tensors (gloo): page-locked, for the GPU's DMA
+    wires: dict[int, torch.dtype] = field(default_factory=dict)  # item position -> its narrower dtype on the wire
 
 
 def transfer(routes: Routes, ends: Ends, moved: Moved) -> None:
@@ -70,16 +87,15 @@ def transfer(routes: Routes, ends: Ends, moved: Moved) -> None:
 
 
 def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
-    sends, receives, inbox, posted = [], [], [], 0
+    sends, receives, inbox, posted = [], [], [], {}
     for target, requests in routes.sends.get(step, {}).items():
         buffer = _pack(requests, ends)
         sends.append((buffer, target))
-        posted += sum(box_numel(r.box) * ends.dtypes[r.key].itemsize for r in requests)
+        posted[target] = sum(r.nbytes for r in requests)
     for source, positions in routes.receives.get(step, {}).items():
-        specs = [(ends.items[p].entry.dtype, ends.items[p].src_box) for p in positions]
-        offsets, nbytes = packed_offsets(specs)
+        offsets, nbytes = packed_offsets([(_wire(ends, p), ends.items[p].src_box) for p in positions])
         buffer = message_buffer(nbytes, ends)
-        inbox.append((positions, offsets, buffer))
+        inbox.append((source, positions, offsets, buffer))
         receives.append((buffer, source))
     works = ends.peers.post(sends, receives, ends.tag)
     for position in routes.local.get(step, ()):
@@ -92,22 +108,35 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     except CollectiveError:
         ends.abandoned.append((works, sends, inbox))
         raise
-    moved.sent += posted  # counted once completed: a failed step's sends are not
-    for positions, offsets, buffer in inbox:
+    for target, nbytes in posted.items():  # counted once completed: a failed step's sends are not
+        moved.sent += nbytes
+        moved.peer(target).bytes_sent += nbytes
+        moved.peer(target).messages_sent += 1
+    for source, positions, offsets, buffer in inbox:
         for position, offset in zip(positions, offsets):
             item = ends.items[position]
-            _place(ends, moved, item, slot(buffer, offset, item.entry.dtype, item.src_box))
-            moved.received += item.nbytes
+            values = slot(buffer, offset, _wire(ends, position), item.src_box)
+            _place(ends, moved, item, values)
+            moved.received += values.nbytes
+            moved.peer(source).bytes_received += values.nbytes
+        moved.peer(source).messages_received += 1
+
+
+def _wire(ends: Ends, position: int) -> torch.dtype:
+    """The dtype item `position` of this target travels in: cast by its source, or as stored."""
+    return ends.wires.get(position) or ends.items[position].entry.dtype
 
 
 def _pack(requests: tuple[Request, ...], ends: Ends) -> torch.Tensor:
-    """A target's boxes of one step, packed into one message (bytes copied as they are)."""
-    offsets, nbytes = packed_offsets([(ends.dtypes[r.key], r.box) for r in requests])
+    """A target's boxes of one step, packed into one message: bytes copied as they are, or
+    cast to the request's `wire` dtype (`copy_` rounds as the target's cast on arrival would)."""
+    specs = [(r.wire or ends.dtypes[r.key], r.box) for r in requests]
+    offsets, nbytes = packed_offsets(specs)
     buffer = message_buffer(nbytes, ends)
-    for request, offset in zip(requests, offsets):
+    for request, offset, (dtype, _) in zip(requests, offsets, specs):
         piece = ends.pieces[request.key]
         values = local_piece(ends.tensors[piece.name], piece.held, request.box)
-        slot(buffer, offset, values.dtype, request.box).copy_(values)
+        slot(buffer, offset, dtype, request.box).copy_(values)
     return buffer
 
 

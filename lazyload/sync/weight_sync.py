@@ -4,7 +4,8 @@ every sync. See the package docstring for the stages."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+import weakref
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,15 +35,24 @@ from .source_index import source_index
 from .box_target import BoxTarget
 from .peers import NcclLink, Peers
 from .split import split_plan
-from .transfer import Ends, Moved, message_buffer, transfer, wait_on_device
+from .transfer import Ends, Moved, Traffic, message_buffer, transfer, wait_on_device
 
 
 @dataclass(frozen=True)
 class SyncReport:
     """What one `sync()` did on this rank. `bytes_received` came over the wire, `bytes_local`
     from this rank's own source tensors (colocated); `planned`: this call planned (the first
-    only: the plan is made at construction, and the first sync makes a meta target real);
-    `partial`: when the sync failed, the target tensors that hold the new version."""
+    only: the plan is made at construction, and the first sync makes a meta target real).
+
+    - `version`: the syncs completed into this rank's target (by any WeightSync; on a rank
+      without one, by this WeightSync), this one included when it completed: a failed sync
+      does not advance it, so a server serves only while its version is the last sync's.
+    - `peers`: peer rank (the group's) -> `Traffic`: the bytes and messages this sync sent
+      to and received from it, counting the steps that completed.
+    - When the sync failed: `written`, the target tensors it wrote completely (they hold the
+      new version); `untouched`, those it did not write at all (they hold the last
+      version); any other target tensor may be partly written (a torn mix of both).
+      `partial` is `written` (its earlier name)."""
 
     bytes_sent: int
     bytes_received: int
@@ -51,8 +61,19 @@ class SyncReport:
     plan_digest: str
     plan_seconds: float
     planned: bool
-    partial: tuple[str, ...] = ()
+    written: tuple[str, ...] = ()
     tensors: int = 0
+    version: int = 0
+    untouched: tuple[str, ...] = ()
+    peers: dict[int, Traffic] = field(default_factory=dict)
+
+    @property
+    def partial(self) -> tuple[str, ...]:
+        return self.written
+
+
+# target -> the syncs completed into it (`SyncReport.version`), kept beside it, not on it
+_VERSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # gloo keys a point-to-point message by a 32-bit tag (torch passes it as a C int): bounded, so a
@@ -76,6 +97,18 @@ def own_holders(quantize: Any) -> Quantization | None:
     """`quantize=` kept in lazyload's quantized layers: torchao's holders would be new tensors,
     which later syncs could not update in place."""
     return None if quantize is None else replace(Quantization.of(quantize), torchao=False)
+
+
+def cast_on_wire(plan: LoadPlan, items: list) -> dict[int, torch.dtype]:
+    """The items (by position) whose source casts them to their target's narrower floating
+    dtype before sending (float32 master weights into a bf16 server: half the bytes): those
+    the target would only cast on arrival, not quantize (its cast is then a no-op). The same
+    bits either way: both are a `copy_` into the narrower dtype (round to nearest even), and
+    the item's ops (transposes, unsqueezes) only move values."""
+    cast = {t.name: t.dtype for t in plan.targets if t.name not in plan.quantized and t.dtype.is_floating_point}
+    return {position: cast[item.target] for position, item in enumerate(items)
+            if item.target in cast and item.scales is None and item.entry.dtype.is_floating_point
+            and cast[item.target].itemsize < item.entry.dtype.itemsize}
 
 
 def _check_same_plan(rank: int, digests: dict[int, str]) -> None:
@@ -214,6 +247,7 @@ class WeightSync:
         """This rank's load plan of the target from the sources' index, and its requests."""
         self.load_plan: LoadPlan | None = None
         self._box_dests: dict | None = None
+        self._wires: dict[int, torch.dtype] = {}
         if self.target is None:
             self.items: list = []
             return None
@@ -238,7 +272,8 @@ class WeightSync:
         self.load_plan = split_plan(plan, self._cut_at)
         self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
         self.items = [item for group in self.load_plan.groups for item in group.items]
-        return requests_of(self.items, self.pieces, budget or self.load_plan.budget)
+        self._wires = cast_on_wire(self.load_plan, self.items)
+        return requests_of(self.items, self.pieces, budget or self.load_plan.budget, self._wires)
 
     def _cut_at(self, item) -> int | None:
         """The bytes an item of this target may hold in one step: this rank's budget, and
@@ -261,17 +296,19 @@ class WeightSync:
         try:
             with agree.collectives():
                 self._sync(moved)
+            self._completed()
         except BaseException as exc:
             self._failures += 1  # every rank raises, so every rank counts it
             self._announce(exc)
             if self._link is not None:  # before any retry: the failed sync's messages go with it
                 self._link.abort()
             agree.failed(exc)
-            new = tuple(moved.done) if self._assigned else ()  # a first sync's tensors are assigned only when complete
-            report = self._report(moved, started, planned, new)
+            report = self._report(moved, started, planned, failed=True)
             raise SyncError(f"rank {self.rank}: the weight sync did not complete ({type(exc).__name__}: {exc}); "
-                            f"{len(new)} of {self._target_count()} target tensors on "
-                            "this rank hold the new version (report.partial; the others may be partly written). Call "
+                            f"{len(report.written)} of {self._target_count()} target tensors on this rank hold the new "
+                            f"version (report.written), {len(report.untouched)} the last one (report.untouched), the "
+                            f"others may be partly written: do not serve from this target (its version stays "
+                            f"{report.version}) until the sync completes. Call "
                             "the sync again on every rank to complete it" + (
                                 " (over NCCL the retry runs on a fresh communicator: this one was aborted, with "
                                 "whatever the failed sync left on it)" if self._link is not None else "") + ".",
@@ -322,7 +359,7 @@ class WeightSync:
             moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
                     dests, self._link if self._link is not None else self.peers, sync_tag(self._tag, self._failures),
-                    self._wire, self.timeout, self._aborted, self._abandoned, self._pinned)
+                    self._wire, self.timeout, self._aborted, self._abandoned, self._pinned, self._wires)
         try:
             self._connect(ends)
             transfer(self.routes, ends, moved)
@@ -357,13 +394,32 @@ class WeightSync:
         make_parallel(plan, self.target, slots)
         self._slots, self._dests = slots, allocate_destinations(plan, slots, None)
 
-    def _report(self, moved: Moved, started: float, planned: bool, partial: tuple[str, ...] = ()) -> SyncReport:
+    @property
+    def version(self) -> int:
+        """The syncs completed into this rank's target (`SyncReport.version`)."""
+        holder = self if self.target is None else self.target
+        return _VERSIONS.get(holder, 0)
+
+    def _completed(self) -> None:
+        holder = self if self.target is None else self.target
+        _VERSIONS[holder] = _VERSIONS.get(holder, 0) + 1
+
+    def _report(self, moved: Moved, started: float, planned: bool, failed: bool = False) -> SyncReport:
+        written = untouched = ()
+        if failed:
+            # a model's tensors are assigned only when its first sync completes (a BoxTarget's are its own)
+            written = tuple(moved.done) if self._assigned or self.load_plan is None else ()
+            untouched = tuple(t for t in self._target_names() if t not in moved.touched)
         return SyncReport(bytes_sent=moved.sent, bytes_received=moved.received, bytes_local=moved.local,
                           seconds=time.perf_counter() - started, plan_digest=self.plan_digest,
-                          plan_seconds=self.plan_seconds, planned=planned, partial=partial,
-                          tensors=self._target_count())
+                          plan_seconds=self.plan_seconds, planned=planned, written=written,
+                          tensors=self._target_count(), version=self.version, untouched=untouched,
+                          peers=dict(sorted(moved.peers.items())))
+
+    def _target_names(self) -> list[str]:
+        if self.load_plan is not None:
+            return [t.name for t in self.load_plan.targets]
+        return list(self._box_dests or ())
 
     def _target_count(self) -> int:
-        if self.load_plan is not None:
-            return len(self.load_plan.targets)
-        return len(self._box_dests or ())
+        return len(self._target_names())
