@@ -235,11 +235,23 @@ def run_case(case: Case, layers: int) -> dict:
     store, results, errors = CountingStore(), {}, []
     construction = weight_sync.construction
     weight_sync.construction = lambda ranks: ("lazyload/sync/bench/0", 0)  # one process stands for every rank
+    # one rank plans its target at a time: planning sets torch's default dtype while it builds a
+    # model on meta (buffers.py), which threads doing at once would leave set for the process
+    plan_load, planning = weight_sync.plan_load, threading.Lock()
+
+    def plan_alone(*args, **kwargs):
+        with planning:
+            return plan_load(*args, **kwargs)
+    weight_sync.plan_load = plan_alone
+
+    # each server rank's own meta model, built here: transformers' from_config(dtype=) sets torch's
+    # default dtype while it runs, and threads doing it at once left bf16 as the process's default
+    models = {rank: meta_model(config) for rank in range(trainers, world)}
 
     def one(rank):
         store.local.rank = rank
         try:
-            own = meta_model(config) if rank >= trainers else None  # planning a model is not thread-safe
+            own = models.get(rank)  # planning a model is not thread-safe: one model per rank
             results[rank] = routes_figures(construct(cls, rank, world, store, own, case), rank)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append((rank, exc))
@@ -264,7 +276,7 @@ def run_case(case: Case, layers: int) -> dict:
             peaks[rank] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
     finally:
-        weight_sync.construction = construction
+        weight_sync.construction, weight_sync.plan_load = construction, plan_load
     traffic = [store.read[r] + store.written[r] for r in range(world)]
     figures = [results[r] for r in range(world) if results[r]]
     return {"world": world, "tensors": len(shapes), "full_tensors": None, "seconds": list(seconds.values()), "peaks": peaks,

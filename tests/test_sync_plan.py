@@ -8,6 +8,8 @@ import pickle
 import sys
 from pathlib import Path
 
+import torch
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -41,7 +43,9 @@ def test_each_rank_reads_only_requests_of_it():
     only, one message per source and step; the benchmark's table row prints."""
     bench = _bench()
     case = bench.CASES["tiny"]
+    default = torch.get_default_dtype()
     result = bench.run_case(case, 1)
+    assert torch.get_default_dtype() == default  # the simulation leaves the process as it found it
     store, trainers = result["store"], case.fsdp * case.tp
     read_by = {}
     for rank in range(result["world"]):
