@@ -107,6 +107,17 @@ def _share(sync, full) -> int:
     return sum(math.prod(t.local_shape) * full[t.name].element_size() for t in sync.load_plan.targets)
 
 
+def _quantized_bytes(sync, server, full) -> tuple[int, int]:
+    """The quantized targets' share in the trainer's dtype, and the bytes the server holds of
+    them (8-bit data and scales)."""
+    state = server.state_dict()
+    share = sum(math.prod(t.local_shape) * full[t.name].element_size() for t in sync.load_plan.targets
+                if t.name in sync.load_plan.quantized)
+    held = sum(_local(state[n]).nbytes + _local(state.get(n + "_scale", state.get(n + "_scale_inv"))).nbytes
+               for n in sync.load_plan.quantized)
+    return share, held
+
+
 def _ptrs(server) -> dict:
     return {n: _local(t).data_ptr() for n, t in server.state_dict().items()}
 
@@ -141,7 +152,10 @@ def _check_exact_all(sync, trainer, server, report) -> None:
     if server is not None:
         if not sync.load_plan.quantized:  # quantized: compared with load_into's
             _check_exact(sync, server, full)
-        assert report.bytes_received + report.bytes_local == _share(sync, full)
+        quantized, held = _quantized_bytes(sync, server, full)
+        assert report.quantized_on_wire == held  # the source quantized them: the server's 8-bit data and scales
+        assert held * 3 < quantized or not quantized  # float32's a quarter, and the scales
+        assert report.bytes_received + report.bytes_local == _share(sync, full) - quantized + held
     totals = [None] * len(sync.ranks)
     dist.all_gather_object(totals, (report.bytes_sent, report.bytes_received), group=sync.group)
     assert sum(s for s, _ in totals) == sum(r for _, r in totals)  # every byte sent is received once
