@@ -463,6 +463,8 @@ def _quantized(rank, directory, dtype, loaded=False):
     if loaded:
         assert server is None or _ptrs(server) == ptrs  # the loaded layers' data and scales, filled in place
         _disagreeing(rank, trainer, server, mesh, dtype)
+    else:
+        _quantized_on_arrival(trainer, server, mesh, arch, quantize, second)
     if server is None:
         return
     reference = _meta_server(arch)
@@ -470,9 +472,40 @@ def _quantized(rank, directory, dtype, loaded=False):
     got, expected = server.state_dict(), reference.state_dict()
     assert sorted(got) == sorted(expected) and any(t.element_size() == 1 for t in got.values())
     assert not block or any(type(m).__name__ == "FP8Linear" for m in server.modules())
+    _check_same_bits(got, expected)
+
+
+def _check_same_bits(got: dict, expected: dict) -> None:
+    assert sorted(got) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(_local(got[name]).view(torch.uint8) if tensor.element_size() == 1 else _local(got[name]),
                            _local(tensor).view(torch.uint8) if tensor.element_size() == 1 else _local(tensor)), name
+
+
+def _quantized_on_arrival(trainer, server, mesh, arch, quantize, on_wire):
+    """The same weights synced with every box sent in full precision and quantized on arrival
+    (`quantize_on_wire` patched out: the sync before trainer-side quantization): the same
+    bits, a plan digest of its own, the quantized targets' float32 bytes 3.5x those of the
+    quantized wire or more, and the other targets' bytes the same."""
+    import lazyload
+    import lazyload.sync.weight_sync as weight_sync
+
+    quantize_on_wire, weight_sync.quantize_on_wire = weight_sync.quantize_on_wire, lambda plan, items: {}
+    try:
+        other = _meta_server(arch) if server is not None else None
+        sync = lazyload.WeightSync(source=trainer, target=other, target_mesh=mesh if server is not None else None,
+                                   quantize=quantize, rank_timeout=60)
+        arrived = sync()
+    finally:
+        weight_sync.quantize_on_wire = quantize_on_wire
+    assert sync.plan_digest != on_wire.plan_digest and arrived.quantized_on_wire == 0
+    if server is not None:
+        _check_same_bits(other.state_dict(), server.state_dict())
+        plan = sync.load_plan
+        quantized = sum(math.prod(t.local_shape) * plan.full_dtypes[t.name].itemsize for t in plan.targets
+                        if t.name in plan.quantized)
+        assert quantized >= 3.5 * on_wire.quantized_on_wire > 0
+        assert arrived.bytes_received - quantized == on_wire.bytes_received - on_wire.quantized_on_wire
 
 
 def _disagreeing(rank, trainer, server, mesh, dtype):
