@@ -526,6 +526,61 @@ def _disagreeing(rank, trainer, server, mesh, dtype):
         assert all(torch.equal(_local(t), before[n]) for n, t in server.state_dict().items())
 
 
+def _blocks_cut(rank, world):
+    """FSDP2 shards of 192 rows of a 384 x 256 FP8-block weight (two trainer ranks) cut its
+    128 x 128 blocks: its boxes travel in full precision and are quantized on arrival, once
+    the server rank holds every block whole; the other layer's whole blocks go quantized on
+    the wire. Both syncs (before and after the trainer's weights change) bit-equal to
+    load_into(quantize=...) of the same weights."""
+    import shutil
+    import tempfile
+
+    import lazyload
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))["x"]
+    quantize, plan = _quantization("fp8-block"), {"0": "rowwise", "1": "colwise"}  # TP-2 splits whole blocks
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(256, 384, bias=False), torch.nn.Linear(384, 256, bias=False))
+    torch.manual_seed(0)
+    trainer, server = (model(), None) if rank < 2 else (None, None)
+    if trainer is not None:
+        fully_shard(trainer, mesh=mesh)
+    else:
+        with torch.device("meta"):
+            server = model()
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh if server is not None else None,
+                               plan=plan, quantize=quantize, rank_timeout=60)
+    directory = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    for turn in range(2):
+        report = sync()
+        full = _full(trainer)
+        if rank == 0:
+            save_file(full, f"{directory[0]}/{turn}.safetensors")
+        dist.barrier()
+        if server is not None:
+            with torch.device("meta"):
+                reference = model()
+            lazyload.LazyCheckpoint(f"{directory[0]}/{turn}.safetensors").load_into(reference, mesh=mesh, plan=plan,
+                                                                                   quantize=quantize)
+            assert all(type(m).__name__ == "FP8Linear" for m in server)
+            _check_same_bits(server.state_dict(), reference.state_dict())
+            state = server.state_dict()
+            assert report.quantized_on_wire == _local(state["1.weight"]).nbytes + _local(state["1.weight_scale_inv"]).nbytes
+            assert report.bytes_received - report.quantized_on_wire == 384 * 128 * 4  # layer 0's share, float32
+        if trainer is not None:
+            with torch.no_grad():
+                for tensor in trainer.parameters():
+                    tensor.to_local().mul_(-1.5)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(directory[0])
+
+
 def _renamed_state_dict(rank, world):
     """A state dict of plain tensors on rank 0 alone, its keys renamed, mapped back by key_map:
     every rank's TP-4 slices exact (rank 0 copies its own, the others receive theirs)."""
@@ -977,7 +1032,8 @@ def _run_case(case, rank, world):
 # cases that take the rank and the job's world, by name
 _WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatched": _mismatched, "recast": _recast,
                     "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size,
-                    "own-group": _own_group, "copies": _copies, "budgets": _budgets, "nccl-retry": _nccl_retry}
+                    "own-group": _own_group, "copies": _copies, "budgets": _budgets, "nccl-retry": _nccl_retry,
+                    "blocks-cut": _blocks_cut}
 
 
 def test_sync(tmp_path):
@@ -986,7 +1042,7 @@ def test_sync(tmp_path):
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault", "nccl-retry", "recast", "replica-groups", "store-size",
-             "digests-differ", "own-group", "copies", "budgets"]
+             "digests-differ", "own-group", "copies", "budgets", "blocks-cut"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 

@@ -36,7 +36,7 @@ from .box_target import BoxTarget
 from .peers import NcclLink, Peers
 from .split import split_plan
 from .transfer import Ends, Moved, Traffic, message_buffer, transfer, wait_on_device
-from .wire import quantize_on_wire
+from .wire import quantize_on_wire, with_assembled
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,8 @@ class WeightSync:
         self.source, self.target, self.target_mesh = source, target, target_mesh
         self._options = LoadOptions(device=device, dtype=dtype, key_map=key_map, progress=False, plan=plan,
                                     reader="pread", max_host_bytes=max_host_bytes, quantize=own_holders(quantize),
-                                    rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False)
+                                    rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False,
+                                    pieces_cut_groups=True)
         store = store if store is not None else self.peers.default_store()
         prefix, number = construction(self.ranks)
         gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
@@ -362,6 +363,7 @@ class WeightSync:
         if self.load_plan is not None:
             plan = self.load_plan
             dests = with_whole(self._dests, plan.targets, plan.mapping.exprs, plan.items, plan.index.shape_of)
+            dests = with_assembled(dests, plan, self.items)
         for item in self.items:
             moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,

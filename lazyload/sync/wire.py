@@ -7,14 +7,19 @@ The same bytes as on arrival: a box whose input dim (and, for FP8 blocks, its ro
 a scale group of the target's local tensor and ends on one or at its end holds whole groups,
 each quantized from its own values alone, on whichever side. Other boxes (a conversion's
 sources, a box its ops move, a pre-quantized source) travel in full precision, quantized on
-arrival as before."""
+arrival as before; so does a box whose source pieces cut a group or a block (FSDP shards
+of 192 rows of 128-row FP8 blocks): its values wait in a full-precision scratch of the
+target's local tensor until every such box has landed, and its groups are quantized then
+(`AssembledDest`), as `load_into` quantizes them from whole groups."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from ..expr import Box, Whole, box_numel, box_shape, full_box
+from ..placer import TensorDest
 from ..quant.onload import QuantizedDest, scale_shape
 
 SCALE = torch.float32  # the scales' dtype on the wire, as the target holds them
@@ -97,6 +102,72 @@ def _whole_groups(box: Box, shape: tuple[int, ...], grid) -> bool:
     the same groups of the whole tensor."""
     dims = [(grid.axis % len(box), grid.group)] + ([(len(box) - 2, grid.rows)] if grid.rows > 1 else [])
     return all(box[d][0] % size == 0 and (box[d][1] % size == 0 or box[d][1] == shape[d]) for d, size in dims)
+
+
+class AssembledDest:
+    """A quantized target some of whose boxes cut its scale groups or blocks (their source
+    pieces do): those land in full precision in a scratch of the local tensor (float32, as a
+    conversion's sources do), and once the last has landed, each one's box widened to whole
+    groups and blocks is quantized from it (every value of a group a box cuts is in some box
+    that cuts it too). Boxes of whole groups are quantized as they land, or were on the wire.
+    Boxes land from one thread (a sync's); the lock is for a reader's threads alike."""
+
+    def __init__(self, dest: QuantizedDest, shape: tuple[int, ...], cut: int):
+        self.dest, self.shape, self._left, self._cut = dest, shape, cut, []
+        self.data, self.scale, self.device = dest.data, dest.scale, dest.device
+        self._grid = QuantizedWire(dest.data.dtype, dest.group, dest.axis, dest.rows)
+        self._scratch: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def box(self, item) -> None:
+        return None
+
+    def place(self, item, source: torch.Tensor) -> None:
+        if _whole_groups(item.dst_box, self.shape, self._grid):
+            return self.dest.place(item, source)
+        with self._lock:
+            if self._scratch is None:
+                self._scratch = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        TensorDest(self._scratch).place(item, source)
+        with self._lock:
+            self._cut.append(item.dst_box)
+            self._left -= 1
+            last = not self._left
+        if last:
+            for box in self._cut:
+                box = self._widened(box)
+                self.dest.write(box, self._scratch[tuple(slice(a, b) for a, b in box)])
+            self._scratch, self._cut = None, []
+
+    def _widened(self, box: Box) -> Box:
+        """`box` widened to whole groups of the input dim (and blocks' rows), within the tensor."""
+        sizes = {self._grid.axis % len(box): self._grid.group}
+        if self._grid.rows > 1:
+            sizes[len(box) - 2] = self._grid.rows
+        return tuple((a // sizes[d] * sizes[d], min(-(-b // sizes[d]) * sizes[d], self.shape[d])) if d in sizes
+                     else (a, b) for d, (a, b) in enumerate(box))
+
+    def write(self, box: Box, values: torch.Tensor) -> None:
+        self.dest.write(box, values)
+
+    def scratch_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        return self.dest.tensors(name)
+
+
+def with_assembled(dests: dict, plan, items: list) -> dict:
+    """`dests` with each quantized target whose boxes cut its groups (`_whole_groups`) behind
+    an `AssembledDest` (not a conversion's: it quantizes its whole result already)."""
+    local = {t.name: t.local_shape for t in plan.targets}
+    cut: dict[str, int] = {}
+    for item in items:
+        grid = plan.quantized.get(item.target)
+        if (grid is not None and not grid.keep and not grid.packed and isinstance(dests[item.target], QuantizedDest)
+                and not _whole_groups(item.dst_box, local[item.target], grid)):
+            cut[item.target] = cut.get(item.target, 0) + 1
+    return {**dests, **{name: AssembledDest(dests[name], local[name], n) for name, n in cut.items()}}
 
 
 def wire_bytes(kind: torch.dtype | QuantizedWire, box: Box) -> int:
