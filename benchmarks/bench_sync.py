@@ -128,14 +128,16 @@ def quantized_worker(args, rank, mesh, serving, trainer, shape):
 def quantized_table(ranks, quantize):
     mib = common.mib
     lines = ["| rank | role | bf16 sync: sent MiB | received MiB | s per sync | "
-             f"{quantize} sync: sent MiB | received MiB | of which quantized MiB | s per sync | bytes / bf16's |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{quantize} sync: sent MiB | received MiB | of which quantized MiB | s per sync | bytes / bf16's | "
+             "quantized layers' bytes / bf16's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ranks:
-        moved = r["quantized_sent"] + r["quantized_received"]
+        moved, bf16 = r["quantized_sent"] + r["quantized_received"], r["bf16_sent"] + r["bf16_received"]
+        layers = r["quantized_on_wire"] + bf16 - moved  # those layers' bf16 bytes: the rest moved the same
         lines.append(f"| {r['rank']} | {r['role']} | {mib(r['bf16_sent'])} | {mib(r['bf16_received'])} | "
                      f"{r['bf16_seconds']:.3f} | {mib(r['quantized_sent'])} | {mib(r['quantized_received'])} | "
                      f"{mib(r['quantized_on_wire'])} | {r['quantized_seconds']:.3f} | "
-                     f"{moved / (r['bf16_sent'] + r['bf16_received']):.2f}x |")
+                     f"{moved / bf16:.2f}x | {r['quantized_on_wire'] / layers:.2f}x |")
     lines.append(f"\n{ranks[0]['bf16_steps']} steps per bf16 sync, {ranks[0]['quantized_steps']} per {quantize} sync.")
     return "\n".join(lines)
 
