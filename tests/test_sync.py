@@ -419,6 +419,8 @@ def _quantization(dtype):
 
     if dtype == "fp8-block":  # transformers' FP8Linear, a float32 scale per 128 x 128 block
         return lazyload.Quantization("fp8", format="transformers")
+    if dtype == "int8-rows":  # a scale per row of what the rank holds
+        return lazyload.Quantization("int8", group_size=None, torchao=False)
     return lazyload.Quantization(dtype, group_size=32, torchao=False)
 
 
@@ -454,8 +456,8 @@ def _quantized(rank, directory, dtype, loaded=False):
     ptrs = {}
     make = _loaded_quantized(directory, dtype, quantize, rank, ptrs) if loaded else None
     # under max_host_bytes: items cut, FP8 blocks' on whole 128-row blocks (each trainer rank serves both servers)
-    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, make, quantize=quantize,
-                                                         max_host_bytes=140_000 if block else 6_000)
+    budget = 140_000 if block else 6_000
+    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, make, quantize=quantize, max_host_bytes=budget)
     full, path = _full(trainer), f"{directory}/{dtype}{'-loaded' if loaded else ''}.safetensors"
     if rank == 0:
         save_file({n: t.contiguous() for n, t in full.items()}, path)
@@ -464,7 +466,7 @@ def _quantized(rank, directory, dtype, loaded=False):
         assert server is None or _ptrs(server) == ptrs  # the loaded layers' data and scales, filled in place
         _disagreeing(rank, trainer, server, mesh, dtype)
     else:
-        _quantized_on_arrival(trainer, server, mesh, arch, quantize, second)
+        _quantized_on_arrival(trainer, server, mesh, arch, quantize, second, budget)
     if server is None:
         return
     reference = _meta_server(arch)
@@ -482,11 +484,12 @@ def _check_same_bits(got: dict, expected: dict) -> None:
                            _local(tensor).view(torch.uint8) if tensor.element_size() == 1 else _local(tensor)), name
 
 
-def _quantized_on_arrival(trainer, server, mesh, arch, quantize, on_wire):
+def _quantized_on_arrival(trainer, server, mesh, arch, quantize, on_wire, budget):
     """The same weights synced with every box sent in full precision and quantized on arrival
     (`quantize_on_wire` patched out: the sync before trainer-side quantization): the same
     bits, a plan digest of its own, the quantized targets' float32 bytes 3.5x those of the
-    quantized wire or more, and the other targets' bytes the same."""
+    quantized wire or more, and the other targets' bytes the same; with the same
+    `max_host_bytes`, fewer messages on the quantized wire (its steps count its bytes)."""
     import lazyload
     import lazyload.sync.weight_sync as weight_sync
 
@@ -494,7 +497,7 @@ def _quantized_on_arrival(trainer, server, mesh, arch, quantize, on_wire):
     try:
         other = _meta_server(arch) if server is not None else None
         sync = lazyload.WeightSync(source=trainer, target=other, target_mesh=mesh if server is not None else None,
-                                   quantize=quantize, rank_timeout=60)
+                                   quantize=quantize, rank_timeout=60, max_host_bytes=budget)
         arrived = sync()
     finally:
         weight_sync.quantize_on_wire = quantize_on_wire
@@ -506,6 +509,8 @@ def _quantized_on_arrival(trainer, server, mesh, arch, quantize, on_wire):
                         if t.name in plan.quantized)
         assert quantized >= 3.5 * on_wire.quantized_on_wire > 0
         assert arrived.bytes_received - quantized == on_wire.bytes_received - on_wire.quantized_on_wire
+        messages = [sum(t.messages_received for t in report.peers.values()) for report in (on_wire, arrived)]
+        assert messages[0] < messages[1], messages
 
 
 def _disagreeing(rank, trainer, server, mesh, dtype):
@@ -1039,7 +1044,7 @@ _WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatch
 def test_sync(tmp_path):
     moe, _ = write_checkpoint("qwen3_moe", torch.float32, tmp_path / "moe", num_hidden_layers=2)
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
-             *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
+             *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "int8-rows", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault", "nccl-retry", "recast", "replica-groups", "store-size",
              "digests-differ", "own-group", "copies", "budgets", "blocks-cut"]
