@@ -20,7 +20,7 @@ import torch
 
 from ..expr import Box, Whole, box_numel, box_shape, full_box
 from ..placer import TensorDest
-from ..quant.onload import QuantizedDest, scale_shape
+from ..quant.onload import Grid, QuantizedDest, scale_shape
 
 SCALE = torch.float32  # the scales' dtype on the wire, as the target holds them
 
@@ -96,7 +96,7 @@ def quantize_on_wire(plan, items: list) -> dict[int, QuantizedWire]:
     return out
 
 
-def _whole_groups(box: Box, shape: tuple[int, ...], grid) -> bool:
+def _whole_groups(box: Box, shape: tuple[int, ...], grid: Grid) -> bool:
     """Whether `box` of a local tensor of `shape` starts on a scale group of its input dim (and
     a block's rows) and ends on one or at the tensor's end: its quantization is then that of
     the same groups of the whole tensor."""
@@ -115,7 +115,7 @@ class AssembledDest:
     def __init__(self, dest: QuantizedDest, shape: tuple[int, ...], cut: int):
         self.dest, self.shape, self._left, self._cut = dest, shape, cut, []
         self.data, self.scale, self.device = dest.data, dest.scale, dest.device
-        self._grid = QuantizedWire(dest.data.dtype, dest.group, dest.axis, dest.rows)
+        self._grid = Grid(dest.group, dest.axis, False, dest.rows)
         self._scratch: torch.Tensor | None = None
         self._lock = threading.Lock()
 
