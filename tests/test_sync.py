@@ -1215,6 +1215,43 @@ def test_cut_items_land_exact():
         cut_item(item, 1000, Grid(32))
 
 
+def test_quantized_on_the_wire_lands_as_on_arrival():
+    """A box quantized by its source (`QuantizedWire.pack`) and copied in by its target
+    (`place`) leaves the target's 8-bit data and scales bit-equal to the box quantized on
+    arrival (`QuantizedDest.place`), in the bytes `nbytes` says, after a box before it in the
+    message: groups of an [out, in] weight (a short last group), FP8 128 x 128 blocks, and
+    transposed experts [E, in, out] (input dim -2)."""
+    from lazyload.expr import full_box
+    from lazyload.headers import TensorEntry
+    from lazyload.plan import ReadItem
+    from lazyload.quant.onload import QuantizedDest, scale_shape
+    from lazyload.sync.routes import packed_offsets
+    from lazyload.sync.wire import QuantizedWire
+
+    torch.manual_seed(0)
+    cases = [(torch.int8, (6, 80), 32, -1, 1, ((2, 6), (32, 80))),  # columns 32:80, the last group short
+             (torch.float8_e4m3fn, (256, 384), 128, -1, 128, ((128, 256), (128, 384))),
+             (torch.int8, (3, 64, 10), 32, -2, 1, ((1, 3), (32, 64), (0, 10)))]
+    for dtype, shape, group, axis, rows, box in cases:
+        values = torch.randn(shape)[tuple(slice(a, b) for a, b in box)] * 3
+        item = ReadItem(TensorEntry("rank 0", "w@0.0", torch.float32, shape, 0, 0), full_box(values.shape), (), "w",
+                        box)
+
+        def dest():
+            return QuantizedDest(torch.zeros(shape, dtype=dtype), torch.zeros(scale_shape(shape, group, axis, rows)),
+                                 group, axis, False, rows)
+        arrived, received = dest(), dest()
+        arrived.place(item, values)
+        wire = QuantizedWire(dtype, group, axis, rows)
+        (_, at), nbytes = packed_offsets([(torch.bfloat16, ((0, 3),)), (wire, box)])  # after 6 bytes: aligned to 4
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        wire.pack(buffer, at, box, values)
+        wire.place(buffer, at, box, received, box)
+        assert at == 8 and nbytes == at + wire.nbytes(box)
+        assert torch.equal(received.data.view(torch.uint8), arrived.data.view(torch.uint8)), dtype
+        assert torch.equal(received.scale, arrived.scale) and received.scale.count_nonzero() > 0
+
+
 def test_steps_within_every_budget():
     """The sync's steps, process-free: a target rank's requests come in windows of at most
     its budget, as its messages pack them (a bfloat16 box of odd length before a float32 one
