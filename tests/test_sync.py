@@ -685,7 +685,9 @@ def _cast_on_send(rank, world, source):
 def _converted(rank, world, directory):
     """A source in the checkpoint's names (Qwen3-MoE's per-expert tensors, as save_pretrained
     writes them) into transformers' fused experts by its conversion mapping: every rank's
-    tensors equal load_into's from that checkpoint."""
+    tensors equal load_into's from that checkpoint, in full precision and quantized (int8):
+    the fused experts' sources travel in full precision, quantized on arrival once fused, the
+    other Linear layers' boxes quantized on the wire."""
     import glob
 
     import lazyload
@@ -697,13 +699,18 @@ def _converted(rank, world, directory):
     source = {k: v for f in sorted(glob.glob(f"{directory}/*.safetensors")) for k, v in load_file(f).items()}
     assert not any("gate_up_proj" in k for k in source)  # per-expert names: the mapping fuses them
     mesh = init_device_mesh("cpu", (world,))
-    with torch.device("meta"):
-        server, loaded = _model(config=config), _model(config=config)
-    lazyload.WeightSync(source=source if rank < 2 else None, target=server, target_mesh=mesh, plan="ep")()
-    lazyload.LazyCheckpoint(directory).load_into(loaded, mesh=mesh, plan="ep")
-    expected = loaded.state_dict()
-    for name, tensor in server.state_dict().items():
-        assert torch.equal(_local(tensor), _local(expected[name])), name
+    for quantize in (None, lazyload.Quantization("int8", group_size=8, torchao=False)):  # whole groups at TP 4
+        with torch.device("meta"):
+            server, loaded = _model(config=config), _model(config=config)
+        report = lazyload.WeightSync(source=source if rank < 2 else None, target=server, target_mesh=mesh, plan="ep",
+                                     quantize=quantize)()
+        lazyload.LazyCheckpoint(directory).load_into(loaded, mesh=mesh, plan="ep", quantize=quantize)
+        _check_same_bits(server.state_dict(), loaded.state_dict())
+        state = server.state_dict()
+        on_wire = sum(_local(state[n]).nbytes + _local(state[n + "_scale"]).nbytes for n in state
+                      if n + "_scale" in state and ".experts." not in n)
+        assert any(".experts." in n and n + "_scale" in state for n in state) == (quantize is not None)
+        assert rank < 2 or report.quantized_on_wire == on_wire  # ranks 2-3 receive every box
 
 
 def _uneven(rank, world):
