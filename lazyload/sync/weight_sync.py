@@ -146,7 +146,9 @@ class WeightSync:
       slice is quantized into its layers' own data and scales, as `load_into` would.
       Or a `BoxTarget`: the boxes of each tensor an engine's own weight loaders copy (a vLLM
       worker, `integrations.vllm_update`), received into host tensors it reads from.
-    - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel); `quantize`,
+    - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel; a pipeline stage's
+      model, holding only its layers as `load_into` takes it, with its stage's TP mesh:
+      each stage receives only its layers' slices); `quantize`,
       `dtype`, `plan`, `key_map`, `device`: as `load_into`'s.
     - `max_host_bytes`: this rank's bytes per step as a target (received) and as a source
       (packed, for all its targets), default about one layer; larger items are cut.
