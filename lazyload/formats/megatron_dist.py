@@ -106,9 +106,10 @@ class Derived:
     shape: tuple[int, ...]
     dtype: torch.dtype
     tree: Expr
+    copies: tuple[str, ...] = ()  # stored keys of copies of its pieces the tree does not read (a sync's replicas)
 
     def keys(self) -> list[str]:
-        return list(dict.fromkeys(self.tree.keys()))
+        return list(dict.fromkeys((*self.tree.keys(), *self.copies)))
 
     def expr(self, rank: int = 0, world: int = 1) -> Expr:
         return self.tree
@@ -181,6 +182,13 @@ def _heads(value, prefix: str, groups_key: str | None, size_key: str, where: str
                               "such attention (the heads must split evenly into the groups, the head size be at "
                               "least 1). The file is damaged: re-save or replace it.")
     return Heads(heads, groups, size)
+
+
+def config_heads(config, where: str) -> Heads:
+    """Attention heads, query groups and head size from a live model's Megatron-Core
+    `TransformerConfig` (`where` names it)."""
+    return _heads(lambda name: getattr(config, name, None), "Megatron's config.", "num_query_groups", "kv_channels",
+                  where)
 
 
 def heads_of(storage: Storage, path: str, metadata: DcpMetadata) -> Heads:
@@ -302,17 +310,17 @@ def _split(name: str, tree: Expr, shape: tuple[int, ...], dtype, heads: Heads, w
     return out
 
 
-def _transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) -> dict[str, object]:
+def transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) -> dict[str, object]:
     """Megatron (per-layer or global) tilings -> transformers names."""
     out: dict[str, object] = {}
     for key, layout in layouts.items():
         layer, _, name = key.rpartition(":")
-        tree = layout.expr()
+        tree, copies = layout.expr(), tuple(layout.keys())  # a sync source's replicated boxes: copies
         if not layer:  # a global tensor
             if name not in _GLOBAL:
                 raise CheckpointError(f"{where}: Megatron key {name!r} is not one lazyload knows (expected one of "
                                       f"{sorted(_GLOBAL)} or a decoder.layers.* tensor).")
-            out[_GLOBAL[name]] = Derived(_GLOBAL[name], layout.shape, layout.dtype, tree)
+            out[_GLOBAL[name]] = Derived(_GLOBAL[name], layout.shape, layout.dtype, tree, copies)
             continue
         prefix = _LAYER.format(i=layer)
         if name in _SPLIT:
@@ -325,7 +333,7 @@ def _transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) ->
                                   "(Megatron's default layout: experts as one tensor with an expert axis; per-expert "
                                   "keys, singleton_local_shards, and other layer kinds are not read).")
         for target, d in derived.items():
-            out[prefix + target] = replace(d, name=prefix + target)
+            out[prefix + target] = replace(d, name=prefix + target, copies=copies)
     return out
 
 
@@ -344,6 +352,15 @@ def _layer_number(fqn: str, where: str) -> int | None:
     return int(layer)
 
 
+def layer_key(fqn: str, where: str) -> str:
+    """The key `transformers_names` reads an unstacked Megatron tensor by: "N:<module>" for
+    layer N's (`decoder.layers.N.<module>`), ":<fqn>" for a global one."""
+    layer = _layer_number(fqn, where)
+    if layer is None:
+        return f":{_unwrapped(fqn)}"
+    return f"{layer}:{_unwrapped(fqn).removeprefix(_STACKED).partition('.')[2]}"
+
+
 def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     """The index of a torch_dist checkpoint directory under transformers' names."""
     metadata, header = dcp.read_dcp_metadata(storage, directory)
@@ -360,15 +377,13 @@ def index_of(storage: Storage, directory: str) -> CheckpointIndex:
             _per_layer(entries, tiles, fqn, chunk, key)
         else:  # a global tensor, or one layer's (`decoder.layers.N.`: layers of several kinds)
             box = tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
-            rest = _unwrapped(fqn).removeprefix(_STACKED).partition(".")[2]
-            name = f"{layer}:{rest}" if layer is not None else f":{_unwrapped(fqn)}"
-            tiles.setdefault(name, []).append(Part(Source(key), box))
+            tiles.setdefault(layer_key(fqn, where), []).append(Part(Source(key), box))
     layouts = {}
     for key, parts in tiles.items():
         first = entries[parts[0].expr.keys()[0]]
         shape = tuple(max(p.box[d][1] for p in parts) for d in range(len(parts[0].box)))
         layouts[key] = Layout(key, shape, first.dtype, tuple(parts))
-    names = _transformers_names(layouts, heads_of(storage, directory, metadata), where)
+    names = transformers_names(layouts, heads_of(storage, directory, metadata), where)
     return CheckpointIndex.of(files, entries.items(), names, header + zips, where, identities)
 
 

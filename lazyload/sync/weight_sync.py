@@ -28,8 +28,7 @@ from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized
 from ..stored import StoredCheckpoint
 from .copies import choose_copies, copies_of
 from .gather import Gather, construction
-from ..targets import local_tensor
-from .layout import SourceTensor, source_layout, source_tensors
+from .layout import SourceTensor, local_of, source_layout, source_tensors
 from .routes import Request, Routes, Summary, addressed, requests_of, routes_for
 from .source_index import source_index
 from .box_target import BoxTarget
@@ -213,7 +212,7 @@ class WeightSync:
             self._planned_layout: dict = {}
             return None, budget
         tensors = source_tensors(self.source)
-        self._source_cuda = any(local_tensor(t).is_cuda for t in tensors.values())
+        self._source_cuda = any(local_of(t).is_cuda for t in tensors.values())
         layout = source_layout(tensors)
         self._planned_layout = {s.name: s for s in layout}
         return layout, budget

@@ -1,0 +1,97 @@
+"""WeightSync from a Megatron-Core trainer, over real gloo ranks: a GPTModel (a Llama: RMSNorm,
+SwiGLU, grouped-query attention; fused `linear_qkv` and `linear_fc1`) at TP 2 on ranks 0-1
+is the source, as its `sharded_state_dict()` describes it; a transformers Llama at TP 2 on
+ranks 2-3, built on meta, the target. After each of two syncs (the weights changed in place
+between), every server tensor equals bit for bit `load_into` of the torch_dist checkpoint
+the same Megatron model saves then (`dist_checkpointing.save`), and each server rank
+receives exactly its share: the torch_dist reader's mapping splits the fused tensors, so
+each asks for only the heads and rows it holds."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from gloo import spawn_cases
+
+
+def _perturb(model, seed: int) -> None:
+    """Every parameter moved by noise seeded by its name (and, for TP-split ones, the TP rank;
+    the norms, replicated, alike on both ranks): no two tensors alike, no norm all ones."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            g = torch.Generator().manual_seed(seed * 100_003 + sum(i * ord(c) for i, c in enumerate(name))
+                                              + (tp if param.dim() > 1 else 0))
+            param.add_(torch.randn(param.shape, generator=g) * 0.05)
+
+
+def _save(model, iteration: str) -> None:
+    """The Megatron model's torch_dist checkpoint, as Megatron-LM saves it (its args in the
+    common state); every rank of the job calls it, the server ranks with nothing to save."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dist_checkpoints import GROUPS, HEAD_DIM, HEADS, HIDDEN
+
+    state = model.sharded_state_dict() if model is not None else {}
+    state["args"] = argparse.Namespace(num_attention_heads=HEADS, num_query_groups=GROUPS, group_query_attention=True,
+                                       hidden_size=HIDDEN, kv_channels=HEAD_DIM["llama"])
+    os.makedirs(iteration, exist_ok=True)
+    dist_checkpointing.save(state, iteration)
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _megatron_into_tp2(directory, rank, world):
+    import lazyload
+    from megatron.core import parallel_state
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaForCausalLM
+
+    from megatron_dist_checkpoints import _cpu_only, _gpt_model, hf_config
+
+    _cpu_only()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
+    trainer = server = None
+    if rank < 2:
+        trainer = _gpt_model("llama", 2)
+        _perturb(trainer, 1)
+    else:
+        with torch.device("meta"):
+            server = LlamaForCausalLM(hf_config())
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server is not None else None,
+                               rank_timeout=60)
+    for number in (1, 2):
+        if number == 2 and trainer is not None:
+            _perturb(trainer, 2)
+        report = sync()
+        iteration = f"{directory}/iter{number}"
+        _save(trainer, iteration)
+        if server is None:
+            continue
+        with torch.device("meta"):
+            reference = LlamaForCausalLM(hf_config())
+        lazyload.LazyCheckpoint(iteration).load_into(reference, mesh=mesh["x"], progress=False)
+        got, want = server.state_dict(), reference.state_dict()
+        assert sorted(got) == sorted(want)
+        for name, tensor in want.items():
+            assert torch.equal(_local(got[name]), _local(tensor)), name
+        share = sum(math.prod(_local(t).shape) * t.element_size() for t in want.values())
+        assert (report.bytes_received, report.bytes_local) == (share, 0)
+    parallel_state.destroy_model_parallel()
+
+
+def _run_case(case, rank, world):
+    case[0](case[1], rank, world)
+
+
+def test_sync_from_a_megatron_trainer(tmp_path):
+    spawn_cases(4, [(_megatron_into_tp2, str(tmp_path / "megatron"))], tmp_path, _run_case)
