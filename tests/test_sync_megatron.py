@@ -95,3 +95,28 @@ def _run_case(case, rank, world):
 
 def test_sync_from_a_megatron_trainer(tmp_path):
     spawn_cases(4, [(_megatron_into_tp2, str(tmp_path / "megatron"))], tmp_path, _run_case)
+
+
+def test_megatron_shards_lazyload_does_not_sync_are_refused():
+    """Megatron's own ShardedTensors that no dense GPT layer makes: an expert axis prepended
+    to the layer axis (MoE experts), and a shard that is no block of rows of its parameter
+    (a factory cutting columns): each an ArgumentError naming the tensor."""
+    import pytest
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from lazyload.errors import ArgumentError
+    from lazyload.sync.megatron_source import described_shard
+
+    experts = torch.zeros(4, 3)
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    shard = ShardedTensor.from_rank_offsets(key, experts, (0, 1, 2), (1, 3, 4), prepend_axis_num=2)
+    with pytest.raises(ArgumentError, match="linear_fc1.weight' has 2 axes prepended"):
+        described_shard(shard, experts)
+    param = torch.zeros(4, 6)
+    columns = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc1.weight", param[:, 3:], (0, 1, 2),
+                                              prepend_axis_num=1)
+    with pytest.raises(ArgumentError, match="decoder.layers.1.mlp.linear_fc1.weight': a shard that is no block of rows"):
+        described_shard(columns, param)
+    rows = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc1.weight", param[2:], (0, 1, 2), (1, 1, 2),
+                                           prepend_axis_num=1)
+    assert described_shard(rows, param) == ("decoder.layers.1.mlp.linear_fc1.weight", (4, 6), (((2, 4), (0, 6)), (2, 0)))

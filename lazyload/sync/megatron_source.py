@@ -57,7 +57,7 @@ def megatron_tensors(model: nn.Module) -> dict[str, MegatronTensor]:
         else:  # a ShardedObject (`_extra_state`): no weights
             continue
         for shard in shards:
-            name, shape, held = _described(shard, value.data)
+            name, shape, held = described_shard(shard, value.data)
             before = out.get(name)
             if before is not None and (before.local is not value.data or before.shape != shape):
                 raise ArgumentError(f"WeightSync(source=...): Megatron tensor {name!r} is described twice, by shards "
@@ -66,14 +66,14 @@ def megatron_tensors(model: nn.Module) -> dict[str, MegatronTensor]:
     return out
 
 
-def _described(shard: Any, local: torch.Tensor) -> tuple[str, tuple[int, ...], tuple[Box, tuple[int, ...]]]:
+def described_shard(shard: Any, local: torch.Tensor) -> tuple[str, tuple[int, ...], tuple[Box, tuple[int, ...]]]:
     """(per-layer name, global shape, box held) of a ShardedTensor whose data is `local` or a
     block of its rows (a factory's)."""
     axes = shard.prepend_axis_num
-    if shard.flattened_range is not None or axes > 1 or (axes == 1 and not shard.key.startswith(_STACKED)):
-        raise ArgumentError(f"WeightSync(source=...): Megatron tensor {shard.key!r} is sharded in a way lazyload does "
-                            "not sync (a flattened range, or more than the layer axis prepended: MoE experts); sync "
-                            "from a dense GPT model's sharded_state_dict().")
+    if axes > 1 or (axes == 1 and not shard.key.startswith(_STACKED)):
+        raise ArgumentError(f"WeightSync(source=...): Megatron tensor {shard.key!r} has {axes} axes prepended (MoE "
+                            "experts: the layer and expert axes); lazyload syncs a dense GPT model's tensors, one "
+                            "layer axis at most.")
     name = shard.key if axes == 0 else f"{_STACKED}{shard.global_offset[0]}.{shard.key.removeprefix(_STACKED)}"
     shape, offsets = tuple(shard.global_shape[axes:]), tuple(shard.global_offset[axes:])
     box = tuple((o, o + n) for o, n in zip(offsets, shard.data.shape))

@@ -137,7 +137,9 @@ class WeightSync:
 
     - `source`: on trainer ranks, an `nn.Module` (plain, DTensor TP, FSDP2 `fully_shard`, or
       both over a 2-D mesh) or a state dict of such tensors, in the target's names or mapped
-      by the same rules as a checkpoint (`key_map`, transformers' conversion mapping).
+      by the same rules as a checkpoint (`key_map`, transformers' conversion mapping); or
+      a Megatron-Core GPT model, read as its `sharded_state_dict()` describes it and named
+      as the torch_dist reader names its checkpoints (`megatron_source.py`).
     - `target`: on server ranks, a model built on the meta device (the first sync makes it
       real and tensor-parallel over `target_mesh`, exactly as `load_into(mesh=...)` does) or
       one loaded already; later syncs copy into its tensors in place (same storage). A target
