@@ -49,7 +49,9 @@ def _local(tensor):
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _megatron_into_tp2(directory, rank, world):
+def _megatron_into_tp2(case, rank, world):
+    """The trainer Megatron TP `tp` x PP `pp` (stages in order over ranks 0-1), the server
+    a transformers Llama TP 2 on ranks 2-3."""
     import lazyload
     from megatron.core import parallel_state
     from torch.distributed.device_mesh import init_device_mesh
@@ -57,13 +59,20 @@ def _megatron_into_tp2(directory, rank, world):
 
     from megatron_dist_checkpoints import _cpu_only, _gpt_model, hf_config
 
+    directory, tp, pp = case
     _cpu_only()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             order="tp-cp-ep-pp-dp")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = server = None
     if rank < 2:
-        trainer = _gpt_model("llama", 2)
+        trainer = _gpt_model("llama", tp, pp=pp)
         _perturb(trainer, 1)
+        if pp > 1:  # each stage holds its own layer alone, numbered globally
+            from lazyload.sync.megatron_source import megatron_tensors
+
+            layers = {n.split(".")[2] for n in megatron_tensors(trainer) if n.startswith("decoder.layers.")}
+            assert layers == {str(parallel_state.get_pipeline_model_parallel_rank())}, layers
     else:
         with torch.device("meta"):
             server = LlamaForCausalLM(hf_config())
@@ -90,11 +99,13 @@ def _megatron_into_tp2(directory, rank, world):
 
 
 def _run_case(case, rank, world):
-    case[0](case[1], rank, world)
+    _megatron_into_tp2(case, rank, world)
 
 
 def test_sync_from_a_megatron_trainer(tmp_path):
-    spawn_cases(4, [(_megatron_into_tp2, str(tmp_path / "megatron"))], tmp_path, _run_case)
+    """Megatron TP 2, and PP 2 (each stage its layers, the embedding on the first, the head on
+    the last: layers numbered globally), into a TP-2 Llama."""
+    spawn_cases(4, [(str(tmp_path / "tp2"), 2, 1), (str(tmp_path / "pp2"), 1, 2)], tmp_path, _run_case)
 
 
 def test_megatron_shards_lazyload_does_not_sync_are_refused():
