@@ -45,6 +45,51 @@ def _save(model, iteration: str) -> None:
     dist_checkpointing.save(state, iteration)
 
 
+def _described_twice_is_refused(model) -> None:
+    """A sharded state dict naming one tensor by shards of two parameters (two entries under
+    the embedding's key): an ArgumentError naming it, not one tensor pieced from both."""
+    import pytest
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from lazyload.errors import ArgumentError
+    from lazyload.sync.megatron_source import megatron_tensors
+
+    own = model.sharded_state_dict
+    other = ShardedTensor.from_rank_offsets("embedding.word_embeddings.weight", torch.zeros(128, 64), (0, 0, 2))
+    model.sharded_state_dict = lambda: {**own(), "another.weight": other}
+    try:
+        with pytest.raises(ArgumentError, match="'embedding.word_embeddings.weight' is described twice"):
+            megatron_tensors(model)
+    finally:
+        del model.sharded_state_dict
+
+
+def _unsyncable_shards_are_refused() -> None:
+    """Megatron's own ShardedTensors that no dense GPT layer makes: an expert axis prepended
+    to the layer axis (MoE experts), and a shard that is no block of rows of its parameter
+    (a factory cutting columns): each an ArgumentError naming the tensor (run in a rank: the
+    test process does not import megatron, whose import brings torch._dynamo)."""
+    import pytest
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from lazyload.errors import ArgumentError
+    from lazyload.sync.megatron_source import described_shard
+
+    experts = torch.zeros(4, 3)
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    shard = ShardedTensor.from_rank_offsets(key, experts, (0, 1, 2), (1, 3, 4), prepend_axis_num=2)
+    with pytest.raises(ArgumentError, match="linear_fc1.weight' has 2 axes prepended"):
+        described_shard(shard, experts)
+    param = torch.zeros(4, 6)
+    columns = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc1.weight", param[:, 3:], (0, 1, 2),
+                                              prepend_axis_num=1)
+    with pytest.raises(ArgumentError, match="decoder.layers.1.mlp.linear_fc1.weight': a shard that is no block of rows"):
+        described_shard(columns, param)
+    rows = ShardedTensor.from_rank_offsets("module.decoder.layers.mlp.linear_fc1.weight", param[2:], (0, 1, 2),
+                                           (1, 1, 2), prepend_axis_num=1)  # a wrapper's prefix, as the reader drops it
+    assert described_shard(rows, param) == ("decoder.layers.1.mlp.linear_fc1.weight", (4, 6), (((2, 4), (0, 6)), (2, 0)))
+
+
 def _local(tensor):
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -73,6 +118,9 @@ def _megatron_into_tp2(case, rank, world):
 
             layers = {n.split(".")[2] for n in megatron_tensors(trainer) if n.startswith("decoder.layers.")}
             assert layers == {str(parallel_state.get_pipeline_model_parallel_rank())}, layers
+        else:
+            _described_twice_is_refused(trainer)
+            _unsyncable_shards_are_refused()
     else:
         with torch.device("meta"):
             server = LlamaForCausalLM(hf_config())
@@ -104,30 +152,7 @@ def _run_case(case, rank, world):
 
 def test_sync_from_a_megatron_trainer(tmp_path):
     """Megatron TP 2, and PP 2 (each stage its layers, the embedding on the first, the head on
-    the last: layers numbered globally), into a TP-2 Llama."""
+    the last: layers numbered globally), into a TP-2 Llama; at TP 2 the trainer ranks also
+    check that the shards lazyload does not sync are refused."""
     spawn_cases(4, [(str(tmp_path / "tp2"), 2, 1), (str(tmp_path / "pp2"), 1, 2)], tmp_path, _run_case)
 
-
-def test_megatron_shards_lazyload_does_not_sync_are_refused():
-    """Megatron's own ShardedTensors that no dense GPT layer makes: an expert axis prepended
-    to the layer axis (MoE experts), and a shard that is no block of rows of its parameter
-    (a factory cutting columns): each an ArgumentError naming the tensor."""
-    import pytest
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    from lazyload.errors import ArgumentError
-    from lazyload.sync.megatron_source import described_shard
-
-    experts = torch.zeros(4, 3)
-    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
-    shard = ShardedTensor.from_rank_offsets(key, experts, (0, 1, 2), (1, 3, 4), prepend_axis_num=2)
-    with pytest.raises(ArgumentError, match="linear_fc1.weight' has 2 axes prepended"):
-        described_shard(shard, experts)
-    param = torch.zeros(4, 6)
-    columns = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc1.weight", param[:, 3:], (0, 1, 2),
-                                              prepend_axis_num=1)
-    with pytest.raises(ArgumentError, match="decoder.layers.1.mlp.linear_fc1.weight': a shard that is no block of rows"):
-        described_shard(columns, param)
-    rows = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc1.weight", param[2:], (0, 1, 2), (1, 1, 2),
-                                           prepend_axis_num=1)
-    assert described_shard(rows, param) == ("decoder.layers.1.mlp.linear_fc1.weight", (4, 6), (((2, 4), (0, 6)), (2, 0)))

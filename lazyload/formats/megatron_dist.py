@@ -263,10 +263,10 @@ def _config_heads(config: str, doc) -> Heads:
 
 def is_model_tensor(fqn: str) -> bool:
     """Megatron's model tensors; anything else (optimizer, RNG and rerun state) is not read."""
-    return _unwrapped(fqn).split(".", 1)[0] in ("embedding", "decoder", "output_layer")
+    return unwrapped(fqn).split(".", 1)[0] in ("embedding", "decoder", "output_layer")
 
 
-def _unwrapped(fqn: str) -> str:
+def unwrapped(fqn: str) -> str:
     for prefix in _PREFIXES:
         if fqn.startswith(prefix):
             return fqn[len(prefix):]
@@ -281,7 +281,7 @@ def _per_layer(entries: dict[str, TensorEntry], tiles: dict[str, list[Part]], fq
         raise CheckpointError(f"Megatron tensor {fqn!r}: a chunk is saved transposed; lazyload reads "
                               "Megatron's own row-major layout.")
     step = entry.nbytes // chunk.sizes[0] if chunk.sizes[0] else 0
-    name = _unwrapped(fqn).removeprefix(_STACKED)
+    name = unwrapped(fqn).removeprefix(_STACKED)
     for j in range(chunk.sizes[0]):
         layer = chunk.offsets[0] + j
         layer_key = f"{fqn}@{layer}:{','.join(map(str, chunk.offsets[1:]))}"
@@ -340,7 +340,7 @@ def transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) -> 
 def _layer_number(fqn: str, where: str) -> int | None:
     """N of a `decoder.layers.N.` key; None for any other (a stacked `decoder.layers.<module>`
     key, whose module name is an identifier: it starts with no digit)."""
-    name = _unwrapped(fqn)
+    name = unwrapped(fqn)
     if not name.startswith(_STACKED):
         return None
     layer = name.removeprefix(_STACKED).partition(".")[0]
@@ -357,8 +357,8 @@ def layer_key(fqn: str, where: str) -> str:
     layer N's (`decoder.layers.N.<module>`), ":<fqn>" for a global one."""
     layer = _layer_number(fqn, where)
     if layer is None:
-        return f":{_unwrapped(fqn)}"
-    return f"{layer}:{_unwrapped(fqn).removeprefix(_STACKED).partition('.')[2]}"
+        return f":{unwrapped(fqn)}"
+    return f"{layer}:{unwrapped(fqn).removeprefix(_STACKED).partition('.')[2]}"
 
 
 def index_of(storage: Storage, directory: str) -> CheckpointIndex:
@@ -373,7 +373,7 @@ def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     tiles: dict[str, list[Part]] = {}
     for (fqn, chunk, _), key in zip(planned, keys):
         layer = _layer_number(fqn, where)
-        if _unwrapped(fqn).startswith(_STACKED) and layer is None:
+        if unwrapped(fqn).startswith(_STACKED) and layer is None:
             _per_layer(entries, tiles, fqn, chunk, key)
         else:  # a global tensor, or one layer's (`decoder.layers.N.`: layers of several kinds)
             box = tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import ArgumentError
-from ..formats.megatron_dist import Heads, config_heads
+from ..formats.megatron_dist import Heads, config_heads, unwrapped
 from ..expr import Box
 
 _STACKED = "decoder.layers."
@@ -69,12 +69,12 @@ def megatron_tensors(model: nn.Module) -> dict[str, MegatronTensor]:
 def described_shard(shard: Any, local: torch.Tensor) -> tuple[str, tuple[int, ...], tuple[Box, tuple[int, ...]]]:
     """(per-layer name, global shape, box held) of a ShardedTensor whose data is `local` or a
     block of its rows (a factory's)."""
-    axes = shard.prepend_axis_num
-    if axes > 1 or (axes == 1 and not shard.key.startswith(_STACKED)):
+    axes, key = shard.prepend_axis_num, unwrapped(shard.key)  # a wrapper's `module.` left out, as the reader does
+    if axes > 1 or (axes == 1 and not key.startswith(_STACKED)):
         raise ArgumentError(f"WeightSync(source=...): Megatron tensor {shard.key!r} has {axes} axes prepended (MoE "
                             "experts: the layer and expert axes); lazyload syncs a dense GPT model's tensors, one "
                             "layer axis at most.")
-    name = shard.key if axes == 0 else f"{_STACKED}{shard.global_offset[0]}.{shard.key.removeprefix(_STACKED)}"
+    name = key if axes == 0 else f"{_STACKED}{shard.global_offset[0]}.{key.removeprefix(_STACKED)}"
     shape, offsets = tuple(shard.global_shape[axes:]), tuple(shard.global_offset[axes:])
     box = tuple((o, o + n) for o, n in zip(offsets, shard.data.shape))
     return name, shape, (box, _start_in(shard.data, local, name))
