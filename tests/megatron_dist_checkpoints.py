@@ -89,7 +89,8 @@ def _gpt_model(kind: str, tp: int, ep: int = 1, pp: int = 1):
                                num_query_groups=GROUPS, ffn_hidden_size=FFN, use_cpu_initialization=True,
                                normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
                                activation_func=torch.nn.functional.silu, params_dtype=torch.float32,
-                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               pipeline_dtype=torch.float32,
                                kv_channels=HEAD_DIM[kind], **options)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if options:  # MoE layers, and dense ones where moe_layer_freq says

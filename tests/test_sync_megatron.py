@@ -83,11 +83,12 @@ def _unsyncable_shards_are_refused() -> None:
     param = torch.zeros(4, 6)
     columns = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc1.weight", param[:, 3:], (0, 1, 2),
                                               prepend_axis_num=1)
-    with pytest.raises(ArgumentError, match="decoder.layers.1.mlp.linear_fc1.weight': a shard that is no block of rows"):
+    with pytest.raises(ArgumentError, match="layers.1.mlp.linear_fc1.weight': a shard that is no block of rows"):
         described_shard(columns, param)
     rows = ShardedTensor.from_rank_offsets("module.decoder.layers.mlp.linear_fc1.weight", param[2:], (0, 1, 2),
                                            (1, 1, 2), prepend_axis_num=1)  # a wrapper's prefix, as the reader drops it
-    assert described_shard(rows, param) == ("decoder.layers.1.mlp.linear_fc1.weight", (4, 6), (((2, 4), (0, 6)), (2, 0)))
+    name, shape, held = described_shard(rows, param)
+    assert (name, shape, held) == ("decoder.layers.1.mlp.linear_fc1.weight", (4, 6), (((2, 4), (0, 6)), (2, 0)))
 
 
 def _local(tensor):

@@ -1,8 +1,8 @@
-"""A Megatron-Core model (GPTModel, or anything with Megatron's `sharded_state_dict()`) as a
-sync's source: each tensor as Megatron's `sharded_state_dict()` describes it, under the key
-its `torch_dist` checkpoint would store it by (one per layer: `decoder.layers.N.<module>`,
-N the global layer number, the prepended layer axis dropped), holding the boxes its
-ShardedTensors give this rank. A TP-split gated `linear_fc1` (a ShardedTensorFactory) is
+"""A Megatron-Core model (a GPTModel, or a Megatron wrapper of one: any of Megatron's modules
+with `sharded_state_dict()`) as a sync's source: each tensor as its `sharded_state_dict()`
+describes it, under the key its `torch_dist` checkpoint would store it by (one per layer:
+`decoder.layers.N.<module>`, N the global layer number, the prepended layer axis dropped),
+holding the boxes its ShardedTensors give this rank. A TP-split gated `linear_fc1` (a ShardedTensorFactory) is
 built as Megatron saves it: the local [gate; up] rows are two boxes of the global [all gate
 rows; all up rows]. The names are read as transformers' by the torch_dist reader's own
 mapping (`formats.megatron_dist.transformers_names`, applied in `source_index`): the fused
@@ -89,6 +89,6 @@ def _start_in(view: torch.Tensor, local: torch.Tensor, name: str) -> tuple[int, 
     if (view.untyped_storage().data_ptr() != local.untyped_storage().data_ptr() or left or not local.is_contiguous()
             or view.stride() != local.stride() or view.shape[1:] != local.shape[1:]
             or not 0 <= rows <= local.shape[0] - view.shape[0]):
-        raise ArgumentError(f"WeightSync(source=...): Megatron tensor {name!r}: a shard that is no block of rows of its "
-                            "parameter; lazyload syncs the shards Megatron's own layers describe.")
+        raise ArgumentError(f"WeightSync(source=...): Megatron tensor {name!r}: a shard that is no block of rows of "
+                            "its parameter; lazyload syncs the shards Megatron's own layers describe.")
     return (rows,) + (0,) * (local.dim() - 1)
