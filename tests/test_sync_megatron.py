@@ -95,6 +95,25 @@ def _local(tensor):
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _check_against_load_into(server, report, iteration: str, mesh) -> None:
+    """The server rank's tensors equal load_into's of the torch_dist checkpoint, bit for bit,
+    and it received exactly its share of them."""
+    import lazyload
+    from transformers import LlamaForCausalLM
+
+    from megatron_dist_checkpoints import hf_config
+
+    with torch.device("meta"):
+        reference = LlamaForCausalLM(hf_config())
+    lazyload.LazyCheckpoint(iteration).load_into(reference, mesh=mesh, progress=False)
+    got, want = server.state_dict(), reference.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(_local(got[name]), _local(tensor)), name
+    share = sum(math.prod(_local(t).shape) * t.element_size() for t in want.values())
+    assert (report.bytes_received, report.bytes_local) == (share, 0)
+
+
 def _megatron_into_tp2(case, rank, world):
     """The trainer Megatron TP `tp` x PP `pp` (stages in order over ranks 0-1), the server
     a transformers Llama TP 2 on ranks 2-3."""
@@ -114,14 +133,6 @@ def _megatron_into_tp2(case, rank, world):
     if rank < 2:
         trainer = _gpt_model("llama", tp, pp=pp)
         _perturb(trainer, 1)
-        if pp > 1:  # each stage holds its own layer alone, numbered globally
-            from lazyload.sync.megatron_source import megatron_tensors
-
-            layers = {n.split(".")[2] for n in megatron_tensors(trainer) if n.startswith("decoder.layers.")}
-            assert layers == {str(parallel_state.get_pipeline_model_parallel_rank())}, layers
-        else:
-            _described_twice_is_refused(trainer)
-            _unsyncable_shards_are_refused()
     else:
         with torch.device("meta"):
             server = LlamaForCausalLM(hf_config())
@@ -133,17 +144,16 @@ def _megatron_into_tp2(case, rank, world):
         report = sync()
         iteration = f"{directory}/iter{number}"
         _save(trainer, iteration)
-        if server is None:
-            continue
-        with torch.device("meta"):
-            reference = LlamaForCausalLM(hf_config())
-        lazyload.LazyCheckpoint(iteration).load_into(reference, mesh=mesh["x"], progress=False)
-        got, want = server.state_dict(), reference.state_dict()
-        assert sorted(got) == sorted(want)
-        for name, tensor in want.items():
-            assert torch.equal(_local(got[name]), _local(tensor)), name
-        share = sum(math.prod(_local(t).shape) * t.element_size() for t in want.values())
-        assert (report.bytes_received, report.bytes_local) == (share, 0)
+        if server is not None:
+            _check_against_load_into(server, report, iteration, mesh["x"])
+    if trainer is not None and pp > 1:  # each stage held its own layer alone, numbered globally
+        from lazyload.sync.megatron_source import megatron_tensors
+
+        layers = {n.split(".")[2] for n in megatron_tensors(trainer) if n.startswith("decoder.layers.")}
+        assert layers == {str(parallel_state.get_pipeline_model_parallel_rank())}, layers
+    elif trainer is not None:
+        _described_twice_is_refused(trainer)
+        _unsyncable_shards_are_refused()
     parallel_state.destroy_model_parallel()
 
 
