@@ -1,5 +1,5 @@
 """One vLLM engine, in its own process: load a checkpoint, generate greedily, reload another
-checkpoint through `reload_weights` (unless it is "-"), generate again, and print the results as one JSON line
+checkpoint through `reload_weights` (unless it is "-"), generate again (for each of several), and print the results as one JSON line
 (`RESULT {...}`): the tokens, and with load_format="lazyload" each worker's reports.
 
     python tests/in_vllm/engine_run.py MODEL RELOAD --format lazyload --tp 2 [--extra '{"reader": "pread"}']
@@ -35,7 +35,8 @@ def generate(llm) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("reload", help="the checkpoint to reload, = for the loaded one again, or - for none")
+    parser.add_argument("reload", help="the checkpoint to reload, = for the loaded one again, or - for none; "
+                                       "several, comma-separated: reloaded in turn (`reloads`: each one's tokens)")
     parser.add_argument("--format", default="lazyload")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--extra", default="{}")
@@ -49,8 +50,11 @@ def main() -> None:
               distributed_executor_backend="mp" if args.tp > 1 else None)
     result = {"tokens": generate(llm)}
     if args.reload != "-":
-        llm.collective_rpc("reload_weights", kwargs={} if args.reload == "=" else {"weights_path": args.reload})
-        result["reloaded"] = generate(llm)
+        result["reloads"] = []
+        for path in args.reload.split(","):
+            llm.collective_rpc("reload_weights", kwargs={} if path == "=" else {"weights_path": path})
+            result["reloads"].append(generate(llm))
+        result["reloaded"] = result["reloads"][0]
     if args.format == "lazyload":
         from lazyload.integrations.vllm import last_reports
 
