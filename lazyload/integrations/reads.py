@@ -97,7 +97,7 @@ class BoxReads:
 
     def expect(self, boxes: list[tuple[str, Box]]) -> None:
         """Copies read as they are made (a reload) will ask for about these boxes (the last
-        load's), in layer order: announce their pages a layer ahead (see the module)."""
+        load's), in this order: announce their pages a layer ahead (see the module)."""
         self.close()
         self.prefetch = LayerPrefetch(self, boxes)
 
@@ -187,10 +187,14 @@ class LayerPrefetch:
 
     def __init__(self, reads: BoxReads, boxes: list[tuple[str, Box]]):
         self.index = index = reads.checkpoint.index
+        names = set(index.names())  # stored keys and logical names (a DCP, Megatron or DeepSpeed tensor)
         wanted = {f"{name}#{k}": (name, box, index.dtype(name)) for k, (name, box) in enumerate(boxes)
-                  if name in index and _fits(box, index.shape(name))}
+                  if name in names and _fits(box, index.shape(name))}
         _, _, items = plan_boxes(index, wanted) if wanted else ({}, [], [])
-        self.groups: list[Group] = schedule(items)
+        first = {}  # layer -> its first box: the groups in the order the copies come (the boxes'), not the files'
+        for k, (name, _) in enumerate(boxes):
+            first.setdefault(layer_of(name), k)
+        self.groups: list[Group] = sorted(schedule(items), key=lambda g: first[layer_of(g.items[0].target)])
         self.layers = {layer_of(g.items[0].target): k for k, g in enumerate(self.groups)}  # the target: name#k
         self.reader = reads._reader(items) if items else None
         self.announced: dict[int, Future] = {}

