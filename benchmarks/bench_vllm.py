@@ -268,13 +268,14 @@ def main() -> None:
     checkpoint_bytes = sum(os.path.getsize(p) for p in shard_files(path))
     print(f"checkpoint {path}: {checkpoint_bytes / 2**20:.0f} MiB in {len(shard_files(path))} files; "
           f"{os.cpu_count()} CPUs\n")
-    print("(checkpoint pages cached: what the engine's workers together brought into the page cache, mincore "
-          "after LLM(); lazyload's tensor bytes: the boxes each worker's loaders copied; vLLM's safetensors "
-          "iterator yields every tensor to every worker)\n")
-    print("| format | TP | cache | LLM() init s | pre-pass s | checkpoint pages cached MiB | storage reads MiB per "
-          "worker | lazyload tensor bytes MiB per worker | fallbacks | peak RSS MiB per worker |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
     formats = args.formats.split(",")
+    if any(f not in S3_FORMATS for f in formats):
+        print("(checkpoint pages cached: what the engine's workers together brought into the page cache, mincore "
+              "after LLM(); lazyload's tensor bytes: the boxes each worker's loaders copied; vLLM's safetensors "
+              "iterator yields every tensor to every worker)\n")
+        print("| format | TP | cache | LLM() init s | pre-pass s | checkpoint pages cached MiB | storage reads MiB per "
+              "worker | lazyload tensor bytes MiB per worker | fallbacks | peak RSS MiB per worker |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     results, tokens = [], {}
     for cache in args.cache.split(","):
         for tp in map(int, args.tp.split(",")):
