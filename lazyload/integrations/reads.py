@@ -99,7 +99,8 @@ class BoxReads:
         """Copies read as they are made (a reload) will ask for about these boxes (the last
         load's), in this order: announce their pages a layer ahead (see the module)."""
         self.close()
-        self.prefetch = LayerPrefetch(self, boxes)
+        if reader_name(self.options.reader, torch.device("cpu"), self.checkpoint.remote) == "mmap":
+            self.prefetch = LayerPrefetch(self, boxes)  # pread and remote readers announce nothing
 
     def close(self) -> None:
         if self.prefetch is not None:
