@@ -482,7 +482,7 @@ def _run(groups: list[Group], tasks: Tasks, device: torch.device) -> None:
         try:
             for k, group in enumerate(groups):
                 if tasks.reader.prefetching:
-                    _announce(tasks.reader, groups, k, announced, prefetcher)
+                    announce(tasks.reader, groups, k, announced, prefetcher)
                 for item in group.items:
                     pending.append(tasks.submit(pool, item))
                     while len(pending) > 2 * workers or (pending and pending[0].done()):
@@ -497,7 +497,7 @@ def _run(groups: list[Group], tasks: Tasks, device: torch.device) -> None:
             raise
 
 
-def _announce(reader: Reader, groups: list[Group], k: int, announced: dict[int, Future],
+def announce(reader: Reader, groups: list[Group], k: int, announced: dict[int, Future],
               prefetcher: ThreadPoolExecutor) -> None:
     """Announce the next layer while this one is placed; but never let a worker touch a page
     not yet announced: on a partly read file that fault would read its one page alone

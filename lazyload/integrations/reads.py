@@ -11,7 +11,7 @@ A reload (`deferred` False: vLLM processes each layer as soon as its copies are 
 copy is read as it is made) gets the load's prefetch through `expect`: the boxes the last
 load's weight loaders copied, planned on this checkpoint and scheduled by layer as a load's
 are; on cold pages (the reader's `prefetching`) the first copy of each layer announces that
-layer and the next (`engine._announce`, one thread), so that storage reads a layer ahead of
+layer and the next (`engine.announce`, one thread), so that storage reads a layer ahead of
 vLLM's copies. `totals.prefetched_bytes` counts the bytes announced a layer ahead, at a load
 and at a reload alike.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..engine import _announce, run_schedule
+from ..engine import announce, run_schedule
 from ..errors import PlanError
 from ..expr import box_numel, box_shape
 from ..placer import Destination, TensorDest, with_whole
@@ -211,7 +211,7 @@ class LayerPrefetch:
         ahead = k in self.announced
         if k not in self.started:
             self.started.add(k)
-            _announce(self.reader, self.groups, k, self.announced, self.thread)
+            announce(self.reader, self.groups, k, self.announced, self.thread)
         return box_numel(copy.box) * self.index.dtype(copy.name).itemsize if ahead else 0
 
     def close(self) -> None:
