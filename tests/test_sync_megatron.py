@@ -5,7 +5,10 @@ ranks 2-3, built on meta, the target. After each of two syncs (the weights chang
 between), every server tensor equals bit for bit `load_into` of the torch_dist checkpoint
 the same Megatron model saves then (`dist_checkpointing.save`), and each server rank
 receives exactly its share: the torch_dist reader's mapping splits the fused tensors, so
-each asks for only the heads and rows it holds."""
+each asks for only the heads and rows it holds. A MoE GPTModel (a Qwen3-MoE: SequentialMLP's
+experts, one parameter each, under the expert axis) at TP 2 x EP 2 and at TP 2 x EP 1
+(every expert on both trainer ranks) syncs likewise into a transformers Qwen3-MoE at TP 2,
+its experts cut per expert (TP) or whole per rank (the default plan)."""
 from __future__ import annotations
 
 import argparse
@@ -20,18 +23,25 @@ from gloo import spawn_cases
 
 def _perturb(model, seed: int) -> None:
     """Every parameter moved by noise seeded by its name (and, for TP-split ones, the TP rank;
-    the norms, replicated, alike on both ranks): no two tensors alike, no norm all ones."""
-    from megatron.core import parallel_state
+    an expert by its global index and expert-TP rank; the norms and routers, replicated, alike
+    on both ranks): no two tensors alike, no norm all ones, no two EP ranks' experts alike."""
+    from megatron.core import parallel_state as ps
 
-    tp = parallel_state.get_tensor_model_parallel_rank()
+    from megatron_dist_checkpoints import EXPERTS
+
+    first = ps.get_expert_model_parallel_rank() * (EXPERTS // ps.get_expert_model_parallel_world_size())
     with torch.no_grad():
         for name, param in model.named_parameters():
-            g = torch.Generator().manual_seed(seed * 100_003 + sum(i * ord(c) for i, c in enumerate(name))
-                                              + (tp if param.dim() > 1 else 0))
+            split = ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else 0
+            if ".local_experts." in name:
+                local = name.split(".local_experts.")[1].split(".")[0]
+                name = name.replace(f".local_experts.{local}.", f".expert{first + int(local)}.")
+                split = ps.get_expert_tensor_parallel_rank()
+            g = torch.Generator().manual_seed(seed * 100_003 + sum(i * ord(c) for i, c in enumerate(name)) + split)
             param.add_(torch.randn(param.shape, generator=g) * 0.05)
 
 
-def _save(model, iteration: str) -> None:
+def _save(model, iteration: str, kind: str) -> None:
     """The Megatron model's torch_dist checkpoint, as Megatron-LM saves it (its args in the
     common state); every rank of the job calls it, the server ranks with nothing to save."""
     from megatron.core import dist_checkpointing
@@ -40,46 +50,60 @@ def _save(model, iteration: str) -> None:
 
     state = model.sharded_state_dict() if model is not None else {}
     state["args"] = argparse.Namespace(num_attention_heads=HEADS, num_query_groups=GROUPS, group_query_attention=True,
-                                       hidden_size=HIDDEN, kv_channels=HEAD_DIM["llama"])
+                                       hidden_size=HIDDEN, kv_channels=HEAD_DIM[kind])
     os.makedirs(iteration, exist_ok=True)
     dist_checkpointing.save(state, iteration)
 
 
-def _described_twice_is_refused(model) -> None:
-    """A sharded state dict naming one tensor by shards of two parameters (two entries under
-    the embedding's key): an ArgumentError naming it, not one tensor pieced from both."""
+def _described_twice_is_refused(model, kind: str) -> None:
+    """A sharded state dict naming one tensor by shards of two parameters (a second entry under
+    the embedding's key; a MoE model's: a second expert 0 of layer 0, beside its own): an
+    ArgumentError naming it, not one tensor pieced from both."""
     import pytest
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from lazyload.errors import ArgumentError
     from lazyload.sync.megatron_source import megatron_tensors
 
+    if kind == "llama":
+        name = "embedding.word_embeddings.weight"
+        other = ShardedTensor.from_rank_offsets(name, torch.zeros(128, 64), (0, 0, 2))
+    else:
+        name = "decoder.layers.0.mlp.experts.experts.linear_fc2.weight"
+        expert = parallel_state.get_expert_model_parallel_rank() * 2  # this EP rank's first (2 experts a rank)
+        other = ShardedTensor.from_rank_offsets("decoder.layers.mlp.experts.experts.linear_fc2.weight",
+                                                torch.zeros(64, 32), (0, 0, 2), (1, expert, 4), prepend_axis_num=2)
     own = model.sharded_state_dict
-    other = ShardedTensor.from_rank_offsets("embedding.word_embeddings.weight", torch.zeros(128, 64), (0, 0, 2))
     model.sharded_state_dict = lambda: {**own(), "another.weight": other}
     try:
-        with pytest.raises(ArgumentError, match="'embedding.word_embeddings.weight' is described twice"):
+        with pytest.raises(ArgumentError, match=f"'{name}' is described twice"):
             megatron_tensors(model)
     finally:
         del model.sharded_state_dict
 
 
 def _unsyncable_shards_are_refused() -> None:
-    """Megatron's own ShardedTensors that no dense GPT layer makes: an expert axis prepended
-    to the layer axis (MoE experts), and a shard that is no block of rows of its parameter
-    (a factory cutting columns): each an ArgumentError naming the tensor (run in a rank: the
-    test process does not import megatron, whose import brings torch._dynamo)."""
+    """Megatron's own ShardedTensors that no GPT layer makes: an axis prepended beside the
+    layer axis on a tensor that is no MoE layer's experts, and a shard that is no block of rows
+    of its parameter (a factory cutting columns): each an ArgumentError naming the tensor (run
+    in a rank: the test process does not import megatron, whose import brings torch._dynamo).
+    An expert's shard (the expert axis after the layer axis) is that expert's box."""
     import pytest
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from lazyload.errors import ArgumentError
     from lazyload.sync.megatron_source import described_shard
 
-    experts = torch.zeros(4, 3)
+    weight = torch.zeros(4, 3)
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    shard = ShardedTensor.from_rank_offsets(key, weight, (0, 1, 2), (1, 3, 4), prepend_axis_num=2)
+    with pytest.raises(ArgumentError, match="linear_fc1.weight' has 2 axes prepended, 1 beside the layer axis"):
+        described_shard(shard, weight)
     key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
-    shard = ShardedTensor.from_rank_offsets(key, experts, (0, 1, 2), (1, 3, 4), prepend_axis_num=2)
-    with pytest.raises(ArgumentError, match="linear_fc1.weight' has 2 axes prepended"):
-        described_shard(shard, experts)
+    expert = ShardedTensor.from_rank_offsets(key, weight, (0, 1, 2), (1, 3, 4), prepend_axis_num=2)
+    assert described_shard(expert, weight) == (key.replace("layers.", "layers.1."), (4, 4, 3),
+                                               (((3, 4), (0, 4), (0, 3)), (0, 0, 0)))
     param = torch.zeros(4, 6)
     columns = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc1.weight", param[:, 3:], (0, 1, 2),
                                               prepend_axis_num=1)
@@ -95,17 +119,22 @@ def _local(tensor):
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _check_against_load_into(server, report, iteration: str, mesh) -> None:
-    """The server rank's tensors equal load_into's of the torch_dist checkpoint, bit for bit,
-    and it received exactly its share of them."""
-    import lazyload
-    from transformers import LlamaForCausalLM
+def _server(kind: str):
+    from transformers import AutoModelForCausalLM
 
     from megatron_dist_checkpoints import hf_config
 
     with torch.device("meta"):
-        reference = LlamaForCausalLM(hf_config())
-    lazyload.LazyCheckpoint(iteration).load_into(reference, mesh=mesh, progress=False)
+        return AutoModelForCausalLM.from_config(hf_config(kind))
+
+
+def _check_against_load_into(server, report, iteration: str, mesh, kind: str, plan) -> None:
+    """The server rank's tensors equal load_into's of the torch_dist checkpoint, bit for bit,
+    and it received exactly its share of them."""
+    import lazyload
+
+    reference = _server(kind)
+    lazyload.LazyCheckpoint(iteration).load_into(reference, mesh=mesh, plan=plan, progress=False)
     got, want = server.state_dict(), reference.state_dict()
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
@@ -115,44 +144,43 @@ def _check_against_load_into(server, report, iteration: str, mesh) -> None:
 
 
 def _megatron_into_tp2(case, rank, world):
-    """The trainer Megatron TP `tp` x PP `pp` (stages in order over ranks 0-1), the server
-    a transformers Llama TP 2 on ranks 2-3."""
+    """The trainer Megatron TP `tp` x PP `pp` x EP `ep` (stages in order over ranks 0-1), the
+    server a transformers model of `kind` at TP 2 on ranks 2-3, its experts split by `plan`."""
     import lazyload
     from megatron.core import parallel_state
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import LlamaForCausalLM
 
-    from megatron_dist_checkpoints import _cpu_only, _gpt_model, hf_config
+    from megatron_dist_checkpoints import _cpu_only, _gpt_model
 
-    directory, tp, pp = case
+    directory, kind, tp, pp, ep, plan = case
     _cpu_only()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             order="tp-cp-ep-pp-dp")
+                                             expert_model_parallel_size=ep, order="tp-cp-ep-pp-dp",
+                                             expert_tensor_parallel_size=1 if kind != "llama" else None)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = server = None
     if rank < 2:
-        trainer = _gpt_model("llama", tp, pp=pp)
+        trainer = _gpt_model(kind, tp, ep, pp=pp)
         _perturb(trainer, 1)
     else:
-        with torch.device("meta"):
-            server = LlamaForCausalLM(hf_config())
+        server = _server(kind)
     sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["x"] if server is not None else None,
-                               rank_timeout=60)
+                               plan=plan, rank_timeout=60)
     for number in (1, 2):
         if number == 2 and trainer is not None:
             _perturb(trainer, 2)
         report = sync()
         iteration = f"{directory}/iter{number}"
-        _save(trainer, iteration)
+        _save(trainer, iteration, kind)
         if server is not None:
-            _check_against_load_into(server, report, iteration, mesh["x"])
+            _check_against_load_into(server, report, iteration, mesh["x"], kind, plan)
     if trainer is not None and pp > 1:  # each stage held its own layer alone, numbered globally
         from lazyload.sync.megatron_source import megatron_tensors
 
         layers = {n.split(".")[2] for n in megatron_tensors(trainer) if n.startswith("decoder.layers.")}
         assert layers == {str(parallel_state.get_pipeline_model_parallel_rank())}, layers
-    elif trainer is not None:
-        _described_twice_is_refused(trainer)
+    elif trainer is not None and (kind == "llama" or ep == 2):  # the dense TP 2 model's, the MoE one's at EP 2
+        _described_twice_is_refused(trainer, kind)
         _unsyncable_shards_are_refused()
     parallel_state.destroy_model_parallel()
 
@@ -164,6 +192,13 @@ def _run_case(case, rank, world):
 def test_sync_from_a_megatron_trainer(tmp_path):
     """Megatron TP 2, and PP 2 (each stage its layers, the embedding on the first, the head on
     the last: layers numbered globally), into a TP-2 Llama; at TP 2 the trainer ranks also
-    check that the shards lazyload does not sync are refused."""
-    spawn_cases(4, [(str(tmp_path / "tp2"), 2, 1), (str(tmp_path / "pp2"), 1, 2)], tmp_path, _run_case)
+    check that the shards lazyload does not sync are refused. A Qwen3-MoE at TP 2 x EP 2 into
+    a TP-2 Qwen3-MoE, its experts cut per expert (TP), and at TP 2 x EP 1 into the default
+    plan (whole experts per rank)."""
+    from checkpoints import EXPERTS_TP
+
+    cases = [(str(tmp_path / "tp2"), "llama", 2, 1, 1, None), (str(tmp_path / "pp2"), "llama", 1, 2, 1, None),
+             (str(tmp_path / "moe_ep2"), "qwen3_moe", 2, 1, 2, EXPERTS_TP),
+             (str(tmp_path / "moe_ep1"), "qwen3_moe", 2, 1, 1, None)]
+    spawn_cases(4, cases, tmp_path, _run_case)
 

@@ -21,10 +21,12 @@ from .megatron_source import MegatronTensor, is_megatron, megatron_tensors
 @dataclass(frozen=True)
 class Held:
     """One box of a source tensor this rank holds: `box` of the global tensor, found at
-    `local_start` of the rank's local tensor."""
+    `local_start` of the rank's local tensor (`part`: which of its local tensors, where a
+    Megatron MoE layer's experts are one parameter each; else 0)."""
 
     box: Box
     local_start: tuple[int, ...]
+    part: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ def source_layout(tensors: dict[str, torch.Tensor | MegatronTensor]) -> list[Sou
     out = []
     for name, tensor in tensors.items():
         if isinstance(tensor, MegatronTensor):
-            held = tuple(Held(box, start) for box, start in tensor.held)
+            held = tuple(Held(box, start, part) for box, start, part in tensor.held)
             out.append(SourceTensor(name, str(tensor.local.dtype), tensor.shape, held, tensor.heads))
             continue
         shape = tuple(tensor.shape)
@@ -93,5 +95,5 @@ def local_of(tensor: torch.Tensor | MegatronTensor) -> torch.Tensor:
 def local_piece(tensor: torch.Tensor | MegatronTensor, held: Held, src_box: Box) -> torch.Tensor:
     """The view of `tensor`'s local shard holding `src_box` of the piece `held` (coordinates
     relative to the piece)."""
-    local = local_of(tensor).detach()
+    local = (tensor.local_of(held.part) if isinstance(tensor, MegatronTensor) else local_tensor(tensor)).detach()
     return local[tuple(slice(s + a, s + b) for s, (a, b) in zip(held.local_start, src_box))]

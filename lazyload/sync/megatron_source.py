@@ -4,7 +4,11 @@ describes it, under the key its `torch_dist` checkpoint would store it by (one p
 `decoder.layers.N.<module>`, N the global layer number, the prepended layer axis dropped),
 holding the boxes its ShardedTensors give this rank. A TP-split gated `linear_fc1` (a ShardedTensorFactory) is
 built as Megatron saves it: the local [gate; up] rows are two boxes of the global [all gate
-rows; all up rows]. The names are read as transformers' by the torch_dist reader's own
+rows; all up rows]. A MoE layer's experts (SequentialMLP's, one parameter per local expert,
+each a ShardedTensor with the expert axis prepended after the layer axis) are one tensor
+[experts, rows, in] per layer, as the torch_dist checkpoint stores them, each expert's
+parameter the box of its expert (an EP rank's: its experts alone). The names are read as
+transformers' by the torch_dist reader's own
 mapping (`formats.megatron_dist.transformers_names`, applied in `source_index`): the fused
 `linear_qkv` de-interleaved per query group, `linear_fc1` split in gate and up, so that each
 target rank asks for only the heads and rows it holds."""
@@ -17,23 +21,35 @@ import torch
 from torch import nn
 
 from ..errors import ArgumentError
-from ..formats.megatron_dist import Heads, config_heads, unwrapped
+from ..formats.megatron_dist import Heads, config_heads, layer_key, unwrapped
 from ..expr import Box
 
 _STACKED = "decoder.layers."
+_EXPERTS = ".experts.experts."  # a MoE layer's experts, as SequentialMLP and TEGroupedMLP key them
+_WHERE = "WeightSync(source=...)"
 
 
 @dataclass(frozen=True)
 class MegatronTensor:
-    """A source tensor as a Megatron-Core model describes it: `local`, this rank's tensor (the
-    parameter); `shape`, the global one (one layer's); `held`, (box of the global tensor,
-    where it starts in `local`) of each ShardedTensor of it this rank holds; `heads`, the
-    model's attention heads (to split the fused QKV)."""
+    """A source tensor as a Megatron-Core model describes it: `params`, the parameters holding
+    it on this rank (one; a MoE layer's experts: one a local expert); `shape`, the global one
+    (one layer's); `held`, (box of the global tensor, where it starts in its parameter, which
+    parameter) of each ShardedTensor of it this rank holds; `heads`, the model's attention
+    heads (to split the fused QKV)."""
 
-    local: torch.Tensor
+    params: tuple[torch.Tensor, ...]
     shape: tuple[int, ...]
-    held: tuple[tuple[Box, tuple[int, ...]], ...]
+    held: tuple[tuple[Box, tuple[int, ...], int], ...]
     heads: Heads
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.params[0]
+
+    def local_of(self, part: int) -> torch.Tensor:
+        """Parameter `part`, viewed with the expert axis its boxes have (an expert's: [1, rows, in])."""
+        param = self.params[part]
+        return param[None] if param.dim() < len(self.shape) else param
 
 
 def is_megatron(source: Any) -> bool:
@@ -57,27 +73,41 @@ def megatron_tensors(model: nn.Module) -> dict[str, MegatronTensor]:
         else:  # a ShardedObject (`_extra_state`): no weights
             continue
         for shard in shards:
-            name, shape, held = described_shard(shard, value.data)
-            before = out.get(name)
-            if before is not None and (before.local is not value.data or before.shape != shape):
+            name, shape, (box, start) = described_shard(shard, value.data)
+            before = out.get(name) or MegatronTensor((), shape, (), heads)
+            params = before.params + tuple(p for p in (value.data,) if all(p is not q for q in before.params))
+            if len(params) > 1 and (len(shape) == value.data.dim() or _overlaps(box, before.held)) \
+                    or before.shape != shape:
                 raise ArgumentError(f"WeightSync(source=...): Megatron tensor {name!r} is described twice, by shards "
-                                    "of different tensors; lazyload syncs Megatron's own GPT layouts.")
-            out[name] = MegatronTensor(value.data, shape, (before.held if before else ()) + (held,), heads)
+                                    "of different tensors; lazyload syncs Megatron's own GPT layouts (a tensor is one "
+                                    "parameter, or a MoE layer's experts one parameter each).")
+            part = next(i for i, p in enumerate(params) if p is value.data)
+            out[name] = MegatronTensor(params, shape, before.held + ((box, start, part),), heads)
     return out
 
 
+def _overlaps(box: Box, held: tuple) -> bool:
+    return any(all(a < d and c < b for (a, b), (c, d) in zip(box, other)) for other, _, _ in held)
+
+
 def described_shard(shard: Any, local: torch.Tensor) -> tuple[str, tuple[int, ...], tuple[Box, tuple[int, ...]]]:
-    """(per-layer name, global shape, box held) of a ShardedTensor whose data is `local` or a
-    block of its rows (a factory's)."""
+    """(per-layer name, global shape, (box held, where it starts in `local`)) of a ShardedTensor
+    whose data is `local` or a block of its rows (a factory's). Its prepended axes: the layer
+    axis of a stacked key (`decoder.layers.<module>`: dropped, the layer named), then a MoE
+    expert axis (`experts.experts.` keys: kept, one expert per shard)."""
     axes, key = shard.prepend_axis_num, unwrapped(shard.key)  # a wrapper's `module.` left out, as the reader does
-    if axes > 1 or (axes == 1 and not key.startswith(_STACKED)):
-        raise ArgumentError(f"WeightSync(source=...): Megatron tensor {shard.key!r} has {axes} axes prepended (MoE "
-                            "experts: the layer and expert axes); lazyload syncs a dense GPT model's tensors, one "
-                            "layer axis at most.")
-    name = key if axes == 0 else f"{_STACKED}{shard.global_offset[0]}.{key.removeprefix(_STACKED)}"
-    shape, offsets = tuple(shard.global_shape[axes:]), tuple(shard.global_offset[axes:])
-    box = tuple((o, o + n) for o, n in zip(offsets, shard.data.shape))
-    return name, shape, (box, _start_in(shard.data, local, name))
+    stacked = key.startswith(_STACKED) and layer_key(key, _WHERE).startswith(":")
+    experts = axes - stacked
+    if experts not in (0, 1) or (experts and _EXPERTS not in key):
+        raise ArgumentError(f"WeightSync(source=...): Megatron tensor {shard.key!r} has {axes} axes prepended, "
+                            f"{experts} beside {'the layer axis' if stacked else 'no layer axis'}; lazyload syncs "
+                            f"Megatron's GPT layouts: a layer axis (stacked keys), and an expert axis on "
+                            f"`{_EXPERTS}` keys alone. Build the trainer with Megatron's own layer specs (MoE "
+                            "experts as SequentialMLP or TEGroupedMLP, without singleton_local_shards).")
+    name = f"{_STACKED}{shard.global_offset[0]}.{key.removeprefix(_STACKED)}" if stacked else key
+    shape, offsets = tuple(shard.global_shape[stacked:]), tuple(shard.global_offset[stacked:])
+    box = tuple((o, o + n) for o, n in zip(offsets, (1,) * experts + tuple(shard.data.shape)))
+    return name, shape, (box, (0,) * experts + _start_in(shard.data, local, name))
 
 
 def _start_in(view: torch.Tensor, local: torch.Tensor, name: str) -> tuple[int, ...]:
