@@ -8,7 +8,9 @@ receives exactly its share: the torch_dist reader's mapping splits the fused ten
 each asks for only the heads and rows it holds. A MoE GPTModel (a Qwen3-MoE: SequentialMLP's
 experts, one parameter each, under the expert axis) at TP 2 x EP 2 and at TP 2 x EP 1
 (every expert on both trainer ranks) syncs likewise into a transformers Qwen3-MoE at TP 2,
-its experts cut per expert (TP) or whole per rank (the default plan)."""
+its experts cut per expert (TP) or whole per rank (the default plan); a Qwen2-MoE (a gated
+shared expert, its second layer dense: Megatron describes each layer under its own number,
+the experts with the expert axis alone) at TP 2 x EP 2 into the default plan."""
 from __future__ import annotations
 
 import argparse
@@ -194,11 +196,12 @@ def test_sync_from_a_megatron_trainer(tmp_path):
     the last: layers numbered globally), into a TP-2 Llama; at TP 2 the trainer ranks also
     check that the shards lazyload does not sync are refused. A Qwen3-MoE at TP 2 x EP 2 into
     a TP-2 Qwen3-MoE, its experts cut per expert (TP), and at TP 2 x EP 1 into the default
-    plan (whole experts per rank)."""
+    plan (whole experts per rank); a Qwen2-MoE (layers unstacked, a shared expert) at EP 2."""
     from checkpoints import EXPERTS_TP
 
     cases = [(str(tmp_path / "tp2"), "llama", 2, 1, 1, None), (str(tmp_path / "pp2"), "llama", 1, 2, 1, None),
              (str(tmp_path / "moe_ep2"), "qwen3_moe", 2, 1, 2, EXPERTS_TP),
-             (str(tmp_path / "moe_ep1"), "qwen3_moe", 2, 1, 1, None)]
+             (str(tmp_path / "moe_ep1"), "qwen3_moe", 2, 1, 1, None),
+             (str(tmp_path / "qwen2_moe"), "qwen2_moe", 2, 1, 2, None)]
     spawn_cases(4, cases, tmp_path, _run_case)
 
