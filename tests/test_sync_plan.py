@@ -81,27 +81,29 @@ def test_copies_chosen_without_the_other_targets():
 
 
 def test_requests_read_are_checked_against_their_digest():
-    """A source rank sends what the target addressed to it, in the target's steps, and the
-    target receives in the same order; requests that differ from the digest their target
-    published (another lazyload there, a lost write) are a PlanError before any byte moves."""
+    """A source rank sends what the target addressed to it, at the steps the target chose,
+    and the target receives in the same order; requests that differ from the digest their
+    target computed of them (another lazyload there, a lost write) are a PlanError before any
+    byte moves."""
     import dataclasses
 
     import pytest
 
     from lazyload.errors import PlanError
-    from lazyload.sync.routes import Request, Summary, addressed, routes_for
+    from lazyload.sync.routes import Request, Slot, Summary, addressed, own_steps, pair_digest, routes_for
 
     wanted = [Request(0, 0, "w@0.0", ((0, 2),), 4), Request(0, 1, "w@1.0", ((0, 2),), 4),
               Request(1, 0, "v@0.0", ((0, 3),), 4), Request(1, 2, "v@2.0", ((0, 3),), 4)]
-    summaries, budgets = {0: None, 1: None, 2: Summary.of(2, wanted)}, dict.fromkeys(range(3), 16)
+    wanted = own_steps(2, wanted, dict.fromkeys((0, 1), Slot(16)))
+    summaries = {0: None, 1: None, 2: Summary.of(wanted)}
     asked = addressed(2, wanted)
     assert sorted(asked) == [0, 1]  # rank 2's own copy goes over no wire
-    source = routes_for(0, None, {2: asked[0]}, summaries, budgets)
-    target = routes_for(2, wanted, {}, summaries, budgets)
+    source = routes_for(0, None, {2: (pair_digest(asked[0]), asked[0])}, summaries)
+    target = routes_for(2, wanted, {}, summaries)
     assert [list(by) for by in source.sends.values()] == [[2], [2]]
     assert {s: {r: p for r, p in by.items()} for s, by in target.receives.items()} == {0: {0: (0,), 1: (1,)},
                                                                                       1: {0: (2,)}}
     assert target.local == {1: (3,)} and source.digest == target.digest and source.steps == target.steps == 2
     tampered = [asked[0][0], dataclasses.replace(asked[0][1], box=((0, 2),))]
     with pytest.raises(PlanError, match="rank 2's requests of it"):
-        routes_for(0, None, {2: tampered}, summaries, budgets)
+        routes_for(0, None, {2: (pair_digest(asked[0]), tampered)}, summaries)
