@@ -107,3 +107,30 @@ def test_requests_read_are_checked_against_their_digest():
     tampered = [asked[0][0], dataclasses.replace(asked[0][1], box=((0, 2),))]
     with pytest.raises(PlanError, match="rank 2's requests of it"):
         routes_for(0, None, {2: (pair_digest(asked[0]), tampered)}, summaries)
+
+
+def test_a_ranks_store_reads_grow_with_the_world_not_with_its_requests():
+    """Every rank of a job constructing (the benchmark's tiny Llama, 2 or 6 replicas of TP 2,
+    1 or 4 layers): apart from the layout exchange and the requests addressed to it, what a
+    rank reads from the store grows with the ranks alone, a few hundred bytes each (a
+    target's digest and steps, the agreement), not with their requests: the same per added
+    rank at 4 layers as at 1. On main every rank read every target's request sizes (the
+    steps were computed over all of them), so the growth per rank grew with the depth."""
+    from dataclasses import replace
+
+    bench = _bench()
+
+    def busiest(replicas: int, layers: int) -> tuple[int, int]:
+        result = bench.run_case(replace(bench.CASES["tiny"], replicas=replicas), layers)
+        store = result["store"]
+
+        def others(rank: int) -> int:  # bytes read of keys not addressed to this rank alone
+            return sum(len(k) + len(store.values[k]) for k in store.keys_read[rank]
+                       if bench.stage_of(k) != "layout" and not k.endswith(f">{rank}"))
+        return max(others(rank) for rank in range(result["world"])), result["world"]
+
+    per_rank = {}
+    for layers in (1, 4):
+        (few, small), (many, large) = busiest(2, layers), busiest(6, layers)
+        per_rank[layers] = (many - few) / (large - small)
+    assert per_rank[4] <= per_rank[1] + 16 and per_rank[4] < 400, per_rank
