@@ -20,6 +20,7 @@ replicas divided by N): a job's figures against its world.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import pickle
@@ -280,6 +281,10 @@ def run_case(case: Case, layers: int) -> dict:
         if errors:
             raise RuntimeError(f"rank {errors[0][0]} failed") from errors[0][1]
         shared.restore()  # the sample constructs alone, decoding its own
+        # the job's leftovers (every rank's plan, the store) out of the collector's way: a rank's
+        # own process would not scan them at each collection
+        gc.collect()
+        gc.freeze()
         seconds, peaks = {}, {}
         for rank in sorted({0, trainers - 1, trainers, world - 1}):  # alone, the store left as the job left it
             store.local.rank = ("again", rank)
@@ -291,12 +296,15 @@ def run_case(case: Case, layers: int) -> dict:
             peaks[rank] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
     finally:
+        gc.unfreeze()
         shared.restore()
         weight_sync.construction, weight_sync.plan_load = construction, plan_load
     traffic = [store.read[r] + store.written[r] for r in range(world)]
+    layouts_read = [store.read_at[r]["layout"] for r in range(world)]
     figures = [results[r] for r in range(world) if results[r]]
     return {"world": world, "tensors": len(shapes), "full_tensors": None, "seconds": list(seconds.values()), "peaks": peaks,
-            "traffic": traffic, "gets": [store.gets[r] for r in range(world)],
+            "traffic": traffic, "gets": [store.gets[r] for r in range(world)], "layouts_read": max(layouts_read),
+            "rest_read": max(store.read[r] - layouts_read[r] for r in range(world)),
             "pieces": sum(len(h.held) for layout in layouts.values() for h in layout),
             "messages": max(f[0] for f in figures), "holders": max(f[1] for f in figures),
             "requests": max(f[2] for f in figures), "steps": max(f[3] for f in figures), "store": store}
@@ -378,6 +386,7 @@ def row(case: Case, layers: int, r: dict, full: int) -> str:
     return (f"| {case.name} | {world:,} | {layers}: {r['tensors']:,} tensors, {r['pieces']:,} pieces "
             f"| {max(seconds):.2f} s | {peak / MiB:,.1f} MiB | {max(traffic) / MiB:,.1f} MiB "
             f"| {sum(traffic) / MiB:,.0f} MiB | {max(r['gets']):,} "
+            f"| {r['layouts_read'] / MiB:,.2f} / {r['rest_read'] / MiB:,.2f} MiB "
             f"| {r['messages']} / {r['holders']} ({r['requests']:,} boxes, {r['steps']} steps) "
             f"| {max(seconds) * scale:.1f} s | {peak * scale / MiB:,.0f} MiB | {max(traffic) * scale / MiB:,.0f} MiB "
             f"| {sum(traffic) * scale / 2**30:,.1f} GiB |")
@@ -385,9 +394,9 @@ def row(case: Case, layers: int, r: dict, full: int) -> str:
 
 HEADER = ("| job | ranks | layers: tensors, source pieces | construction (slowest rank, CPU) | peak memory (its "
           "largest) | store traffic, most of a rank | store traffic, all ranks | store reads, most "
-          "of a rank | messages / distinct holders, a server rank's busiest step | projected: construction "
+          "of a rank | store bytes read, most of a rank: layouts / the rest | messages / distinct holders, a server rank's busiest step | projected: construction "
           "| projected: peak memory | projected: traffic of a rank | projected: all traffic |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:
