@@ -244,7 +244,8 @@ class WeightSync:
         source rank it asks over the wire told so, with its largest request there (how the
         source shares its budget among its targets, `source_slots`)."""
         requests = self._plan_target()
-        self._wanted = None if requests is None else choose_copies({self.rank: requests}, self.pieces)[self.rank]
+        self._wanted = None if requests is None else choose_copies({self.rank: requests}, self.pieces,
+                                                                   self._copies)[self.rank]
         if self._wanted is not None:
             gather.ask("asked", largest_requests(self.rank, self._wanted))
 
@@ -268,7 +269,7 @@ class WeightSync:
         if self.target is None:
             self.items: list = []
             return None
-        self._holders = {key: set(held) for key, (_, held) in copies_of(self.pieces).items()}  # for `_cut_at`
+        self._copies = copies_of(self.pieces)  # computed once: `_cut_at` and `choose_copies` ask it
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
             self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes,
                                                                    self._cut_at)
@@ -297,7 +298,7 @@ class WeightSync:
         unless it holds a copy itself, the budget of every source rank that may send it (the
         copy is chosen later, `copies.py`). None: no limit (the defaults hold any item)."""
         key = item.entry.key
-        holders = self._holders.get(key) or {self.pieces[key].rank}
+        holders = set(self._copies[key][1]) if key in self._copies else {self.pieces[key].rank}
         budgets = [self._max_host_bytes[r] for r in {self.rank} | (set() if self.rank in holders else holders)]
         return min((b for b in budgets if b is not None), default=None)
 
