@@ -301,10 +301,13 @@ def run_case(case: Case, layers: int) -> dict:
         weight_sync.construction, weight_sync.plan_load = construction, plan_load
     traffic = [store.read[r] + store.written[r] for r in range(world)]
     layouts_read = [store.read_at[r]["layout"] for r in range(world)]
+    pairs_read = [sum(len(k) + len(store.values[k]) for k in store.keys_read[r] if k.endswith(f">{r}"))
+                  for r in range(world)]  # values addressed to that rank alone: its pairs' requests and slots
     figures = [results[r] for r in range(world) if results[r]]
     return {"world": world, "tensors": len(shapes), "full_tensors": None, "seconds": list(seconds.values()), "peaks": peaks,
             "traffic": traffic, "gets": [store.gets[r] for r in range(world)], "layouts_read": max(layouts_read),
-            "rest_read": max(store.read[r] - layouts_read[r] for r in range(world)),
+            "pairs_read": max(pairs_read), "rest_read": max(store.read[r] - layouts_read[r] - pairs_read[r]
+                                                             for r in range(world)),
             "pieces": sum(len(h.held) for layout in layouts.values() for h in layout),
             "messages": max(f[0] for f in figures), "holders": max(f[1] for f in figures),
             "requests": max(f[2] for f in figures), "steps": max(f[3] for f in figures), "store": store}
@@ -386,7 +389,7 @@ def row(case: Case, layers: int, r: dict, full: int) -> str:
     return (f"| {case.name} | {world:,} | {layers}: {r['tensors']:,} tensors, {r['pieces']:,} pieces "
             f"| {max(seconds):.2f} s | {peak / MiB:,.1f} MiB | {max(traffic) / MiB:,.1f} MiB "
             f"| {sum(traffic) / MiB:,.0f} MiB | {max(r['gets']):,} "
-            f"| {r['layouts_read'] / MiB:,.2f} / {r['rest_read'] / MiB:,.2f} MiB "
+            f"| {r['layouts_read'] / MiB:,.2f} / {r['pairs_read'] / MiB:,.2f} / {r['rest_read'] / MiB:,.3f} MiB "
             f"| {r['messages']} / {r['holders']} ({r['requests']:,} boxes, {r['steps']} steps) "
             f"| {max(seconds) * scale:.1f} s | {peak * scale / MiB:,.0f} MiB | {max(traffic) * scale / MiB:,.0f} MiB "
             f"| {sum(traffic) * scale / 2**30:,.1f} GiB |")
@@ -394,7 +397,7 @@ def row(case: Case, layers: int, r: dict, full: int) -> str:
 
 HEADER = ("| job | ranks | layers: tensors, source pieces | construction (slowest rank, CPU) | peak memory (its "
           "largest) | store traffic, most of a rank | store traffic, all ranks | store reads, most "
-          "of a rank | store bytes read, most of a rank: layouts / the rest | messages / distinct holders, a server rank's busiest step | projected: construction "
+          "of a rank | store bytes read, most of a rank: layouts / its own pairs / the rest | messages / distinct holders, a server rank's busiest step | projected: construction "
           "| projected: peak memory | projected: traffic of a rank | projected: all traffic |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
