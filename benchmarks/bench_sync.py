@@ -12,7 +12,12 @@ Per rank: bytes sent and received per sync, seconds per sync (median of --repeat
 first sync that makes the server real), and the server's share. Both approaches are checked
 to leave the server bit-equal.
 
-    python benchmarks/bench_sync.py [--world 8] [--layers N] [--quick] [--repeat 3]
+With `--quantize int8|fp8|fp8-block` the server is quantized on the way (`WeightSync(quantize=)`:
+int8 or fp8 with a scale per 128 input columns, or transformers' FP8Linear blocks of 128 x 128),
+each trainer rank quantizing its boxes before it sends them, and the table sets its bytes and
+seconds beside a bf16 sync of the same weights into a bf16 server (no gather-then-load).
+
+    python benchmarks/bench_sync.py [--world 8] [--layers N] [--quick] [--repeat 3] [--quantize int8]
 """
 from __future__ import annotations
 
@@ -95,6 +100,48 @@ def timed(run, repeat):
     return statistics.median(seconds), result
 
 
+def quantization(name):
+    import lazyload
+
+    if name == "fp8-block":
+        return lazyload.Quantization("fp8", format="transformers")
+    return lazyload.Quantization(name, torchao=False)
+
+
+def quantized_worker(args, rank, mesh, serving, trainer, shape):
+    """The bf16 sync and the quantized one of the same weights, each into a server of its own."""
+    import lazyload
+
+    record = dict(rank=rank, role="server" if serving else "trainer")
+    for kind, quantize in (("bf16", None), ("quantized", args.quantize)):
+        server = build(shape, None, True) if serving else None
+        sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["ranks"] if serving else None,
+                                   quantize=quantize and quantization(quantize))
+        sync()
+        seconds, report = timed(sync, args.repeat)
+        record.update({f"{kind}_sent": report.bytes_sent, f"{kind}_received": report.bytes_received,
+                       f"{kind}_seconds": seconds, f"{kind}_on_wire": report.quantized_on_wire,
+                       f"{kind}_steps": sync.routes.steps})
+    return record
+
+
+def quantized_table(ranks, quantize):
+    mib = common.mib
+    lines = ["| rank | role | bf16 sync: sent MiB | received MiB | s per sync | "
+             f"{quantize} sync: sent MiB | received MiB | of which quantized MiB | s per sync | bytes / bf16's | "
+             "quantized layers' bytes / bf16's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ranks:
+        moved, bf16 = r["quantized_sent"] + r["quantized_received"], r["bf16_sent"] + r["bf16_received"]
+        layers = r["quantized_on_wire"] + bf16 - moved  # those layers' bf16 bytes: the rest moved the same
+        lines.append(f"| {r['rank']} | {r['role']} | {mib(r['bf16_sent'])} | {mib(r['bf16_received'])} | "
+                     f"{r['bf16_seconds']:.3f} | {mib(r['quantized_sent'])} | {mib(r['quantized_received'])} | "
+                     f"{mib(r['quantized_on_wire'])} | {r['quantized_seconds']:.3f} | "
+                     f"{moved / bf16:.2f}x | {r['quantized_on_wire'] / layers:.2f}x |")
+    lines.append(f"\n{ranks[0]['bf16_steps']} steps per bf16 sync, {ranks[0]['quantized_steps']} per {quantize} sync.")
+    return "\n".join(lines)
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -110,6 +157,11 @@ def worker(args):
     shape = common.checkpoint_shape(args.layers, args.quick)
     model = build(shape, mesh["ranks"], serving)
     trainer, server = (None, model) if serving else (model, None)
+    if args.quantize:
+        record = quantized_worker(args, rank, mesh, serving, trainer, shape)
+        with open(os.path.join(args.out, f"rank{rank:03d}.json"), "w") as f:
+            json.dump(record, f)
+        return dist.destroy_process_group()
     dist.barrier()  # the plan's seconds, not the wait for the slowest rank's model
     start = time.perf_counter()
     sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh["ranks"] if serving else None)
@@ -161,6 +213,8 @@ def main():
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="the ~200 MB Llama instead of the 2.2 GB one")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quantize", choices=("int8", "fp8", "fp8-block"),
+                        help="a quantized server, beside a bf16 sync (see the docstring)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -168,9 +222,9 @@ def main():
         return worker(args)
     env = dict(os.environ, LAZYLOAD_PROGRESS="0", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
     worker_args = [f"--repeat={args.repeat}"] + (["--quick"] if args.quick else []) + (
-        [f"--layers={args.layers}"] if args.layers else [])
+        [f"--layers={args.layers}"] if args.layers else []) + ([f"--quantize={args.quantize}"] if args.quantize else [])
     ranks, wall = common.torchrun_ranks(__file__, args.world, worker_args, 3600, env)
-    print(table(ranks))
+    print(quantized_table(ranks, args.quantize) if args.quantize else table(ranks))
     print(f"\n(job wall {wall:.0f} s)")
 
 

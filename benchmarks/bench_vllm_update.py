@@ -25,8 +25,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)  # workers import this
+RL_RUN = os.path.join(os.path.dirname(HERE), "tests", "in_vllm")  # the trainer of the RL update's test
+sys.path[:0] = [HERE, RL_RUN]
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, RL_RUN, os.environ.get("PYTHONPATH")) if p)  # workers import this
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -84,24 +85,11 @@ def trainer(rank: int, path: str, ports: tuple[int, int], world: int, tensors: l
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
 
-    from lazyload import WeightSync
-    from lazyload.integrations.vllm_update import update_group
+    from rl_update_run import fsdp_trainer  # the test's trainer, as RL frameworks run one
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=TRAINERS)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    mesh = init_device_mesh("cpu", (TRAINERS,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model, group, sync = fsdp_trainer(rank, path, ports, world, 600, torch.bfloat16, lambda: done.put(("ready", rank)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    done.put(("ready", rank))
-    group, store = update_group("127.0.0.1", ports[1], rank, world, 600)
-    sync = WeightSync(source=model, group=group, store=store, rank_timeout=600)
     step = 0
     while (way := go.get()) is not None:
         step += 1

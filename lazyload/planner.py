@@ -69,6 +69,7 @@ class LoadOptions:
     rank_timeout: float = 60.0
     mesh: Any = None  # a torch DeviceMesh, 1-D (tp) or ("dp", "tp"); rank and world are then its tp dim's
     cooperative: bool | None = None  # replicas (a mesh's dp dim) split their reads; default on
+    pieces_cut_groups: bool = False  # a weight sync: source pieces may cut a scale group (assembled on arrival)
 
     @property
     def cooperating(self) -> bool:
@@ -202,7 +203,8 @@ def plan_load(checkpoint: StoredCheckpoint, model: nn.Module, rank: int = 0, wor
     if mapped is None or mapped.index is not index:
         mapped = map_checkpoint(checkpoint, index, model, options.key_map)
     specs, mapping, placements = place(mapped, model, rank, world, options, preview)
-    quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world)
+    quantized = quantized_targets(model, qconfig, mapping.exprs, specs, placements.placements, index, rank, world,
+                                  not options.pieces_cut_groups)
     parallel = parallel_plan_of_load(model, options.plan, rank, world, placements, scale_names(model, quantized),
                                      mapped.aliases, options.shards_only, options.mesh is not None, preview)
     dtypes = {name: target_dtype(specs[name].dtype, values_dtype(expr, index, mapped.quant), options.dtype)

@@ -107,6 +107,17 @@ def _share(sync, full) -> int:
     return sum(math.prod(t.local_shape) * full[t.name].element_size() for t in sync.load_plan.targets)
 
 
+def _quantized_bytes(sync, server, full) -> tuple[int, int]:
+    """The quantized targets' share in the trainer's dtype, and the bytes the server holds of
+    them (8-bit data and scales)."""
+    state = server.state_dict()
+    share = sum(math.prod(t.local_shape) * full[t.name].element_size() for t in sync.load_plan.targets
+                if t.name in sync.load_plan.quantized)
+    held = sum(_local(state[n]).nbytes + _local(state.get(n + "_scale", state.get(n + "_scale_inv"))).nbytes
+               for n in sync.load_plan.quantized)
+    return share, held
+
+
 def _ptrs(server) -> dict:
     return {n: _local(t).data_ptr() for n, t in server.state_dict().items()}
 
@@ -141,7 +152,10 @@ def _check_exact_all(sync, trainer, server, report) -> None:
     if server is not None:
         if not sync.load_plan.quantized:  # quantized: compared with load_into's
             _check_exact(sync, server, full)
-        assert report.bytes_received + report.bytes_local == _share(sync, full)
+        quantized, held = _quantized_bytes(sync, server, full)
+        assert report.quantized_on_wire == held  # the source quantized them: the server's 8-bit data and scales
+        assert held * 3 < quantized or not quantized  # float32's a quarter, and the scales
+        assert report.bytes_received + report.bytes_local == _share(sync, full) - quantized + held
     totals = [None] * len(sync.ranks)
     dist.all_gather_object(totals, (report.bytes_sent, report.bytes_received), group=sync.group)
     assert sum(s for s, _ in totals) == sum(r for _, r in totals)  # every byte sent is received once
@@ -405,6 +419,8 @@ def _quantization(dtype):
 
     if dtype == "fp8-block":  # transformers' FP8Linear, a float32 scale per 128 x 128 block
         return lazyload.Quantization("fp8", format="transformers")
+    if dtype == "int8-rows":  # a scale per row of what the rank holds
+        return lazyload.Quantization("int8", group_size=None, torchao=False)
     return lazyload.Quantization(dtype, group_size=32, torchao=False)
 
 
@@ -440,8 +456,8 @@ def _quantized(rank, directory, dtype, loaded=False):
     ptrs = {}
     make = _loaded_quantized(directory, dtype, quantize, rank, ptrs) if loaded else None
     # under max_host_bytes: items cut, FP8 blocks' on whole 128-row blocks (each trainer rank serves both servers)
-    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, make, quantize=quantize,
-                                                         max_host_bytes=140_000 if block else 6_000)
+    budget = 140_000 if block else 6_000
+    trainer, server, mesh, (_, second) = _trainer_server(rank, arch, make, quantize=quantize, max_host_bytes=budget)
     full, path = _full(trainer), f"{directory}/{dtype}{'-loaded' if loaded else ''}.safetensors"
     if rank == 0:
         save_file({n: t.contiguous() for n, t in full.items()}, path)
@@ -449,6 +465,8 @@ def _quantized(rank, directory, dtype, loaded=False):
     if loaded:
         assert server is None or _ptrs(server) == ptrs  # the loaded layers' data and scales, filled in place
         _disagreeing(rank, trainer, server, mesh, dtype)
+    else:
+        _quantized_on_arrival(trainer, server, mesh, arch, quantize, second, budget)
     if server is None:
         return
     reference = _meta_server(arch)
@@ -456,9 +474,43 @@ def _quantized(rank, directory, dtype, loaded=False):
     got, expected = server.state_dict(), reference.state_dict()
     assert sorted(got) == sorted(expected) and any(t.element_size() == 1 for t in got.values())
     assert not block or any(type(m).__name__ == "FP8Linear" for m in server.modules())
+    _check_same_bits(got, expected)
+
+
+def _check_same_bits(got: dict, expected: dict) -> None:
+    assert sorted(got) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(_local(got[name]).view(torch.uint8) if tensor.element_size() == 1 else _local(got[name]),
                            _local(tensor).view(torch.uint8) if tensor.element_size() == 1 else _local(tensor)), name
+
+
+def _quantized_on_arrival(trainer, server, mesh, arch, quantize, on_wire, budget):
+    """The same weights synced with every box sent in full precision and quantized on arrival
+    (`quantize_on_wire` patched out: the sync before trainer-side quantization): the same
+    bits, a plan digest of its own, the quantized targets' float32 bytes 3.5x those of the
+    quantized wire or more, and the other targets' bytes the same; with the same
+    `max_host_bytes`, fewer messages on the quantized wire (its steps count its bytes)."""
+    import lazyload
+    import lazyload.sync.weight_sync as weight_sync
+
+    quantize_on_wire, weight_sync.quantize_on_wire = weight_sync.quantize_on_wire, lambda plan, items: {}
+    try:
+        other = _meta_server(arch) if server is not None else None
+        sync = lazyload.WeightSync(source=trainer, target=other, target_mesh=mesh if server is not None else None,
+                                   quantize=quantize, rank_timeout=60, max_host_bytes=budget)
+        arrived = sync()
+    finally:
+        weight_sync.quantize_on_wire = quantize_on_wire
+    assert sync.plan_digest != on_wire.plan_digest and arrived.quantized_on_wire == 0
+    if server is not None:
+        _check_same_bits(other.state_dict(), server.state_dict())
+        plan = sync.load_plan
+        quantized = sum(math.prod(t.local_shape) * plan.full_dtypes[t.name].itemsize for t in plan.targets
+                        if t.name in plan.quantized)
+        assert quantized >= 3.5 * on_wire.quantized_on_wire > 0
+        assert arrived.bytes_received - quantized == on_wire.bytes_received - on_wire.quantized_on_wire
+        messages = [sum(t.messages_received for t in report.peers.values()) for report in (on_wire, arrived)]
+        assert messages[0] < messages[1], messages
 
 
 def _disagreeing(rank, trainer, server, mesh, dtype):
@@ -477,6 +529,61 @@ def _disagreeing(rank, trainer, server, mesh, dtype):
             assert isinstance(caught.value, lazyload.RankFailedError) and sorted(caught.value.ranks) == [2, 3]
     if server is not None:
         assert all(torch.equal(_local(t), before[n]) for n, t in server.state_dict().items())
+
+
+def _blocks_cut(rank, world):
+    """FSDP2 shards of 192 rows of a 384 x 256 FP8-block weight (two trainer ranks) cut its
+    128 x 128 blocks: its boxes travel in full precision and are quantized on arrival, once
+    the server rank holds every block whole; the other layer's whole blocks go quantized on
+    the wire. Both syncs (before and after the trainer's weights change) bit-equal to
+    load_into(quantize=...) of the same weights."""
+    import shutil
+    import tempfile
+
+    import lazyload
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))["x"]
+    quantize, plan = _quantization("fp8-block"), {"0": "rowwise", "1": "colwise"}  # TP-2 splits whole blocks
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(256, 384, bias=False), torch.nn.Linear(384, 256, bias=False))
+    torch.manual_seed(0)
+    trainer, server = (model(), None) if rank < 2 else (None, None)
+    if trainer is not None:
+        fully_shard(trainer, mesh=mesh)
+    else:
+        with torch.device("meta"):
+            server = model()
+    sync = lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh if server is not None else None,
+                               plan=plan, quantize=quantize, rank_timeout=60)
+    directory = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    for turn in range(2):
+        report = sync()
+        full = _full(trainer)
+        if rank == 0:
+            save_file(full, f"{directory[0]}/{turn}.safetensors")
+        dist.barrier()
+        if server is not None:
+            with torch.device("meta"):
+                reference = model()
+            lazyload.LazyCheckpoint(f"{directory[0]}/{turn}.safetensors").load_into(reference, mesh=mesh, plan=plan,
+                                                                                   quantize=quantize)
+            assert all(type(m).__name__ == "FP8Linear" for m in server)
+            _check_same_bits(server.state_dict(), reference.state_dict())
+            state = server.state_dict()
+            assert report.quantized_on_wire == _local(state["1.weight"]).nbytes + _local(state["1.weight_scale_inv"]).nbytes
+            assert report.bytes_received - report.quantized_on_wire == 384 * 128 * 4  # layer 0's share, float32
+        if trainer is not None:
+            with torch.no_grad():
+                for tensor in trainer.parameters():
+                    tensor.to_local().mul_(-1.5)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(directory[0])
 
 
 def _renamed_state_dict(rank, world):
@@ -578,7 +685,9 @@ def _cast_on_send(rank, world, source):
 def _converted(rank, world, directory):
     """A source in the checkpoint's names (Qwen3-MoE's per-expert tensors, as save_pretrained
     writes them) into transformers' fused experts by its conversion mapping: every rank's
-    tensors equal load_into's from that checkpoint."""
+    tensors equal load_into's from that checkpoint, in full precision and quantized (int8):
+    the fused experts' sources travel in full precision, quantized on arrival once fused, the
+    other Linear layers' boxes quantized on the wire."""
     import glob
 
     import lazyload
@@ -590,13 +699,18 @@ def _converted(rank, world, directory):
     source = {k: v for f in sorted(glob.glob(f"{directory}/*.safetensors")) for k, v in load_file(f).items()}
     assert not any("gate_up_proj" in k for k in source)  # per-expert names: the mapping fuses them
     mesh = init_device_mesh("cpu", (world,))
-    with torch.device("meta"):
-        server, loaded = _model(config=config), _model(config=config)
-    lazyload.WeightSync(source=source if rank < 2 else None, target=server, target_mesh=mesh, plan="ep")()
-    lazyload.LazyCheckpoint(directory).load_into(loaded, mesh=mesh, plan="ep")
-    expected = loaded.state_dict()
-    for name, tensor in server.state_dict().items():
-        assert torch.equal(_local(tensor), _local(expected[name])), name
+    for quantize in (None, lazyload.Quantization("int8", group_size=8, torchao=False)):  # whole groups at TP 4
+        with torch.device("meta"):
+            server, loaded = _model(config=config), _model(config=config)
+        report = lazyload.WeightSync(source=source if rank < 2 else None, target=server, target_mesh=mesh, plan="ep",
+                                     quantize=quantize)()
+        lazyload.LazyCheckpoint(directory).load_into(loaded, mesh=mesh, plan="ep", quantize=quantize)
+        _check_same_bits(server.state_dict(), loaded.state_dict())
+        state = server.state_dict()
+        on_wire = sum(_local(state[n]).nbytes + _local(state[n + "_scale"]).nbytes for n in state
+                      if n + "_scale" in state and ".experts." not in n)
+        assert any(".experts." in n and n + "_scale" in state for n in state) == (quantize is not None)
+        assert rank < 2 or report.quantized_on_wire == on_wire  # ranks 2-3 receive every box
 
 
 def _uneven(rank, world):
@@ -930,16 +1044,17 @@ def _run_case(case, rank, world):
 # cases that take the rank and the job's world, by name
 _WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatched": _mismatched, "recast": _recast,
                     "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size,
-                    "own-group": _own_group, "copies": _copies, "budgets": _budgets, "nccl-retry": _nccl_retry}
+                    "own-group": _own_group, "copies": _copies, "budgets": _budgets, "nccl-retry": _nccl_retry,
+                    "blocks-cut": _blocks_cut}
 
 
 def test_sync(tmp_path):
     moe, _ = write_checkpoint("qwen3_moe", torch.float32, tmp_path / "moe", num_hidden_layers=2)
     cases = ["trainer-server", "colocated", "2d", "moe-ep", ("converted", str(moe)),
-             *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8", "fp8-block")],
+             *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "int8-rows", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault", "nccl-retry", "recast", "replica-groups", "store-size",
-             "digests-differ", "own-group", "copies", "budgets"]
+             "digests-differ", "own-group", "copies", "budgets", "blocks-cut"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 
@@ -1105,6 +1220,43 @@ def test_cut_items_land_exact():
     assert torch.equal(placed(TensorDest(torch.zeros(8, 96)), plain).tensor, source.T)
     with pytest.raises(lazyload.PlanError, match="at least 1024"):
         cut_item(item, 1000, Grid(32))
+
+
+def test_quantized_on_the_wire_lands_as_on_arrival():
+    """A box quantized by its source (`QuantizedWire.pack`) and copied in by its target
+    (`place`) leaves the target's 8-bit data and scales bit-equal to the box quantized on
+    arrival (`QuantizedDest.place`), in the bytes `nbytes` says, after a box before it in the
+    message: groups of an [out, in] weight (a short last group), FP8 128 x 128 blocks, and
+    transposed experts [E, in, out] (input dim -2)."""
+    from lazyload.expr import full_box
+    from lazyload.headers import TensorEntry
+    from lazyload.plan import ReadItem
+    from lazyload.quant.onload import QuantizedDest, scale_shape
+    from lazyload.sync.routes import packed_offsets
+    from lazyload.sync.wire import QuantizedWire
+
+    torch.manual_seed(0)
+    cases = [(torch.int8, (6, 80), 32, -1, 1, ((2, 6), (32, 80))),  # columns 32:80, the last group short
+             (torch.float8_e4m3fn, (256, 384), 128, -1, 128, ((128, 256), (128, 384))),
+             (torch.int8, (3, 64, 10), 32, -2, 1, ((1, 3), (32, 64), (0, 10)))]
+    for dtype, shape, group, axis, rows, box in cases:
+        values = torch.randn(shape)[tuple(slice(a, b) for a, b in box)] * 3
+        item = ReadItem(TensorEntry("rank 0", "w@0.0", torch.float32, shape, 0, 0), full_box(values.shape), (), "w",
+                        box)
+
+        def dest():
+            return QuantizedDest(torch.zeros(shape, dtype=dtype), torch.zeros(scale_shape(shape, group, axis, rows)),
+                                 group, axis, False, rows)
+        arrived, received = dest(), dest()
+        arrived.place(item, values)
+        wire = QuantizedWire(dtype, group, axis, rows)
+        (_, at), nbytes = packed_offsets([(torch.bfloat16, ((0, 3),)), (wire, box)])  # after 6 bytes: aligned to 4
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        wire.pack(buffer, at, box, values)
+        wire.place(buffer, at, box, received, box)
+        assert at == 8 and nbytes == at + wire.nbytes(box)
+        assert torch.equal(received.data.view(torch.uint8), arrived.data.view(torch.uint8)), dtype
+        assert torch.equal(received.scale, arrived.scale) and received.scale.count_nonzero() > 0
 
 
 def test_steps_within_every_budget():

@@ -305,17 +305,19 @@ def chunk_rows(device: torch.device, width: int) -> int:
 
 
 def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement, rank: int, world: int,
-             config: Quantization, axis: int, dtype_of, shape_of: ShapeOf) -> Grid:
+             config: Quantization, axis: int, dtype_of, shape_of: ShapeOf, pieces_whole: bool = True) -> Grid:
     """The scale grid of target `name` quantized on load, checked before any byte is read.
     A pre-quantized source already in the asked dtype (symmetric, contracted over its last
     dim) is kept (`kept_group`); otherwise groups of `config.group_size`, or with None one
-    scale per row of what this rank holds (a row-parallel rank: its own columns only)."""
+    scale per row of what this rank holds (a row-parallel rank: its own columns only).
+    `pieces_whole`: refuse source pieces that cut a group or block (False: the caller
+    assembles their values before quantizing, a weight sync's `sync.wire.AssembledDest`)."""
     if config.packed:
         return packed_grid(name, expr, shape, placement, rank, world, config, shape_of)
     if blocked(config, shape, axis):  # transformers' FP8Linear: whole 128x128 blocks on every rank
         check_block_split(name, shape, (BLOCK, BLOCK), placement, rank, world)
         for dim in (-2, -1):  # fused sources (pieces) must not cut a block either
-            check_groups(name, expr, shape, placement, rank, world, BLOCK, shape_of, dim)
+            check_groups(name, expr, shape, placement, rank, world, BLOCK, shape_of, dim, pieces_whole)
         return Grid(BLOCK, -1, False, BLOCK)
     full = expr.pieces(tuple((0, n) for n in shape), shape_of)
     keep = axis % len(shape) == len(shape) - 1 and bool(full) and all(
@@ -327,7 +329,7 @@ def grid_for(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement
         group = config.group_size
     else:
         group = max(1, local_regions(name, shape, placement, rank, world)[0][axis])
-    check_groups(name, expr, shape, placement, rank, world, group, shape_of, axis)
+    check_groups(name, expr, shape, placement, rank, world, group, shape_of, axis, pieces_whole)
     return Grid(group, axis, keep)
 
 
@@ -413,17 +415,18 @@ def keep_into(dest: QuantizedDest, item: ReadItem, source: QuantizedBox) -> None
 
 
 def check_groups(name: str, expr: Expr, shape: tuple[int, ...], placement: Placement, rank: int, world: int,
-                 group: int, shape_of: ShapeOf, axis: int = -1) -> None:
+                 group: int, shape_of: ShapeOf, axis: int = -1, pieces: bool = True) -> None:
     """Refuse, before any byte is read, a split that cuts a scale group of `name`: every
     group a rank quantizes must be a whole group of the world=1 weight, so that its scale
-    comes from the same bytes. `axis`: the input dim."""
+    comes from the same bytes. `axis`: the input dim. `pieces`: the source pieces (fused
+    sources, checkpoint shards) must not cut one either."""
     cols = shape[axis]
     _, regions = local_regions(name, shape, placement, rank, world)
     for region in regions:
         a, b = region.global_box[axis]
         local = region.local_start[axis]
         ok = a % group == 0 and local % group == 0 and ((b - a) % group == 0 or b == cols)
-        for piece in expr.pieces(region.global_box, shape_of) if ok else ():  # fused sources along columns
+        for piece in expr.pieces(region.global_box, shape_of) if ok and pieces else ():  # fused sources along columns
             c0, c1 = piece.dst_box[axis]
             ok = ok and c0 % group == 0 and (c1 % group == 0 or c1 == cols)
         if not ok:

@@ -16,9 +16,10 @@ from .onload import BLOCK, KEEP, PACKED, Grid, Quantization, grid_for
 
 
 def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict, specs: dict, placements: dict,
-                      index: CheckpointIndex, rank: int, world: int) -> dict[str, Grid]:
+                      index: CheckpointIndex, rank: int, world: int, pieces_whole: bool = True) -> dict[str, Grid]:
     """Target name -> scale grid of each tensor `config` quantizes and the checkpoint fills;
-    a TP split that would cut a scale group is refused here, before the model changes."""
+    a TP split that would cut a scale group is refused here, before the model changes, and
+    source pieces that would, unless `pieces_whole` is False (`grid_for`)."""
     if config is None:
         return {}
     if config.dtype == KEEP:
@@ -27,7 +28,7 @@ def quantized_targets(model: nn.Module, config: Quantization | None, exprs: dict
     if not config.packed:  # 4 bits: Linear layers only (fused experts stay in full precision)
         axes.update(quantizable_experts(model, config))
     return {name: grid_for(name, exprs[name], specs[name].shape, placements.get(name, REPLICATE), rank, world,
-                           config, axis, lambda key: index[key].dtype, lambda key: index[key].shape)
+                           config, axis, lambda key: index[key].dtype, lambda key: index[key].shape, pieces_whole)
             for name, axis in axes.items() if name in exprs}  # a tensor not filled is left as it is
 
 

@@ -2,7 +2,7 @@
 
     layout (each source rank's boxes) -> index (a checkpoint of those boxes) -> plan_load on the target
     -> copies (which holder of a replicated box sends it) -> routes (per source/target pair, per step)
-    -> transfer (point-to-point, every sync)
+    -> transfer (point-to-point, every sync; boxes of a quantized target quantized before sending: wire)
 
 The target's side is planned by the same planner as `load_into` (mapping rules, TP plan,
 `quantize=`); only its index comes from the source ranks' tensors instead of file headers."""

@@ -22,24 +22,26 @@ from ..errors import PlanError
 from ..expr import Box, box_numel, box_shape
 from ..schedule import layer_of
 from .source_index import Piece
+from .wire import QuantizedWire, wire_bytes
 
 
 @dataclass(frozen=True)
 class Request:
     """A target rank asks source rank `source` for `box` of the piece stored as `key`, at `step`;
     `wire`: the narrower dtype the source casts it to before sending (the target's, which it
-    would only cast to on arrival), None: sent as stored."""
+    would only cast to on arrival), or how it quantizes it (`wire.QuantizedWire`: the 8-bit
+    data and scales its target would compute on arrival); None: sent as stored."""
 
     step: int
     source: int
     key: str
     box: Box
-    itemsize: int  # of its dtype on the wire: the stored key's, or `wire`
-    wire: torch.dtype | None = None
+    itemsize: int  # of its dtype on the wire: the stored key's, or `wire` (quantized: its alignment)
+    wire: torch.dtype | QuantizedWire | None = None
 
     @property
     def nbytes(self) -> int:
-        return box_numel(self.box) * self.itemsize
+        return self.wire.nbytes(self.box) if isinstance(self.wire, QuantizedWire) else box_numel(self.box) * self.itemsize
 
 
 def requests_of(items: list, pieces: dict[str, Piece], budget: int,
@@ -47,12 +49,12 @@ def requests_of(items: list, pieces: dict[str, Piece], budget: int,
     """A target rank's requests, one per read item (in `items`' order, layer by layer), their
     `step` the window they fall in: windows of at most `budget` bytes as its messages pack
     them (a larger item alone). `own_steps` turns windows into steps. `wires`: the items
-    (by position) sent cast to a narrower dtype."""
+    (by position) sent cast to a narrower dtype, or quantized (their bytes on the wire count)."""
     out, window, held, ends = [], 0, 0, {}
     for position, item in enumerate(items):
         wire = (wires or {}).get(position)
         source, itemsize = pieces[item.entry.key].rank, (wire or item.entry.dtype).itemsize
-        nbytes = box_numel(item.src_box) * itemsize
+        nbytes = wire_bytes(wire or item.entry.dtype, item.src_box)
         grow = packed_growth(ends.get(source, 0), nbytes, itemsize)
         if held and held + grow > budget:
             window, held, ends, grow = window + 1, 0, {}, nbytes
@@ -239,14 +241,15 @@ def sync_digest(summaries: dict[int, Summary | None]) -> str:
     return digest.hexdigest()[:16]
 
 
-def packed_offsets(specs: list[tuple[torch.dtype, Box]]) -> tuple[list[int], int]:
+def packed_offsets(specs: list[tuple[torch.dtype | QuantizedWire, Box]]) -> tuple[list[int], int]:
     """Where each (dtype, box) lands in one message: one after the other, each at a multiple
-    of its itemsize (so that its bytes view as its dtype); and the message's bytes."""
+    of its itemsize (so that its bytes view as its dtype); and the message's bytes. A box
+    quantized on the wire (`QuantizedWire`) holds its data and its scales."""
     offsets, end = [], 0
     for dtype, box in specs:
         start = -(-end // dtype.itemsize) * dtype.itemsize
         offsets.append(start)
-        end = start + box_numel(box) * dtype.itemsize
+        end = start + wire_bytes(dtype, box)
     return offsets, end
 
 

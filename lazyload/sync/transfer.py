@@ -1,7 +1,8 @@
 """The transfer of one sync: the routes carried out, step by step (`routes.py`). A source
 packs each target's boxes of a step into one message (the boxes' bytes as the source holds
 them: exact for every dtype; or, for a box the target would only cast to a narrower dtype,
-cast here, `copy_` rounding as the target's would) and sends it point-to-point; a target receives one message per
+cast here, `copy_` rounding as the target's would; or, for a box the target would quantize,
+its 8-bit data and scales, computed here as the target would, `wire.py`) and sends it point-to-point; a target receives one message per
 source and step and places each box into its destination (cast, quantized, converted as the
 load plan says); boxes a colocated rank holds itself are copied without the wire.
 
@@ -26,6 +27,7 @@ from ..agreement import CollectiveError
 from .layout import local_piece
 from .routes import Request, Routes, packed_offsets, slot
 from .source_index import Piece
+from .wire import QuantizedWire
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Moved:
     sent: int = 0
     received: int = 0
     local: int = 0
+    quantized: int = 0  # of `sent` and `received`, the bytes of boxes quantized on the wire
     left: dict[str, int] = field(default_factory=dict)  # target -> its items not placed yet
     done: list[str] = field(default_factory=list)  # targets that hold the new version
     touched: set[str] = field(default_factory=set)  # targets that got at least one item
@@ -77,7 +80,8 @@ class Ends:
     aborted: Callable[[], str | None]  # another rank's failure, announced, or None
     abandoned: list  # works (and their buffers) of failed syncs, kept alive
     pinned: bool = False  # host messages of CUDA tensors (gloo): page-locked, for the GPU's DMA
-    wires: dict[int, torch.dtype] = field(default_factory=dict)  # item position -> its narrower dtype on the wire
+    # item position -> its narrower dtype on the wire, or its quantization (`wire.QuantizedWire`)
+    wires: dict[int, torch.dtype | QuantizedWire] = field(default_factory=dict)
 
 
 def transfer(routes: Routes, ends: Ends, moved: Moved) -> None:
@@ -91,7 +95,8 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     for target, requests in routes.sends.get(step, {}).items():
         buffer = _pack(requests, ends)
         sends.append((buffer, target))
-        posted[target] = sum(r.nbytes for r in requests)
+        posted[target] = (sum(r.nbytes for r in requests),
+                          sum(r.nbytes for r in requests if isinstance(r.wire, QuantizedWire)))
     for source, positions in routes.receives.get(step, {}).items():
         offsets, nbytes = packed_offsets([(_wire(ends, p), ends.items[p].src_box) for p in positions])
         buffer = message_buffer(nbytes, ends)
@@ -108,35 +113,54 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     except CollectiveError:
         ends.abandoned.append((works, sends, inbox))
         raise
-    for target, nbytes in posted.items():  # counted once completed: a failed step's sends are not
+    for target, (nbytes, quantized) in posted.items():  # counted once completed: a failed step's sends are not
         moved.sent += nbytes
+        moved.quantized += quantized
         moved.peer(target).bytes_sent += nbytes
         moved.peer(target).messages_sent += 1
     for source, positions, offsets, buffer in inbox:
         for position, offset in zip(positions, offsets):
-            item = ends.items[position]
-            values = slot(buffer, offset, _wire(ends, position), item.src_box)
-            _place(ends, moved, item, values)
-            moved.received += values.nbytes
-            moved.peer(source).bytes_received += values.nbytes
+            nbytes = _received(ends, moved, position, buffer, offset)
+            moved.received += nbytes
+            moved.peer(source).bytes_received += nbytes
         moved.peer(source).messages_received += 1
 
 
-def _wire(ends: Ends, position: int) -> torch.dtype:
-    """The dtype item `position` of this target travels in: cast by its source, or as stored."""
+def _received(ends: Ends, moved: Moved, position: int, buffer: torch.Tensor, offset: int) -> int:
+    """Item `position`'s box at `offset` of a message placed into its destination (a box
+    quantized on the wire: its data and scales copied in); its bytes on the wire."""
+    item, wire = ends.items[position], _wire(ends, position)
+    if not isinstance(wire, QuantizedWire):
+        values = slot(buffer, offset, wire, item.src_box)
+        _place(ends, moved, item, values)
+        return values.nbytes
+    with torch.no_grad():
+        wire.place(buffer, offset, item.src_box, ends.dests[item.target], item.dst_box)
+    moved.placed(item.target)
+    moved.quantized += wire.nbytes(item.src_box)
+    return wire.nbytes(item.src_box)
+
+
+def _wire(ends: Ends, position: int) -> torch.dtype | QuantizedWire:
+    """How item `position` of this target travels: cast or quantized by its source, or as stored."""
     return ends.wires.get(position) or ends.items[position].entry.dtype
 
 
 def _pack(requests: tuple[Request, ...], ends: Ends) -> torch.Tensor:
     """A target's boxes of one step, packed into one message: bytes copied as they are, or
-    cast to the request's `wire` dtype (`copy_` rounds as the target's cast on arrival would)."""
+    cast to the request's `wire` dtype (`copy_` rounds as the target's cast on arrival would),
+    or quantized as the target would quantize them on arrival (`QuantizedWire.pack`)."""
     specs = [(r.wire or ends.dtypes[r.key], r.box) for r in requests]
     offsets, nbytes = packed_offsets(specs)
     buffer = message_buffer(nbytes, ends)
     for request, offset, (dtype, _) in zip(requests, offsets, specs):
         piece = ends.pieces[request.key]
         values = local_piece(ends.tensors[piece.name], piece.held, request.box)
-        slot(buffer, offset, dtype, request.box).copy_(values)
+        if isinstance(dtype, QuantizedWire):
+            with torch.no_grad():
+                dtype.pack(buffer, offset, request.box, values)
+        else:
+            slot(buffer, offset, dtype, request.box).copy_(values)
     return buffer
 
 

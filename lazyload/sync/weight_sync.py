@@ -37,6 +37,7 @@ from .box_target import BoxTarget
 from .peers import NcclLink, Peers
 from .split import split_plan
 from .transfer import Ends, Moved, Traffic, message_buffer, transfer, wait_on_device
+from .wire import quantize_on_wire, with_assembled
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,12 @@ class SyncReport:
     - When the sync failed: `written`, the target tensors it wrote completely (they hold the
       new version); `untouched`, those it did not write at all (they hold the last
       version); any other target tensor may be partly written (a torn mix of both).
-      `partial` is `written` (its earlier name)."""
+      `partial` is `written` (its earlier name).
+    - `quantized_on_wire`: of `bytes_sent` and `bytes_received`, those of boxes quantized
+      by their source (the 8-bit data and scales of a target built with `quantize=`); the
+      rest travelled in full precision (cast, or as the source holds it), a quantized
+      target's boxes among them quantized on arrival (a conversion's sources, boxes whose
+      source cannot quantize them as the target would)."""
 
     bytes_sent: int
     bytes_received: int
@@ -67,6 +73,7 @@ class SyncReport:
     version: int = 0
     untouched: tuple[str, ...] = ()
     peers: dict[int, Traffic] = field(default_factory=dict)
+    quantized_on_wire: int = 0
 
     @property
     def partial(self) -> tuple[str, ...]:
@@ -173,7 +180,8 @@ class WeightSync:
         self.source, self.target, self.target_mesh = source, target, target_mesh
         self._options = LoadOptions(device=device, dtype=dtype, key_map=key_map, progress=False, plan=plan,
                                     reader="pread", max_host_bytes=max_host_bytes, quantize=own_holders(quantize),
-                                    rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False)
+                                    rank_timeout=rank_timeout, mesh=target_mesh, cooperative=False,
+                                    pieces_cut_groups=True)
         store = store if store is not None else self.peers.default_store()
         prefix, number = construction(self.ranks)
         gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
@@ -265,7 +273,7 @@ class WeightSync:
         """This rank's load plan of the target from the sources' index, and its requests."""
         self.load_plan: LoadPlan | None = None
         self._box_dests: dict | None = None
-        self._wires: dict[int, torch.dtype] = {}
+        self._wires: dict = {}  # item position -> cast or quantized on the wire
         if self.target is None:
             self.items: list = []
             return None
@@ -290,7 +298,7 @@ class WeightSync:
         self.load_plan = split_plan(plan, self._cut_at)
         self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
         self.items = [item for group in self.load_plan.groups for item in group.items]
-        self._wires = cast_on_wire(self.load_plan, self.items)
+        self._wires = {**cast_on_wire(self.load_plan, self.items), **quantize_on_wire(self.load_plan, self.items)}
         return requests_of(self.items, self.pieces, budget or self.load_plan.budget, self._wires)
 
     def _cut_at(self, item) -> int | None:
@@ -373,6 +381,7 @@ class WeightSync:
         if self.load_plan is not None:
             plan = self.load_plan
             dests = with_whole(self._dests, plan.targets, plan.mapping.exprs, plan.items, plan.index.shape_of)
+            dests = with_assembled(dests, plan, self.items)
         for item in self.items:
             moved.left[item.target] = moved.left.get(item.target, 0) + 1
         ends = Ends(self._source_now(), self.pieces, {k: e.dtype for k, e in self.index.items()}, self.items,
@@ -432,7 +441,7 @@ class WeightSync:
                           seconds=time.perf_counter() - started, plan_digest=self.plan_digest,
                           plan_seconds=self.plan_seconds, planned=planned, written=written,
                           tensors=self._target_count(), version=self.version, untouched=untouched,
-                          peers=dict(sorted(moved.peers.items())))
+                          peers=dict(sorted(moved.peers.items())), quantized_on_wire=moved.quantized)
 
     def _target_names(self) -> list[str]:
         if self.load_plan is not None:

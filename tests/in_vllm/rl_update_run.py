@@ -33,13 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def trainer(rank: int, model_dir: str, out: str, ports: tuple[int, int], world: int, timeout: float, go, done) -> None:
-    """One trainer rank: FSDP2 over the trainers' own gloo group, a WeightSync into the
-    engine's workers over the update group; at each `go`, an optimizer step, then the sync,
-    then the step's full weights saved (rank 0) for the engine's fresh load."""
+def fsdp_trainer(rank: int, model_dir: str, ports: tuple[int, int], world: int, timeout: float, dtype, ready):
+    """A trainer rank as RL frameworks run it: `model_dir`'s model in `dtype`, FSDP2 over the
+    trainers' own gloo group (port `ports[0]`), then `ready()` (the engine's workers may join),
+    then a WeightSync into the workers over the update group (port `ports[1]`, `world` ranks
+    with the trainers first). Returns (model, update group, sync). `benchmarks/bench_vllm_update.py`
+    runs the same trainer."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -49,15 +50,26 @@ def trainer(rank: int, model_dir: str, out: str, ports: tuple[int, int], world: 
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=TRAINERS)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     mesh = init_device_mesh("cpu", (TRAINERS,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    done.put(("ready", rank))  # the engine's workers join now: construction waits only for the others' planning
+    ready()  # construction below waits only for the others' planning
     group, store = update_group("127.0.0.1", ports[1], rank, world, timeout)
-    sync = WeightSync(source=model, group=group, store=store, rank_timeout=timeout)
+    return model, group, WeightSync(source=model, group=group, store=store, rank_timeout=timeout)
+
+
+def trainer(rank: int, model_dir: str, out: str, ports: tuple[int, int], world: int, timeout: float, go, done) -> None:
+    """One trainer rank (`fsdp_trainer`): at each `go`, an optimizer step, then the sync,
+    then the step's full weights saved (rank 0) for the engine's fresh load."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model, _, sync = fsdp_trainer(rank, model_dir, ports, world, timeout, torch.float32,
+                                  lambda: done.put(("ready", rank)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = 0
     while go.get() is not None:
         step += 1
