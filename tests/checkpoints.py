@@ -499,3 +499,22 @@ def mixed_meta_model(config):
 
 def _mixed_dtype(name: str) -> torch.dtype:
     return next((dt for part, dt in MIXED_DTYPES.items() if part in name), torch.bfloat16)
+
+
+def stage_of(model, layers, first, last, form="none"):
+    """`model` cut down to one pipeline stage: `layers` (indices) kept, the embedding on the
+    first stage, the final norm and head on the last. form "none": other layers set to None
+    in the ModuleList; "dict": the layers a ModuleDict keyed by their numbers."""
+    inner = model.model
+    if form == "none":
+        for i in range(len(inner.layers)):
+            if i not in layers:
+                inner.layers[i] = None
+    else:
+        inner.layers = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(inner.layers) if i in layers})
+    if not first:
+        inner.embed_tokens = None
+    if not last:
+        inner.norm = None
+        model.lm_head = None
+    return model

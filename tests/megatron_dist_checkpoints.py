@@ -76,8 +76,10 @@ def _cpu_only() -> None:
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
 
 
-def _gpt_model(kind: str, tp: int, ep: int = 1):
-    """A Megatron GPTModel of `kind` at TP `tp` (a MoE one at EP `ep`: whole experts per rank)."""
+def _gpt_model(kind: str, tp: int, ep: int = 1, pp: int = 1):
+    """A Megatron GPTModel of `kind` at TP `tp` (a MoE one at EP `ep`: whole experts per rank),
+    this rank's pipeline stage of `pp`."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -87,14 +89,17 @@ def _gpt_model(kind: str, tp: int, ep: int = 1):
                                num_query_groups=GROUPS, ffn_hidden_size=FFN, use_cpu_initialization=True,
                                normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
                                activation_func=torch.nn.functional.silu, params_dtype=torch.float32,
-                               tensor_model_parallel_size=tp, kv_channels=HEAD_DIM[kind], **options)
+                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               pipeline_dtype=torch.float32,
+                               kv_channels=HEAD_DIM[kind], **options)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if options:  # MoE layers, and dense ones where moe_layer_freq says
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     torch.manual_seed(0)
     return GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
                     position_embedding_type="rope", share_embeddings_and_output_weights=False,
-                    parallel_output=False).eval()
+                    parallel_output=False, pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage()).eval()
 
 
 @torch.no_grad()

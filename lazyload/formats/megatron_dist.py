@@ -106,9 +106,10 @@ class Derived:
     shape: tuple[int, ...]
     dtype: torch.dtype
     tree: Expr
+    copies: tuple[str, ...] = ()  # stored keys of copies of its pieces the tree does not read (a sync's replicas)
 
     def keys(self) -> list[str]:
-        return list(dict.fromkeys(self.tree.keys()))
+        return list(dict.fromkeys((*self.tree.keys(), *self.copies)))
 
     def expr(self, rank: int = 0, world: int = 1) -> Expr:
         return self.tree
@@ -183,6 +184,13 @@ def _heads(value, prefix: str, groups_key: str | None, size_key: str, where: str
     return Heads(heads, groups, size)
 
 
+def config_heads(config, where: str) -> Heads:
+    """Attention heads, query groups and head size from a live model's Megatron-Core
+    `TransformerConfig` (`where` names it)."""
+    return _heads(lambda name: getattr(config, name, None), "Megatron's config.", "num_query_groups", "kv_channels",
+                  where)
+
+
 def heads_of(storage: Storage, path: str, metadata: DcpMetadata) -> Heads:
     """Attention heads, query groups and head size from Megatron's args (in its common state:
     common.pt, or since megatron-core 0.17 the DCP byte item `common_state/shard_0_1`) or the
@@ -255,10 +263,10 @@ def _config_heads(config: str, doc) -> Heads:
 
 def is_model_tensor(fqn: str) -> bool:
     """Megatron's model tensors; anything else (optimizer, RNG and rerun state) is not read."""
-    return _unwrapped(fqn).split(".", 1)[0] in ("embedding", "decoder", "output_layer")
+    return unwrapped(fqn).split(".", 1)[0] in ("embedding", "decoder", "output_layer")
 
 
-def _unwrapped(fqn: str) -> str:
+def unwrapped(fqn: str) -> str:
     for prefix in _PREFIXES:
         if fqn.startswith(prefix):
             return fqn[len(prefix):]
@@ -273,7 +281,7 @@ def _per_layer(entries: dict[str, TensorEntry], tiles: dict[str, list[Part]], fq
         raise CheckpointError(f"Megatron tensor {fqn!r}: a chunk is saved transposed; lazyload reads "
                               "Megatron's own row-major layout.")
     step = entry.nbytes // chunk.sizes[0] if chunk.sizes[0] else 0
-    name = _unwrapped(fqn).removeprefix(_STACKED)
+    name = unwrapped(fqn).removeprefix(_STACKED)
     for j in range(chunk.sizes[0]):
         layer = chunk.offsets[0] + j
         layer_key = f"{fqn}@{layer}:{','.join(map(str, chunk.offsets[1:]))}"
@@ -302,17 +310,17 @@ def _split(name: str, tree: Expr, shape: tuple[int, ...], dtype, heads: Heads, w
     return out
 
 
-def _transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) -> dict[str, object]:
+def transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) -> dict[str, object]:
     """Megatron (per-layer or global) tilings -> transformers names."""
     out: dict[str, object] = {}
     for key, layout in layouts.items():
         layer, _, name = key.rpartition(":")
-        tree = layout.expr()
+        tree, copies = layout.expr(), tuple(layout.keys())  # a sync source's replicated boxes: copies
         if not layer:  # a global tensor
             if name not in _GLOBAL:
                 raise CheckpointError(f"{where}: Megatron key {name!r} is not one lazyload knows (expected one of "
                                       f"{sorted(_GLOBAL)} or a decoder.layers.* tensor).")
-            out[_GLOBAL[name]] = Derived(_GLOBAL[name], layout.shape, layout.dtype, tree)
+            out[_GLOBAL[name]] = Derived(_GLOBAL[name], layout.shape, layout.dtype, tree, copies)
             continue
         prefix = _LAYER.format(i=layer)
         if name in _SPLIT:
@@ -325,14 +333,14 @@ def _transformers_names(layouts: dict[str, Layout], heads: Heads, where: str) ->
                                   "(Megatron's default layout: experts as one tensor with an expert axis; per-expert "
                                   "keys, singleton_local_shards, and other layer kinds are not read).")
         for target, d in derived.items():
-            out[prefix + target] = replace(d, name=prefix + target)
+            out[prefix + target] = replace(d, name=prefix + target, copies=copies)
     return out
 
 
 def _layer_number(fqn: str, where: str) -> int | None:
     """N of a `decoder.layers.N.` key; None for any other (a stacked `decoder.layers.<module>`
     key, whose module name is an identifier: it starts with no digit)."""
-    name = _unwrapped(fqn)
+    name = unwrapped(fqn)
     if not name.startswith(_STACKED):
         return None
     layer = name.removeprefix(_STACKED).partition(".")[0]
@@ -342,6 +350,15 @@ def _layer_number(fqn: str, where: str) -> int | None:
         raise CheckpointError(f"{where}: Megatron key {fqn[:200]!r}: its layer number {layer[:40]!r} is not one "
                               f"(at most {_LAYER_DIGITS} ASCII digits); the checkpoint's metadata is damaged: re-save it.")
     return int(layer)
+
+
+def layer_key(fqn: str, where: str) -> str:
+    """The key `transformers_names` reads an unstacked Megatron tensor by: "N:<module>" for
+    layer N's (`decoder.layers.N.<module>`), ":<fqn>" for a global one."""
+    layer = _layer_number(fqn, where)
+    if layer is None:
+        return f":{unwrapped(fqn)}"
+    return f"{layer}:{unwrapped(fqn).removeprefix(_STACKED).partition('.')[2]}"
 
 
 def index_of(storage: Storage, directory: str) -> CheckpointIndex:
@@ -356,19 +373,17 @@ def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     tiles: dict[str, list[Part]] = {}
     for (fqn, chunk, _), key in zip(planned, keys):
         layer = _layer_number(fqn, where)
-        if _unwrapped(fqn).startswith(_STACKED) and layer is None:
+        if unwrapped(fqn).startswith(_STACKED) and layer is None:
             _per_layer(entries, tiles, fqn, chunk, key)
         else:  # a global tensor, or one layer's (`decoder.layers.N.`: layers of several kinds)
             box = tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
-            rest = _unwrapped(fqn).removeprefix(_STACKED).partition(".")[2]
-            name = f"{layer}:{rest}" if layer is not None else f":{_unwrapped(fqn)}"
-            tiles.setdefault(name, []).append(Part(Source(key), box))
+            tiles.setdefault(layer_key(fqn, where), []).append(Part(Source(key), box))
     layouts = {}
     for key, parts in tiles.items():
         first = entries[parts[0].expr.keys()[0]]
         shape = tuple(max(p.box[d][1] for p in parts) for d in range(len(parts[0].box)))
         layouts[key] = Layout(key, shape, first.dtype, tuple(parts))
-    names = _transformers_names(layouts, heads_of(storage, directory, metadata), where)
+    names = transformers_names(layouts, heads_of(storage, directory, metadata), where)
     return CheckpointIndex.of(files, entries.items(), names, header + zips, where, identities)
 
 

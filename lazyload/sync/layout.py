@@ -1,6 +1,7 @@
 """The source side of a sync: each tensor a source holds (a module's state dict or a state
 dict: plain tensors, DTensor TP, FSDP2 `fully_shard`, both over a 2-D mesh) as its global
-shape, dtype and the boxes this rank holds, read off the DTensor placements alone."""
+shape, dtype and the boxes this rank holds, read off the DTensor placements alone; or a
+Megatron-Core model's, as its `sharded_state_dict()` describes them (`megatron_source.py`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from ..expr import Box, box_numel, full_box
 from ..plan import box_regions
 from ..targets import is_dtensor, local_tensor
 from ..tp.placements import dtensor_placement
+from .megatron_source import MegatronTensor, is_megatron, megatron_tensors
 
 
 @dataclass(frozen=True)
@@ -33,17 +35,23 @@ class SourceTensor:
     dtype: str
     shape: tuple[int, ...]
     held: tuple[Held, ...]
+    # a Megatron-Core source's tensor (named by Megatron's checkpoint key, read as transformers'
+    # tensors by the torch_dist reader's mapping): the model's attention heads; None otherwise
+    megatron: Any = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype.rpartition(".")[2])
 
 
-def source_tensors(source: Any) -> dict[str, torch.Tensor]:
+def source_tensors(source: Any) -> dict[str, torch.Tensor | MegatronTensor]:
     """name -> tensor of a source: a module's state dict (FSDP2's holds its sharded DTensors),
-    or a state dict as given. Asked at every sync: a trainer may re-register its parameters."""
+    a Megatron-Core model's sharded tensors, or a state dict as given. Asked at every sync: a
+    trainer may re-register its parameters."""
     if source is None:
         return {}
+    if is_megatron(source):
+        return megatron_tensors(source)
     tensors = source.state_dict(keep_vars=True) if isinstance(source, nn.Module) else source
     if not hasattr(tensors, "items"):
         raise ArgumentError(f"WeightSync(source=...) takes an nn.Module or a state dict of tensors, got "
@@ -55,10 +63,14 @@ def source_tensors(source: Any) -> dict[str, torch.Tensor]:
     return dict(tensors)
 
 
-def source_layout(tensors: dict[str, torch.Tensor]) -> list[SourceTensor]:
+def source_layout(tensors: dict[str, torch.Tensor | MegatronTensor]) -> list[SourceTensor]:
     """This rank's boxes of every source tensor (a plain tensor: the whole of it)."""
     out = []
     for name, tensor in tensors.items():
+        if isinstance(tensor, MegatronTensor):
+            held = tuple(Held(box, start) for box, start in tensor.held)
+            out.append(SourceTensor(name, str(tensor.local.dtype), tensor.shape, held, tensor.heads))
+            continue
         shape = tuple(tensor.shape)
         if is_dtensor(tensor):
             local_shape, regions = box_regions(name, shape, dtensor_placement(name, tensor).spans)
@@ -73,8 +85,13 @@ def source_layout(tensors: dict[str, torch.Tensor]) -> list[SourceTensor]:
     return out
 
 
-def local_piece(tensor: torch.Tensor, held: Held, src_box: Box) -> torch.Tensor:
+def local_of(tensor: torch.Tensor | MegatronTensor) -> torch.Tensor:
+    """A source tensor's local shard, the tensor this rank holds."""
+    return tensor.local if isinstance(tensor, MegatronTensor) else local_tensor(tensor)
+
+
+def local_piece(tensor: torch.Tensor | MegatronTensor, held: Held, src_box: Box) -> torch.Tensor:
     """The view of `tensor`'s local shard holding `src_box` of the piece `held` (coordinates
     relative to the piece)."""
-    local = local_tensor(tensor).detach()
+    local = local_of(tensor).detach()
     return local[tuple(slice(s + a, s + b) for s, (a, b) in zip(held.local_start, src_box))]

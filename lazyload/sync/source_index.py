@@ -1,8 +1,10 @@
 """The sources of a sync as a checkpoint index: every source rank's box of a tensor is a
 stored entry (`file` "rank R", key "name@R.i"), and each tensor a logical tensor tiled by
-those boxes (`formats/logical.py`). Boxes held by several ranks (a tensor FSDP or TP leaves
-replicated) are copies: the planner takes one by position, as for a checkpoint's files, and
-`copies.py` chooses again which one each target rank receives."""
+those boxes (`formats/logical.py`); a Megatron-Core source's tensors are then named as
+transformers' by the torch_dist reader's mapping (`megatron_source.py`). Boxes held by
+several ranks (a tensor FSDP or TP leaves replicated) are copies: the planner takes one by
+position, as for a checkpoint's files, and `copies.py` chooses again which one each target
+rank receives."""
 from __future__ import annotations
 
 import math
@@ -11,9 +13,13 @@ from dataclasses import dataclass
 from ..errors import ArgumentError
 from ..expr import Source, box_shape
 from ..formats.logical import Layout, Part
+from ..formats.megatron_dist import layer_key, transformers_names
 from ..headers import TensorEntry
 from ..index import CheckpointIndex
 from .layout import Held, SourceTensor
+
+
+_MEGATRON = "the sync's Megatron-Core source"
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,10 @@ def source_index(layouts: dict[int, list[SourceTensor]]) -> tuple[CheckpointInde
                 parts.setdefault(tensor.name, []).append(Part(Source(key), held.box, position))
     layouts_of = {name: Layout(name, meta[name].shape, meta[name].torch_dtype, tuple(p), len(ranks))
                   for name, p in parts.items()}
+    heads = next((t.megatron for t in meta.values() if t.megatron is not None), None)
+    if heads is not None:  # a Megatron-Core source: its names read as the torch_dist reader reads them
+        layouts_of = transformers_names({layer_key(n, _MEGATRON): layout for n, layout in layouts_of.items()}, heads,
+                                        _MEGATRON)
     return CheckpointIndex.of([rank_file(r) for r in ranks], entries, layouts_of,
                               description="the sync's source ranks"), pieces
 

@@ -28,8 +28,7 @@ from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized
 from ..stored import StoredCheckpoint
 from .copies import choose_copies, copies_of
 from .gather import Gather, construction
-from ..targets import local_tensor
-from .layout import SourceTensor, source_layout, source_tensors
+from .layout import SourceTensor, local_of, source_layout, source_tensors
 from .routes import (Request, Routes, Summary, addressed, default_slots, largest_requests, own_steps, pair_digest,
                      requests_of, routes_for, source_slots)
 from .source_index import source_index
@@ -146,7 +145,9 @@ class WeightSync:
 
     - `source`: on trainer ranks, an `nn.Module` (plain, DTensor TP, FSDP2 `fully_shard`, or
       both over a 2-D mesh) or a state dict of such tensors, in the target's names or mapped
-      by the same rules as a checkpoint (`key_map`, transformers' conversion mapping).
+      by the same rules as a checkpoint (`key_map`, transformers' conversion mapping); or
+      a Megatron-Core GPT model, read as its `sharded_state_dict()` describes it and named
+      as the torch_dist reader names its checkpoints (`megatron_source.py`).
     - `target`: on server ranks, a model built on the meta device (the first sync makes it
       real and tensor-parallel over `target_mesh`, exactly as `load_into(mesh=...)` does) or
       one loaded already; later syncs copy into its tensors in place (same storage). A target
@@ -154,7 +155,9 @@ class WeightSync:
       slice is quantized into its layers' own data and scales, as `load_into` would.
       Or a `BoxTarget`: the boxes of each tensor an engine's own weight loaders copy (a vLLM
       worker, `integrations.vllm_update`), received into host tensors it reads from.
-    - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel); `quantize`,
+    - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel; a pipeline stage's
+      model, holding only its layers as `load_into` takes it, with its stage's TP mesh:
+      each stage receives only its layers' slices); `quantize`,
       `dtype`, `plan`, `key_map`, `device`: as `load_into`'s.
     - `max_host_bytes`: this rank's bytes per step as a target (received) and as a source
       (packed, for all its targets), default about one layer; larger items are cut.
@@ -224,7 +227,7 @@ class WeightSync:
             self._planned_layout: dict = {}
             return None, budget
         tensors = source_tensors(self.source)
-        self._source_cuda = any(local_tensor(t).is_cuda for t in tensors.values())
+        self._source_cuda = any(local_of(t).is_cuda for t in tensors.values())
         layout = source_layout(tensors)
         self._planned_layout = {s.name: s for s in layout}
         return layout, budget
