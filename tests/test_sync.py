@@ -1319,6 +1319,11 @@ def test_steps_within_every_budget():
         assert [(r.key, r.box) for r in stepped[target]] == [(r.key, r.box) for r in wanted[target]]
     assert steps > max(r.step for t in (2, 3, 4) for r in wanted[t]) + 1  # rank 0's budget binds
     # 3 bfloat16 then 1 float32: 6 + 4 bytes, but 12 packed in one message (aligned): over a budget of 10
+    for needs, budget in (({5: 1, 6: 1}, 100), ({5: 90, 6: 10, 7: 1}, 100), ({5: 30, 6: 30, 7: 30}, 100),
+                          ({5: 100, 6: 3}, 100)):  # a source's slots: within its budget in every step
+        slots = source_slots(needs, budget)
+        assert all(sum(s.budget(step) for s in slots.values()) <= budget for step in range(2 * len(needs)))
+        assert all(max(s.budget(step) for step in range(len(needs))) >= needs[t] for t, s in slots.items())
     tight = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), 2), Request(0, 0, "b@0.0", ((0, 1),), 4)], {0: Slot(10)})
     assert [r.step for r in tight] == [0, 1]
     with pytest.raises(lazyload.PlanError, match="exceeds rank 0's step budget"):

@@ -86,10 +86,10 @@ class Slot:
 def source_slots(needs: dict[int, int], budget: int) -> dict[int, Slot]:
     """A source rank's `max_host_bytes` shared among the target ranks that ask it (`needs`:
     target rank -> its largest request of it): in each step one of them, in turn, may take
-    its largest request (the most any needs), the others an even share of what is left. In
-    any step the targets served sum at most `budget`."""
+    up to the largest request any asks, the others an even share of what is left (never more
+    than the one in turn gets). In any step the targets served sum at most `budget`."""
     most, others = max(needs.values()), len(needs) - 1
-    each = max(0, budget - most) // others if others else 0
+    each = min(max(0, budget - most) // others, budget // len(needs)) if others else 0
     return {target: Slot(each, budget - others * each, len(needs), i) for i, target in enumerate(sorted(needs))}
 
 
