@@ -104,6 +104,10 @@ def test_requests_read_are_checked_against_their_digest():
     assert {s: {r: p for r, p in by.items()} for s, by in target.receives.items()} == {0: {0: (0,), 1: (1,)},
                                                                                       1: {0: (2,)}}
     assert target.local == {1: (3,)} and source.digest == target.digest and source.steps == target.steps == 2
+    # a request that waits for the next step while a later one goes now: the steps are the latest's
+    waits = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), 4), Request(0, 0, "b@0.0", ((0, 3),), 4),
+                          Request(0, 1, "c@1.0", ((0, 1),), 4)], dict.fromkeys((0, 1), Slot(12)))
+    assert [r.step for r in waits] == [0, 1, 0] and Summary.of(waits).steps == 2
     tampered = [asked[0][0], dataclasses.replace(asked[0][1], box=((0, 2),))]
     with pytest.raises(PlanError, match="rank 2's requests of it"):
         routes_for(0, None, {2: (pair_digest(asked[0]), tampered)}, summaries)

@@ -182,7 +182,7 @@ class Summary:
 
     @classmethod
     def of(cls, requests: list[Request]) -> "Summary":
-        return cls(pair_digest(requests), requests[-1].step + 1 if requests else 0)
+        return cls(pair_digest(requests), max((r.step for r in requests), default=-1) + 1)  # a window's out of order
 
 
 def routes_for(me: int, mine: list[Request] | None, asked: dict[int, tuple[str, list[Request]]],
