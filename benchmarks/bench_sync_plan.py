@@ -20,6 +20,7 @@ replicas divided by N): a job's figures against its world.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import pickle
@@ -116,6 +117,7 @@ class CountingStore:
         self.values, self.cond, self.local = {}, threading.Condition(), threading.local()
         self.read, self.written, self.gets, self.sets = Counter(), Counter(), Counter(), Counter()
         self.keys_read = defaultdict(set)  # rank -> the keys it read
+        self.read_at = defaultdict(Counter)  # rank -> construction stage -> bytes read
 
     def _rank(self):
         return getattr(self.local, "rank", -1)
@@ -132,6 +134,7 @@ class CountingStore:
         self.wait([key], timedelta(seconds=60))
         value = self.values[key]
         self.read[self._rank()] += len(value) + len(key)
+        self.read_at[self._rank()][stage_of(key)] += len(value) + len(key)
         self.gets[self._rank()] += 1
         self.keys_read[self._rank()].add(key)
         return value
@@ -153,6 +156,11 @@ class CountingStore:
         with self.cond:
             value = int(self.values.get(key, b"0")) + amount
             self.values[key] = str(value).encode()
+            counted = self.written if amount else self.read  # a count read, or a counter bumped
+            counted[self._rank()] += len(key) + len(self.values[key])
+            if not amount:
+                self.read_at[self._rank()][stage_of(key)] += len(key) + len(self.values[key])
+            (self.sets if amount else self.gets)[self._rank()] += 1
             self.cond.notify_all()
             return value
 
@@ -162,6 +170,12 @@ class CountingStore:
 
     def num_keys(self):
         return len(self.values)
+
+
+def stage_of(key: str) -> str:
+    """The construction stage a store key belongs to ("…/layout/3", "…/planned/3>9": the
+    part before the last "/"), for the bytes read per stage."""
+    return key.rsplit("/", 2)[-2] if key.count("/") >= 2 else key
 
 
 class FakeGroup:
@@ -244,6 +258,7 @@ def run_case(case: Case, layers: int) -> dict:
             return plan_load(*args, **kwargs)
     weight_sync.plan_load = plan_alone
 
+    shared = shared_values(weight_sync)  # the job's threads share what every rank decodes alike
     # each server rank's own meta model, built here: transformers' from_config(dtype=) sets torch's
     # default dtype while it runs, and threads doing it at once left bf16 as the process's default
     models = {rank: meta_model(config) for rank in range(trainers, world)}
@@ -265,6 +280,11 @@ def run_case(case: Case, layers: int) -> dict:
             thread.join()
         if errors:
             raise RuntimeError(f"rank {errors[0][0]} failed") from errors[0][1]
+        shared.restore()  # the sample constructs alone, decoding its own
+        # the job's leftovers (every rank's plan, the store) out of the collector's way: a rank's
+        # own process would not scan them at each collection
+        gc.collect()
+        gc.freeze()
         seconds, peaks = {}, {}
         for rank in sorted({0, trainers - 1, trainers, world - 1}):  # alone, the store left as the job left it
             store.local.rank = ("again", rank)
@@ -276,14 +296,56 @@ def run_case(case: Case, layers: int) -> dict:
             peaks[rank] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
     finally:
+        gc.unfreeze()
+        shared.restore()
         weight_sync.construction, weight_sync.plan_load = construction, plan_load
     traffic = [store.read[r] + store.written[r] for r in range(world)]
+    layouts_read = [store.read_at[r]["layout"] for r in range(world)]
+    pairs_read = [sum(len(k) + len(store.values[k]) for k in store.keys_read[r] if k.endswith(f">{r}"))
+                  for r in range(world)]  # values addressed to that rank alone: its pairs' requests and slots
     figures = [results[r] for r in range(world) if results[r]]
     return {"world": world, "tensors": len(shapes), "full_tensors": None, "seconds": list(seconds.values()), "peaks": peaks,
-            "traffic": traffic, "gets": [store.gets[r] for r in range(world)],
+            "traffic": traffic, "gets": [store.gets[r] for r in range(world)], "layouts_read": max(layouts_read),
+            "pairs_read": max(pairs_read), "rest_read": max(store.read[r] - layouts_read[r] - pairs_read[r]
+                                                             for r in range(world)),
             "pieces": sum(len(h.held) for layout in layouts.values() for h in layout),
             "messages": max(f[0] for f in figures), "holders": max(f[1] for f in figures),
             "requests": max(f[2] for f in figures), "steps": max(f[3] for f in figures), "store": store}
+
+
+class shared_values:
+    """While the job's threads construct, the values every rank reads alike (the layouts,
+    and the sources' index built from them) decoded once and shared, so that a whole job
+    fits in one process: each rank still reads every byte from the store (counted), but
+    holds one copy of the job's layouts instead of one per rank. The measured sample is
+    constructed after `restore`, decoding all it reads itself."""
+
+    def __init__(self, weight_sync):
+        import lazyload.sync.gather as gather
+
+        self.gather, self.weight_sync, self.index = gather, weight_sync, weight_sync.source_index
+        decoded, indexed, lock = {}, {}, threading.Lock()
+
+        def loads(data):
+            if len(data) < 512:
+                return pickle.loads(data)
+            with lock:
+                if data not in decoded:
+                    decoded[data] = pickle.loads(data)
+                return decoded[data]
+
+        def source_index(layouts):
+            key = tuple((rank, id(layout)) for rank, layout in sorted(layouts.items()))
+            with lock:
+                if key not in indexed:
+                    indexed[key] = self.index(layouts)
+                return indexed[key]
+
+        gather.pickle = type("SharedPickle", (), {"dumps": staticmethod(pickle.dumps), "loads": staticmethod(loads)})
+        weight_sync.source_index = source_index
+
+    def restore(self):
+        self.gather.pickle, self.weight_sync.source_index = pickle, self.index
 
 
 def routes_figures(sync, rank) -> tuple | None:
@@ -327,6 +389,7 @@ def row(case: Case, layers: int, r: dict, full: int) -> str:
     return (f"| {case.name} | {world:,} | {layers}: {r['tensors']:,} tensors, {r['pieces']:,} pieces "
             f"| {max(seconds):.2f} s | {peak / MiB:,.1f} MiB | {max(traffic) / MiB:,.1f} MiB "
             f"| {sum(traffic) / MiB:,.0f} MiB | {max(r['gets']):,} "
+            f"| {r['layouts_read'] / MiB:,.2f} / {r['pairs_read'] / MiB:,.2f} / {r['rest_read'] / MiB:,.3f} MiB "
             f"| {r['messages']} / {r['holders']} ({r['requests']:,} boxes, {r['steps']} steps) "
             f"| {max(seconds) * scale:.1f} s | {peak * scale / MiB:,.0f} MiB | {max(traffic) * scale / MiB:,.0f} MiB "
             f"| {sum(traffic) * scale / 2**30:,.1f} GiB |")
@@ -334,9 +397,9 @@ def row(case: Case, layers: int, r: dict, full: int) -> str:
 
 HEADER = ("| job | ranks | layers: tensors, source pieces | construction (slowest rank, CPU) | peak memory (its "
           "largest) | store traffic, most of a rank | store traffic, all ranks | store reads, most "
-          "of a rank | messages / distinct holders, a server rank's busiest step | projected: construction "
+          "of a rank | store bytes read, most of a rank: layouts / its own pairs / the rest | messages / distinct holders, a server rank's busiest step | projected: construction "
           "| projected: peak memory | projected: traffic of a rank | projected: all traffic |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:

@@ -1262,15 +1262,17 @@ def test_quantized_on_the_wire_lands_as_on_arrival():
 def test_steps_within_every_budget():
     """The sync's steps, process-free: a target rank's requests come in windows of at most
     its budget, as its messages pack them (a bfloat16 box of odd length before a float32 one
-    takes 2 bytes of alignment); every rank computes the same steps from all of them, each
-    target's own order kept, a step holding one window of each target (so at most its
-    budget) and, summed over the targets it serves, at most each source's budget (by default
-    about one layer of what it sends). A request over its source's budget is a PlanError."""
+    takes 2 bytes of alignment); each target assigns its steps from its own requests and its
+    sources' slots alone, its own order kept, a step holding part of one window (so at most
+    its budget) and, summed over the targets it serves, at most each source's budget (shared
+    by `source_slots`; by default about one layer of what it sends). A request over its
+    source's budget is a PlanError."""
     import lazyload
     from lazyload.headers import TensorEntry
     from lazyload.plan import ReadItem
     from lazyload.sync.layout import Held
-    from lazyload.sync.routes import Request, in_steps, packed_offsets, requests_of
+    from lazyload.sync.routes import (Request, Slot, default_slots, largest_requests, own_steps, packed_offsets,
+                                      requests_of, source_slots)
     from lazyload.sync.source_index import Piece
 
     dtypes = {2: torch.bfloat16, 4: torch.float32}
@@ -1298,9 +1300,11 @@ def test_steps_within_every_budget():
         assert len(windows) > 1
         for window in windows:
             assert sum(packed([(target, r) for r in wanted[target] if r.step == window]).values()) <= budgets[target]
-    stepped = in_steps({**wanted, 0: None, 1: None}, budgets)
+    shared = source_slots({t: largest_requests(t, wanted[t])[0] for t in (2, 3, 4)}, budgets[0])  # rank 0's
+    assert all(max(s.each, s.turn) >= largest_requests(t, wanted[t])[0] for t, s in shared.items())
+    stepped = {t: own_steps(t, wanted[t], {**default_slots(t, wanted[t]), 0: shared[t]}) for t in (2, 3, 4)}
     window = {(t, r.key): r.step for t in (2, 3, 4) for r in wanted[t]}
-    sent_by_1 = {layer: sum(r.nbytes for t in (3, 4) for r in wanted[t] if r.source == 1
+    sent_by_1 = {layer: sum(r.nbytes for t in (2, 3, 4) for r in wanted[t] if r.source == 1
                             and r.key.startswith(f"model.layers.{layer}.")) for layer in range(4)}
     steps = max(r.step for t in (2, 3, 4) for r in stepped[t]) + 1
     for step in range(steps):
@@ -1310,15 +1314,25 @@ def test_steps_within_every_budget():
         assert sum(n for (s, t), n in sizes.items() if s == 1) <= max(sent_by_1.values())  # rank 1's default
         for target in (2, 3, 4):  # one window a step
             assert len({window[target, r.key] for t, r in now if t == target}) <= 1
+    assert len({t for t, r in stepped_at(stepped, 0) if r.source == 0}) == 3  # rank 0 serves all three at once
     for target in (2, 3, 4):
         assert [(r.key, r.box) for r in stepped[target]] == [(r.key, r.box) for r in wanted[target]]
     assert steps > max(r.step for t in (2, 3, 4) for r in wanted[t]) + 1  # rank 0's budget binds
     # 3 bfloat16 then 1 float32: 6 + 4 bytes, but 12 packed in one message (aligned): over a budget of 10
-    tight = in_steps({2: [Request(0, 0, "a@0.0", ((0, 3),), 2), Request(0, 0, "b@0.0", ((0, 1),), 4)], 0: None},
-                     {0: 10, 2: 100})
-    assert [r.step for r in tight[2]] == [0, 1]
-    with pytest.raises(lazyload.PlanError, match="exceeds the step budget"):
-        in_steps({2: [Request(0, 0, "c@0.0", ((0, 100),), 4)], 0: None}, {0: 200, 2: None})
+    for needs, budget in (({5: 1, 6: 1}, 100), ({5: 90, 6: 10, 7: 1}, 100), ({5: 30, 6: 30, 7: 30}, 100),
+                          ({5: 100, 6: 3}, 100)):  # a source's slots: within its budget in every step
+        slots = source_slots(needs, budget)
+        assert all(sum(s.budget(step) for s in slots.values()) <= budget for step in range(2 * len(needs)))
+        assert all(max(s.budget(step) for step in range(len(needs))) >= needs[t] for t, s in slots.items())
+    tight = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), 2), Request(0, 0, "b@0.0", ((0, 1),), 4)], {0: Slot(10)})
+    assert [r.step for r in tight] == [0, 1]
+    with pytest.raises(lazyload.PlanError, match="exceeds rank 0's step budget"):
+        own_steps(2, [Request(0, 0, "c@0.0", ((0, 100),), 4)], {0: Slot(200)})
+
+
+def stepped_at(stepped: dict, step: int) -> list:
+    """(target, request) of every target's requests at `step`."""
+    return [(t, r) for t, requests in stepped.items() for r in requests if r.step == step]
 
 
 def test_box_target_over_a_group_of_its_own():

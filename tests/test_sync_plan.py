@@ -81,27 +81,60 @@ def test_copies_chosen_without_the_other_targets():
 
 
 def test_requests_read_are_checked_against_their_digest():
-    """A source rank sends what the target addressed to it, in the target's steps, and the
-    target receives in the same order; requests that differ from the digest their target
-    published (another lazyload there, a lost write) are a PlanError before any byte moves."""
+    """A source rank sends what the target addressed to it, at the steps the target chose,
+    and the target receives in the same order; requests that differ from the digest their
+    target computed of them (another lazyload there, a lost write) are a PlanError before any
+    byte moves."""
     import dataclasses
 
     import pytest
 
     from lazyload.errors import PlanError
-    from lazyload.sync.routes import Request, Summary, addressed, routes_for
+    from lazyload.sync.routes import Request, Slot, Summary, addressed, own_steps, pair_digest, routes_for
 
     wanted = [Request(0, 0, "w@0.0", ((0, 2),), 4), Request(0, 1, "w@1.0", ((0, 2),), 4),
               Request(1, 0, "v@0.0", ((0, 3),), 4), Request(1, 2, "v@2.0", ((0, 3),), 4)]
-    summaries, budgets = {0: None, 1: None, 2: Summary.of(2, wanted)}, dict.fromkeys(range(3), 16)
+    wanted = own_steps(2, wanted, dict.fromkeys((0, 1), Slot(16)))
+    summaries = {0: None, 1: None, 2: Summary.of(wanted)}
     asked = addressed(2, wanted)
     assert sorted(asked) == [0, 1]  # rank 2's own copy goes over no wire
-    source = routes_for(0, None, {2: asked[0]}, summaries, budgets)
-    target = routes_for(2, wanted, {}, summaries, budgets)
+    source = routes_for(0, None, {2: (pair_digest(asked[0]), asked[0])}, summaries)
+    target = routes_for(2, wanted, {}, summaries)
     assert [list(by) for by in source.sends.values()] == [[2], [2]]
     assert {s: {r: p for r, p in by.items()} for s, by in target.receives.items()} == {0: {0: (0,), 1: (1,)},
                                                                                       1: {0: (2,)}}
     assert target.local == {1: (3,)} and source.digest == target.digest and source.steps == target.steps == 2
+    # a request that waits for the next step while a later one goes now: the steps are the latest's
+    waits = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), 4), Request(0, 0, "b@0.0", ((0, 3),), 4),
+                          Request(0, 1, "c@1.0", ((0, 1),), 4)], dict.fromkeys((0, 1), Slot(12)))
+    assert [r.step for r in waits] == [0, 1, 0] and Summary.of(waits).steps == 2
     tampered = [asked[0][0], dataclasses.replace(asked[0][1], box=((0, 2),))]
     with pytest.raises(PlanError, match="rank 2's requests of it"):
-        routes_for(0, None, {2: tampered}, summaries, budgets)
+        routes_for(0, None, {2: (pair_digest(asked[0]), tampered)}, summaries)
+
+
+def test_a_ranks_store_reads_grow_with_the_world_not_with_its_requests():
+    """Every rank of a job constructing (the benchmark's tiny Llama, 2 or 6 replicas of TP 2,
+    1 or 4 layers): apart from the layout exchange and the requests addressed to it, what a
+    rank reads from the store grows with the ranks alone, a few hundred bytes each (a
+    target's digest and steps, the agreement), not with their requests: the same per added
+    rank at 4 layers as at 1. On main every rank read every target's request sizes (the
+    steps were computed over all of them), so the growth per rank grew with the depth."""
+    from dataclasses import replace
+
+    bench = _bench()
+
+    def busiest(replicas: int, layers: int) -> tuple[int, int]:
+        result = bench.run_case(replace(bench.CASES["tiny"], replicas=replicas), layers)
+        store = result["store"]
+
+        def others(rank: int) -> int:  # bytes read of keys not addressed to this rank alone
+            return sum(len(k) + len(store.values[k]) for k in store.keys_read[rank]
+                       if bench.stage_of(k) != "layout" and not k.endswith(f">{rank}"))
+        return max(others(rank) for rank in range(result["world"])), result["world"]
+
+    per_rank = {}
+    for layers in (1, 4):
+        (few, small), (many, large) = busiest(2, layers), busiest(6, layers)
+        per_rank[layers] = (many - few) / (large - small)
+    assert per_rank[4] <= per_rank[1] + 16 and per_rank[4] < 400, per_rank

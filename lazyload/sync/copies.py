@@ -37,11 +37,12 @@ def copies_of(pieces: dict[str, Piece]) -> dict[str, tuple[str, dict[int, str]]]
     return {key: (min(held.values()), held) for held in by_box.values() if len(held) > 1 for key in held.values()}
 
 
-def choose_copies(wanted: dict[int, list[Request] | None], pieces: dict[str, Piece]) -> dict[int, list[Request] | None]:
+def choose_copies(wanted: dict[int, list[Request] | None], pieces: dict[str, Piece],
+                  copies: dict[str, tuple[str, dict[int, str]]] | None = None) -> dict[int, list[Request] | None]:
     """`wanted` (global rank -> its requests) with each request of a replicated box sent to
     the copy chosen as the module docstring says. Each target rank's choice depends on its
     own requests alone: a target chooses at construction without the others' requests."""
-    copies = copies_of(pieces)
+    copies = copies_of(pieces) if copies is None else copies  # `copies_of`, when the caller has it
     out: dict[int, list[Request] | None] = {}
     for target, requests in wanted.items():
         if not requests or not copies:

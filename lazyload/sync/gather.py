@@ -53,34 +53,71 @@ class Gather:
                                   "rank.", failed)
         return {r: v[1] for r, v in values.items()}
 
-    def exchange(self, stage: str, compute: Callable[[], tuple[dict[int, Any], Any] | None]) -> tuple[dict, dict]:
+    def ask(self, stage: str, needs: dict[int, int]) -> None:
+        """Tell each peer of `needs` that this rank will address it a value at `stage`
+        (`exchange`), with a number (its largest request there): a counter per peer
+        (`store.add`), and this rank's number and need under the count it got."""
+        for peer, need in needs.items():
+            count = self.store.add(self._key(stage, f"{peer}#"), 1)
+            self.store.set(self._key(stage, f"{peer}#{count}"), f"{self.rank} {need}")
+
+    def asked_by(self, stage: str) -> dict[int, int]:
+        """The ranks that asked this one at `stage`, with their needs (once every rank has
+        asked: after a `run` of a stage it asked before): its own counter's entries alone."""
+        count = self.store.add(self._key(stage, f"{self.rank}#"), 0)
+        asked = (self.store.get(self._key(stage, f"{self.rank}#{i}")).split() for i in range(1, count + 1))
+        return dict(sorted((int(rank), int(need)) for rank, need in asked))
+
+    def tell(self, stage: str, values: dict[int, Any]) -> None:
+        """A value for each peer of `values`, read by it alone (`told`)."""
+        for peer, value in values.items():
+            self.store.set(self._key(stage, f"{self.rank}>{peer}"), pickle.dumps(value))
+
+    def told(self, stage: str, peers: list[int]) -> dict[int, Any]:
+        """What each of `peers` told this rank at `stage` (waiting for it up to the timeout;
+        read once, then deleted)."""
+        keys = {peer: self._key(stage, f"{peer}>{self.rank}") for peer in peers}
+        try:
+            self.store.wait(list(keys.values()), timedelta(seconds=self.timeout))
+        except Exception as exc:
+            missing = [peer for peer, key in keys.items() if not self._has(key)]
+            raise RankFailedError(f"rank {self.rank}: WeightSync waited {self.timeout:g} s at '{stage}' for rank(s) "
+                                  f"{', '.join(map(str, missing))} (stopped?); no byte moved.",
+                                  {r: "did not report" for r in missing}) from exc
+        values = {peer: pickle.loads(self.store.get(key)) for peer, key in keys.items()}
+        for key in keys.values():
+            self.store.delete_key(key)
+        return values
+
+    def exchange(self, stage: str, compute: Callable[[], tuple[dict[int, Any], Any] | None],
+                 askers: list[int]) -> tuple[dict, dict]:
         """Values addressed rank to rank: `compute()` on this rank gives (peer -> value, a
         summary, or None); each value goes under a key of its pair, and only its peer reads
-        it (then deletes it), while every rank reads every rank's summary and the peers it
-        addressed, as `run` does. Returns (rank -> summary, rank -> its value to this rank):
-        a rank's store traffic is its own values and the summaries, not the whole job's."""
-        def publish() -> tuple[tuple[int, ...], Any] | None:
+        it (then deletes it), from the ranks that asked it (`askers`, `asked_by`), while every
+        rank reads every rank's summary, as `run` does. Returns (rank -> summary, rank -> its
+        value to this rank): a rank's store traffic is its own pairs' values and the
+        summaries, not the whole job's."""
+        def publish() -> Any:
             computed = compute()
             if computed is None:
                 return None
             values, summary = computed
             for peer, value in values.items():
                 self.store.set(self._key(stage, f"{self.rank}>{peer}"), pickle.dumps(value))
-            return tuple(values), summary
+            return summary
 
-        published = self.run(stage, publish)
-        mine = {}
-        for rank, value in sorted(published.items()):
-            if value is not None and self.rank in value[0]:
-                key = self._key(stage, f"{rank}>{self.rank}")
-                mine[rank] = pickle.loads(self.store.get(key))
-                self.store.delete_key(key)
-        return {r: v if v is None else v[1] for r, v in published.items()}, mine
+        summaries = self.run(stage, publish)
+        return summaries, self.told(stage, [rank for rank in askers if summaries.get(rank) is not None])
 
-    def close(self, stages: tuple[str, ...]) -> None:
+    def close(self, stages: tuple[str, ...], asked: str | None = None) -> None:
         """This rank read every value of `stages`; the last rank to say so deletes them, so
         that a long job constructing many WeightSyncs does not grow the store (no rank waits:
         whoever counts last knows every other rank has read already)."""
+        if asked is not None:  # this rank's counter of `ask`ing ranks: all read before `stages` ended
+            count = self.store.add(self._key(asked, f"{self.rank}#"), 0)
+            for key in [self._key(asked, f"{self.rank}#{i}") for i in range(1, count + 1)] + [
+                    self._key(asked, f"{self.rank}#")]:
+                self.store.delete_key(key)
         if self.store.add(f"{self.prefix}/read", 1) < len(self.ranks):
             return
         for key in [self._key(stage, r) for stage in stages for r in self.ranks] + [f"{self.prefix}/read"]:

@@ -1,18 +1,19 @@
 """The sync plan: which boxes move between which ranks, and when, computed once from
-metadata (each target rank's read items, as requests it addresses to each source rank: a
-source reads only the requests of it, every rank a compact summary of each target's). Each rank's
-`max_host_bytes` (default about one layer of its traffic) bounds its bytes per step on each
-side: a target rank's requests come in windows of at most its budget (`requests_of`), and
-a step holds at most one window of each target; a source rank's packed messages of a step,
-summed over the targets it sends to, stay within its budget (`in_steps`, the same on every
-rank from the same summaries). At step k every rank posts all its sends and receives of
-step k, then waits for them, so that no pair can deadlock."""
+metadata, each rank from what its own pairs need: a target rank's read items become
+requests it addresses to each source rank (a source reads only the requests of it), and
+every rank reads of each target only a digest and its number of steps (`Summary`). Each
+rank's `max_host_bytes` (default about one layer of its traffic) bounds its bytes per step
+on each side: a target rank's requests come in windows of at most its budget
+(`requests_of`), and a step holds at most part of one window; a source rank's budget is
+shared among the target ranks it serves (`source_slots`), so that its packed messages of a
+step, summed over them, stay within it, and each target assigns its own steps within its
+sources' slots (`own_steps`); the source takes the steps from the requests it reads. At
+step k every rank posts all its sends and receives of step k, then waits for them, so that
+no pair can deadlock."""
 from __future__ import annotations
 
 import hashlib
-from array import array
 import math
-from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,7 +48,7 @@ def requests_of(items: list, pieces: dict[str, Piece], budget: int,
                 wires: dict[int, torch.dtype] | None = None) -> list[Request]:
     """A target rank's requests, one per read item (in `items`' order, layer by layer), their
     `step` the window they fall in: windows of at most `budget` bytes as its messages pack
-    them (a larger item alone). `in_steps` turns windows into steps. `wires`: the items
+    them (a larger item alone). `own_steps` turns windows into steps. `wires`: the items
     (by position) sent cast to a narrower dtype, or quantized (their bytes on the wire count)."""
     out, window, held, ends = [], 0, 0, {}
     for position, item in enumerate(items):
@@ -68,75 +69,93 @@ def packed_growth(end: int, nbytes: int, itemsize: int) -> int:
     return -(-end // itemsize) * itemsize + nbytes - end
 
 
-def source_budgets(queues: dict[int, list[Request]], sizes: dict[int, list[int]],
-                   max_host_bytes: dict[int, int | None]) -> dict[int, int]:
-    """Each source rank's bytes per step (messages packed), from every target's requests and
-    their `sizes`: its `max_host_bytes`, else about one layer of what it sends, never less
-    than its largest request (as a load's default budget)."""
-    sending: dict[int, int] = {}  # source -> its largest request, then its largest layer
-    sent: dict[tuple[int, str], int] = {}  # (source, layer) -> bytes
-    layers: dict[str, str] = {}  # stored key -> its tensor's layer
-    for target, requests in queues.items():
-        for r, nbytes in zip(requests, sizes[target]):
-            if r.source == target:
-                continue
-            layer = layers.get(r.key)
-            if layer is None:
-                layer = layers[r.key] = layer_of(r.key.rpartition("@")[0])
-            sent[r.source, layer] = sent.get((r.source, layer), 0) + nbytes
-            sending[r.source] = max(sending.get(r.source, 0), nbytes)
-    for (source, layer), nbytes in sent.items():
+@dataclass(frozen=True)
+class Slot:
+    """How many packed bytes a source rank sends one target rank per step: `each` in every
+    step, `turn` in its turns (the steps k with k % `turns` == `at`)."""
+
+    each: int
+    turn: int = 0
+    turns: int = 1
+    at: int = 0
+
+    def budget(self, step: int) -> int:
+        return max(self.each, self.turn) if step % self.turns == self.at else self.each
+
+
+def source_slots(needs: dict[int, int], budget: int) -> dict[int, Slot]:
+    """A source rank's `max_host_bytes` shared among the target ranks that ask it (`needs`:
+    target rank -> its largest request of it): in each step one of them, in turn, may take
+    up to the largest request any asks, the others an even share of what is left (never more
+    than the one in turn gets). In any step the targets served sum at most `budget`."""
+    most, others = max(needs.values()), len(needs) - 1
+    each = min(max(0, budget - most) // others, budget // len(needs)) if others else 0
+    return {target: Slot(each, budget - others * each, len(needs), i) for i, target in enumerate(sorted(needs))}
+
+
+def default_slots(target: int, requests: list[Request]) -> dict[int, Slot]:
+    """A target rank's slot of each source rank it asks over the wire without a
+    `max_host_bytes` there: every step, about one layer of what the pair moves, never less
+    than its largest request (so that a source's default is about one layer of what it
+    sends, summed over its targets, as a load's)."""
+    largest = largest_requests(target, requests)  # then the largest layer, where larger
+    layers: dict[tuple[int, str], int] = {}  # (source, layer) -> bytes
+    for r in requests:
+        if r.source == target:
+            continue
+        layer = layer_of(r.key.rpartition("@")[0])
         if layer:  # outside numbered layers (embeddings, head): only the largest request counts
-            sending[source] = max(sending[source], nbytes)
-    return {r: max_host_bytes.get(r) or b for r, b in sending.items()}
+            layers[r.source, layer] = layers.get((r.source, layer), 0) + r.nbytes
+    for (source, _), nbytes in layers.items():
+        largest[source] = max(largest[source], nbytes)
+    return {source: Slot(b) for source, b in largest.items()}
 
 
-def in_steps(wanted: dict[int, list[Request] | None],
-             max_host_bytes: dict[int, int | None]) -> dict[int, list[Request] | None]:
-    """`wanted` with the steps every rank runs. Step by step, the target ranks take their
-    next request in turn (one each round, each in its own order, the first turn rotating),
-    each from one window a step (`requests_of`: the target's budget), while the step's
-    packed bytes of the request's source stay within its budget (`source_budgets`): a source's
-    budget is shared by the targets it serves, and a window whose sources are busy spreads
-    over several steps. No request exceeds its source's budget (targets cut larger items),
-    so every step takes one."""
-    queues = {t: q for t, q in sorted(wanted.items()) if q}
-    sizes = {t: [r.nbytes for r in q] for t, q in queues.items()}
-    sending = source_budgets(queues, sizes, max_host_bytes)
-    taken = dict.fromkeys(queues, 0)
-    out: dict[int, list[Request]] = {t: [] for t in queues}
-    step, active = 0, list(queues)
-    while active:
-        window: dict[int, int] = {}  # target -> the window it takes from this step
-        packed: dict[int, int] = {}  # source -> bytes of its messages this step
-        ends: dict[tuple[int, int], int] = {}  # (source, target) -> their message's bytes so far
-        first, took = step % len(active), 0  # each step's first turn to the next target: budgets shared fairly
-        turns = deque(active[first:] + active[:first])  # the targets that may still take a request this step
-        while turns:
-            target = turns.popleft()
-            i = taken[target]
-            r = queues[target][i]
-            if window.setdefault(target, r.step) != r.step:
-                continue
-            if r.source != target:
-                end = ends.get((r.source, target), 0)
-                grow = packed_growth(end, sizes[target][i], r.itemsize)
-                if packed.get(r.source, 0) + grow > sending[r.source]:
-                    continue
-                packed[r.source], ends[r.source, target] = packed.get(r.source, 0) + grow, end + grow
-            out[target].append(replace(r, step=step))
-            taken[target], took = i + 1, took + 1
-            if i + 1 < len(queues[target]):
-                turns.append(target)
-        if not took:
-            t = active[first]
-            r = queues[t][taken[t]]
-            raise PlanError(f"WeightSync: {r.key} ({r.nbytes} bytes, rank {r.source} to rank {t}) exceeds the step "
-                            f"budget of rank {r.source} ({sending.get(r.source)}): every rank must run the same "
-                            "lazyload version.")
-        active = [t for t in active if taken[t] < len(queues[t])]
-        step += 1
-    return {**wanted, **out}
+def largest_requests(target: int, requests: list[Request]) -> dict[int, int]:
+    """Source rank -> the largest request a target rank addresses to it over the wire."""
+    out: dict[int, int] = {}
+    for r in requests:
+        if r.source != target:
+            out[r.source] = max(out.get(r.source, 0), r.nbytes)
+    return out
+
+
+def own_steps(target: int, requests: list[Request], slots: dict[int, Slot]) -> list[Request]:
+    """A target rank's requests with the steps it receives them at, from its own requests
+    and its sources' slots alone (no other target's requests): step by step, from one window
+    (`requests_of`: the target's budget) at a time, each request whose source's packed
+    message stays within that step's slot (a source's later requests then wait for the next
+    step). Its source learns each step from the requests it reads. A request larger than
+    any step's slot is a PlanError."""
+    for r in requests:
+        slot = slots.get(r.source)
+        if slot is not None and r.nbytes > max(slot.each, slot.turn):
+            raise PlanError(f"WeightSync: {r.key} ({r.nbytes} bytes, rank {r.source} to rank {target}) exceeds rank "
+                            f"{r.source}'s step budget for rank {target} ({max(slot.each, slot.turn)}): every rank "
+                            "must run the same lazyload version.")
+    out: list = [None] * len(requests)
+    step, first = 0, 0
+    while first < len(requests):
+        window = requests[first].step
+        last = next((i for i in range(first, len(requests)) if requests[i].step != window), len(requests))
+        left = list(range(first, last))
+        while left:  # a source's first request left fits its slot's turn with an empty message
+            ends: dict[int, int] = {}  # source -> its message's bytes so far this step
+            waiting = []
+            for i in left:
+                r = requests[i]
+                if r.source != target:
+                    end = ends.get(r.source, 0)
+                    grow = packed_growth(end, r.nbytes, r.itemsize)
+                    if end < 0 or end + grow > slots[r.source].budget(step):
+                        ends[r.source] = -1  # this source's later requests keep their order: next step
+                        waiting.append(i)
+                        continue
+                    ends[r.source] = end + grow
+                out[i] = replace(r, step=step)
+            left, step = waiting, step + 1
+        first = last
+    return out
 
 
 @dataclass(frozen=True)
@@ -153,76 +172,45 @@ class Routes:
     digest: str
 
 
-def routes_for(me: int, mine: list[Request] | None, asked: dict[int, list[Request]],
-               summaries: dict[int, "Summary | None"], max_host_bytes: dict[int, int | None]) -> Routes:
-    """This rank's routes: what it receives, from its own requests (`mine`; None on a rank
-    that holds no target), and what it sends, from the requests each target rank addressed
-    to it (`asked`: target rank -> its requests of this rank, in its order), each checked
-    against the digest its target published; their steps from every target's `Summary`
-    (`in_steps`) and every rank's `max_host_bytes`."""
-    stepped = in_steps({t: s.sized() for t, s in summaries.items() if s is not None}, max_host_bytes)
-    steps_of = {t: [r.step for r in requests] for t, requests in stepped.items() if requests}
+@dataclass(frozen=True)
+class Summary:
+    """What a target rank tells every rank of its plan: the digest of its requests (their
+    steps included) and its number of steps. A few bytes, whatever its requests."""
+
+    digest: str
+    steps: int
+
+    @classmethod
+    def of(cls, requests: list[Request]) -> "Summary":
+        return cls(pair_digest(requests), max((r.step for r in requests), default=-1) + 1)  # a window's out of order
+
+
+def routes_for(me: int, mine: list[Request] | None, asked: dict[int, tuple[str, list[Request]]],
+               summaries: dict[int, Summary | None]) -> Routes:
+    """This rank's routes: what it receives, from its own requests with their steps (`mine`;
+    None on a rank that holds no target), and what it sends, from the requests each target
+    rank addressed to it (`asked`: target rank -> (the digest that target computed of them,
+    its requests of this rank in its order, with their steps)), each checked against that
+    digest. `summaries`: every target's, for the number of steps and the plan's digest."""
     sends: dict[int, dict[int, list[Request]]] = {}
     receives: dict[int, dict[int, list[int]]] = {}
     local: dict[int, list[int]] = {}
-    for target, requests in sorted(asked.items()):
-        if pair_digest(requests) != summaries[target].pairs.get(me):
+    for target, (digest, requests) in sorted(asked.items()):
+        if pair_digest(requests) != digest:
             raise PlanError(f"WeightSync: rank {me} read rank {target}'s requests of it, which do not match the digest "
                             f"rank {target} published (another lazyload version there, or a store that lost a write); "
                             "every rank must run the same lazyload version; no byte moved.")
-        mine_there = [step for step, r in zip(steps_of[target], stepped[target]) if r.source == me]
-        for step, request in zip(mine_there, requests):
-            sends.setdefault(step, {}).setdefault(target, []).append(replace(request, step=step))
+        for request in requests:
+            sends.setdefault(request.step, {}).setdefault(target, []).append(request)
     for position, request in enumerate(mine or ()):
-        step = steps_of[me][position]
         if request.source == me:
-            local.setdefault(step, []).append(position)
+            local.setdefault(request.step, []).append(position)
         else:
-            receives.setdefault(step, {}).setdefault(request.source, []).append(position)
-    steps = max((s[-1] + 1 for s in steps_of.values()), default=0)
+            receives.setdefault(request.step, {}).setdefault(request.source, []).append(position)
+    steps = max((s.steps for s in summaries.values() if s is not None), default=0)
     return Routes(steps, {s: {t: tuple(q) for t, q in by.items()} for s, by in sends.items()},
                   {s: {r: tuple(q) for r, q in by.items()} for s, by in receives.items()},
-                  {s: tuple(q) for s, q in local.items()}, sync_digest(summaries, steps_of))
-
-
-@dataclass(frozen=True)
-class Sized:
-    """Another target rank's request as `in_steps` needs it: its window, source, bytes and
-    layer (`key`, enough for `layer_of`), not its key or box."""
-
-    step: int
-    source: int
-    key: str
-    itemsize: int
-    nbytes: int
-    box: Box = ()
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What a target rank tells every rank of its requests: per source rank it asks, the
-    digest of the requests addressed to it (kept under a key of the pair, read by that source
-    alone); and, in arrays, what `in_steps` needs of each request (window, source, bytes,
-    itemsize, layer): a few bytes each, not its key and box."""
-
-    pairs: dict[int, str]
-    layers: tuple[str, ...]
-    columns: tuple[array, ...]  # window, source, nbytes, itemsize, layer (its index in `layers`)
-
-    @classmethod
-    def of(cls, target: int, requests: list[Request]) -> "Summary":
-        layers: dict[str, int] = {}
-        columns = (array("i"), array("i"), array("q"), array("B"), array("i"))  # 4, 4, 8, 1, 4 bytes
-        for r in requests:
-            layer = layers.setdefault(layer_of(r.key.rpartition("@")[0]), len(layers))
-            for column, value in zip(columns, (r.step, r.source, r.nbytes, r.itemsize, layer)):
-                column.append(value)
-        return cls({source: pair_digest(q) for source, q in sorted(addressed(target, requests).items())}, tuple(layers),
-                   columns)
-
-    def sized(self) -> list[Sized]:
-        keys = [f"{layer}.@" for layer in self.layers]  # layer_of(key before "@") gives the layer back
-        return [Sized(w, s, keys[k], i, n) for w, s, n, i, k in zip(*self.columns)]
+                  {s: tuple(q) for s, q in local.items()}, sync_digest(summaries))
 
 
 def addressed(target: int, requests: list[Request]) -> dict[int, list[Request]]:
@@ -236,7 +224,7 @@ def addressed(target: int, requests: list[Request]) -> dict[int, list[Request]]:
 
 
 def pair_digest(requests: list[Request]) -> str:
-    """The digest of one target rank's requests of one source rank."""
+    """The digest of one target rank's requests of one source rank (or of all its requests)."""
     digest = hashlib.sha256()
     for r in requests:
         wire = f"\0{r.wire}" if r.wire is not None else ""  # both ends agree on the bytes sent
@@ -244,14 +232,12 @@ def pair_digest(requests: list[Request]) -> str:
     return digest.hexdigest()[:16]
 
 
-def sync_digest(summaries: dict[int, Summary | None], steps_of: dict[int, list[int]]) -> str:
-    """The digest of the whole sync plan: every target rank's requests (by their pairs'
-    digests) and the steps each runs at; every rank computes it from the same summaries."""
+def sync_digest(summaries: dict[int, Summary | None]) -> str:
+    """The digest of the whole sync plan: every target rank's (its requests' digest, steps
+    included, and its number of steps); every rank computes it from the same summaries."""
     digest = hashlib.sha256()
     for target, summary in sorted((r, s) for r, s in summaries.items() if s is not None):
-        for source, pair in summary.pairs.items():
-            digest.update(f"{target}\0{source}\0{pair}\n".encode())
-        digest.update(array("q", steps_of.get(target, ())).tobytes())
+        digest.update(f"{target}\0{summary.digest}\0{summary.steps}\n".encode())
     return digest.hexdigest()[:16]
 
 

@@ -29,7 +29,8 @@ from ..stored import StoredCheckpoint
 from .copies import choose_copies, copies_of
 from .gather import Gather, construction
 from .layout import SourceTensor, local_of, source_layout, source_tensors
-from .routes import Request, Routes, Summary, addressed, requests_of, routes_for
+from .routes import (Request, Routes, Summary, addressed, default_slots, largest_requests, own_steps, pair_digest,
+                     requests_of, routes_for, source_slots)
 from .source_index import source_index
 from .box_target import BoxTarget
 from .peers import NcclLink, Peers
@@ -191,10 +192,14 @@ class WeightSync:
         layouts = gather.run("layout", self._layout)
         self.index, self.pieces = source_index({r: v for r, (v, _) in layouts.items() if v is not None})
         self._max_host_bytes = {r: b for r, (_, b) in layouts.items()}  # every rank's: they bound the steps
-        summaries, asked = gather.exchange("planned", self._requests)
-        self.routes: Routes = routes_for(self.rank, self._wanted, asked, summaries, self._max_host_bytes)
+        gather.run("asked", lambda: self._ask(gather))  # each target tells each source it asks
+        askers = gather.asked_by("asked")
+        if askers and self._max_host_bytes[self.rank] is not None:  # its budget shared among them
+            gather.tell("slots", source_slots(askers, self._max_host_bytes[self.rank]))
+        summaries, asked = gather.exchange("planned", lambda: self._stepped(gather), list(askers))
+        self.routes: Routes = routes_for(self.rank, self._wanted, asked, summaries)
         _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
-        gather.close(("layout", "planned", "agreed"))
+        gather.close(("layout", "asked", "planned", "agreed"), asked="asked")
         self.plan_seconds = time.perf_counter() - started
         self._store, self._syncs, self._dests, self._slots, self._assigned = store, 0, None, None, False
         self._abandoned: list = []
@@ -245,14 +250,27 @@ class WeightSync:
     def plan_digest(self) -> str:
         return self.routes.digest
 
-    def _requests(self) -> tuple[dict[int, list[Request]], Summary] | None:
-        """This rank's requests (the copies chosen), by the source rank each asks, and their
-        summary; None on a rank without a target. Kept: its routes receive in their order."""
+    def _ask(self, gather: Gather) -> None:
+        """This rank's requests (the copies chosen), kept, in windows of its budget; and each
+        source rank it asks over the wire told so, with its largest request there (how the
+        source shares its budget among its targets, `source_slots`)."""
         requests = self._plan_target()
-        self._wanted = None if requests is None else choose_copies({self.rank: requests}, self.pieces)[self.rank]
+        self._wanted = None if requests is None else choose_copies({self.rank: requests}, self.pieces,
+                                                                   self._copies)[self.rank]
+        if self._wanted is not None:
+            gather.ask("asked", largest_requests(self.rank, self._wanted))
+
+    def _stepped(self, gather: Gather) -> tuple[dict[int, tuple[str, list[Request]]], Summary] | None:
+        """This rank's requests with their steps (in its sources' slots), each source's with
+        their digest, and their summary; None on a rank without a target. Kept: its routes
+        receive in their order."""
         if self._wanted is None:
             return None
-        return addressed(self.rank, self._wanted), Summary.of(self.rank, self._wanted)
+        slots = default_slots(self.rank, self._wanted)
+        slots.update(gather.told("slots", [s for s in slots if self._max_host_bytes.get(s) is not None]))
+        self._wanted = own_steps(self.rank, self._wanted, slots)
+        pairs = {source: (pair_digest(q), q) for source, q in addressed(self.rank, self._wanted).items()}
+        return pairs, Summary.of(self._wanted)
 
     def _plan_target(self) -> list[Request] | None:
         """This rank's load plan of the target from the sources' index, and its requests."""
@@ -262,7 +280,7 @@ class WeightSync:
         if self.target is None:
             self.items: list = []
             return None
-        self._holders = {key: set(held) for key, (_, held) in copies_of(self.pieces).items()}  # for `_cut_at`
+        self._copies = copies_of(self.pieces)  # computed once: `_cut_at` and `choose_copies` ask it
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
             self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes,
                                                                    self._cut_at)
@@ -291,7 +309,7 @@ class WeightSync:
         unless it holds a copy itself, the budget of every source rank that may send it (the
         copy is chosen later, `copies.py`). None: no limit (the defaults hold any item)."""
         key = item.entry.key
-        holders = self._holders.get(key) or {self.pieces[key].rank}
+        holders = set(self._copies[key][1]) if key in self._copies else {self.pieces[key].rank}
         budgets = [self._max_host_bytes[r] for r in {self.rank} | (set() if self.rank in holders else holders)]
         return min((b for b in budgets if b is not None), default=None)
 
