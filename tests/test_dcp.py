@@ -63,6 +63,33 @@ def test_dcp_loads_exactly_as_dcp_load(saved, name):
     assert not [n for n in checkpoint.index.names() if n.startswith("optimizer.")]  # training state left out
 
 
+def test_trainer_save_is_indexed_under_the_models_names(tmp_path):
+    """`dcp.save({"model": state_dict, "optimizer": ...})` (a trainer's save) keeps `model.` on
+    every fqn; the index names its tensors as the model's state dict does (what vLLM's weight
+    loaders and a trainer's WeightSync know), and load_into still loads them exactly."""
+    save_plain(tmp_path / "trainer")
+    model, config = llama(torch.float32)
+    checkpoint = LazyCheckpoint(tmp_path / "trainer")
+    assert sorted(checkpoint.index.names()) == sorted(model.state_dict())
+    target = build_model("llama", config, torch.float32)
+    assert checkpoint.load_into(target, progress=False).ok
+    _assert_same_state(target, dcp_reference(tmp_path / "trainer", "model."), "trainer")
+
+
+@pytest.mark.parametrize("state, names", [
+    ({"model.layers.0.weight": 1, "lm_head.weight": 2}, ["lm_head.weight", "model.layers.0.weight"]),  # no group
+    ({"model": {"w": 1}, "w": 2}, ["model.w", "w"]),  # "w" taken: names as saved
+    ({"model": {"rng.seed": 1}}, ["model.rng.seed"]),  # would read as training state: as saved
+])
+def test_names_are_kept_as_saved_unless_a_model_group_holds_them_all(tmp_path, state, names):
+    import torch.distributed.checkpoint as dcp
+
+    as_tensors = lambda tree: {k: as_tensors(v) if isinstance(v, dict) else torch.full((2,), float(v))  # noqa: E731
+                               for k, v in tree.items()}
+    dcp.save(as_tensors(state), checkpoint_id=str(tmp_path), no_dist=True)
+    assert sorted(LazyCheckpoint(tmp_path).index.names()) == names
+
+
 def test_fsdp_tp_chunks_are_boxes_of_global_tensors(saved, monkeypatch):
     """FSDP2's _StridedShard under TP: q_proj's 4 row chunks are listed interleaved (rank
     order), and each is a box of the global tensor; indexing reads no byte of any tensor."""

