@@ -219,11 +219,13 @@ def simulated_sync(layouts: dict):
     from lazyload.sync.weight_sync import WeightSync
 
     class SimulatedSync(WeightSync):
-        def _layout(self):
+        def _layout(self, gather):
             self._source_cuda = False
             layout = layouts.get(self.rank)
             self._planned_layout = {s.name: s for s in layout or ()}
-            return layout, None  # max_host_bytes: the default
+            if layout is not None:
+                gather.put("layout", layout)
+            return layout is not None, None  # max_host_bytes: the default
 
     return SimulatedSync
 
@@ -334,11 +336,11 @@ class shared_values:
                     decoded[data] = pickle.loads(data)
                 return decoded[data]
 
-        def source_index(layouts):
-            key = tuple((rank, id(layout)) for rank, layout in sorted(layouts.items()))
+        def source_index(layouts, tiled=True):
+            key = (tiled,) + tuple((rank, id(layout)) for rank, layout in sorted(layouts.items()))
             with lock:
                 if key not in indexed:
-                    indexed[key] = self.index(layouts)
+                    indexed[key] = self.index(layouts, tiled)
                 return indexed[key]
 
         gather.pickle = type("SharedPickle", (), {"dumps": staticmethod(pickle.dumps), "loads": staticmethod(loads)})

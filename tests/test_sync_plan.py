@@ -138,3 +138,23 @@ def test_a_ranks_store_reads_grow_with_the_world_not_with_its_requests():
         (few, small), (many, large) = busiest(2, layers), busiest(6, layers)
         per_rank[layers] = (many - few) / (large - small)
     assert per_rank[4] <= per_rank[1] + 16 and per_rank[4] < 400, per_rank
+
+
+def test_a_source_rank_reads_no_other_ranks_layout():
+    """A trainer rank (a source alone) reads from the store only its own layout and every
+    rank's few bytes of status: what it reads at the layout exchange does not grow with the
+    FSDP world (the benchmark's tiny job at FSDP 2 and 6), and it indexes only its own
+    pieces. On main every rank read and indexed every trainer rank's layout."""
+    from dataclasses import replace
+
+    bench = _bench()
+
+    def trainer_reads(fsdp: int) -> tuple[int, int]:
+        case = replace(bench.CASES["tiny"], fsdp=fsdp)
+        store = bench.run_case(case, 1)["store"]
+        layout = [sum(len(k) + len(store.values[k]) for k in store.keys_read[rank] if bench.stage_of(k) == "layout")
+                  for rank in range(fsdp * case.tp)]
+        return max(layout), fsdp * case.tp + case.replicas * case.world
+
+    (few, small), (many, large) = trainer_reads(2), trainer_reads(6)
+    assert (many - few) / (large - small) < 100, (few, many)  # a status per added rank, no layout

@@ -53,6 +53,16 @@ class Gather:
                                   "rank.", failed)
         return {r: v[1] for r, v in values.items()}
 
+    def put(self, stage: str, value: Any) -> None:
+        """A value of this rank at `stage`, read only by the ranks that need it (`read`),
+        published before this rank's `run` of the stage (so that its `run` value, once
+        read, says it is there)."""
+        self.store.set(self._key(stage, f"{self.rank}.put"), pickle.dumps(value))
+
+    def read(self, stage: str, ranks: list[int]) -> dict[int, Any]:
+        """The values `ranks` `put` at `stage` (after a `run` of that stage that read them ok)."""
+        return {r: pickle.loads(self.store.get(self._key(stage, f"{r}.put"))) for r in ranks}
+
     def ask(self, stage: str, needs: dict[int, int]) -> None:
         """Tell each peer of `needs` that this rank will address it a value at `stage`
         (`exchange`), with a number (its largest request there): a counter per peer
@@ -109,8 +119,9 @@ class Gather:
         summaries = self.run(stage, publish)
         return summaries, self.told(stage, [rank for rank in askers if summaries.get(rank) is not None])
 
-    def close(self, stages: tuple[str, ...], asked: str | None = None) -> None:
-        """This rank read every value of `stages`; the last rank to say so deletes them, so
+    def close(self, stages: tuple[str, ...], asked: str | None = None, put: tuple[str, ...] = ()) -> None:
+        """This rank read every value of `stages` (and of `put`, the stages values were `put` at);
+        the last rank to say so deletes them, so
         that a long job constructing many WeightSyncs does not grow the store (no rank waits:
         whoever counts last knows every other rank has read already)."""
         if asked is not None:  # this rank's counter of `ask`ing ranks: all read before `stages` ended
@@ -120,7 +131,8 @@ class Gather:
                 self.store.delete_key(key)
         if self.store.add(f"{self.prefix}/read", 1) < len(self.ranks):
             return
-        for key in [self._key(stage, r) for stage in stages for r in self.ranks] + [f"{self.prefix}/read"]:
+        for key in [self._key(stage, r) for stage in stages for r in self.ranks] + [
+                self._key(stage, f"{r}.put") for stage in put for r in self.ranks] + [f"{self.prefix}/read"]:
             self.store.delete_key(key)
 
     def _key(self, stage: str, rank: int | str) -> str:

@@ -35,9 +35,10 @@ def rank_file(rank: int) -> str:
     return f"rank {rank}"
 
 
-def source_index(layouts: dict[int, list[SourceTensor]]) -> tuple[CheckpointIndex, dict[str, Piece]]:
+def source_index(layouts: dict[int, list[SourceTensor]], tiled: bool = True) -> tuple[CheckpointIndex, dict[str, Piece]]:
     """The index of every source rank's boxes (`layouts`: global rank -> its tensors), and
-    stored key -> the piece it names."""
+    stored key -> the piece it names. `tiled=False`: the stored keys alone, no logical
+    tensors (a source rank's own boxes, which need not tile a tensor)."""
     ranks = sorted(layouts)
     entries, pieces, parts, meta = [], {}, {}, {}
     for position, rank in enumerate(ranks):
@@ -58,7 +59,7 @@ def source_index(layouts: dict[int, list[SourceTensor]]) -> tuple[CheckpointInde
     if heads is not None:  # a Megatron-Core source: its names read as the torch_dist reader reads them
         layouts_of = transformers_names({layer_key(n, _MEGATRON): layout for n, layout in layouts_of.items()}, heads,
                                         _MEGATRON)
-    return CheckpointIndex.of([rank_file(r) for r in ranks], entries, layouts_of,
+    return CheckpointIndex.of([rank_file(r) for r in ranks], entries, layouts_of if tiled else None,
                               description="the sync's source ranks"), pieces
 
 

@@ -189,9 +189,13 @@ class WeightSync:
         prefix, number = construction(self.ranks)
         gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
         self._prefix = gather.prefix
-        layouts = gather.run("layout", self._layout)
-        self.index, self.pieces = source_index({r: v for r, (v, _) in layouts.items() if v is not None})
-        self._max_host_bytes = {r: b for r, (_, b) in layouts.items()}  # every rank's: they bound the steps
+        held = gather.run("layout", lambda: self._layout(gather))
+        self._max_host_bytes = {r: b for r, (_, b) in held.items()}  # every rank's: they bound the steps
+        # a target plans from every source rank's boxes; a source alone needs only its own (the
+        # requests it reads name its own pieces), so it reads no other rank's layout
+        sources = [r for r, (has, _) in held.items() if has] if self.target is not None else (
+            [self.rank] if self.source is not None else [])
+        self.index, self.pieces = source_index(gather.read("layout", sources), tiled=self.target is not None)
         gather.run("asked", lambda: self._ask(gather))  # each target tells each source it asks
         askers = gather.asked_by("asked")
         if askers and self._max_host_bytes[self.rank] is not None:  # its budget shared among them
@@ -199,7 +203,7 @@ class WeightSync:
         summaries, asked = gather.exchange("planned", lambda: self._stepped(gather), list(askers))
         self.routes: Routes = routes_for(self.rank, self._wanted, asked, summaries)
         _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
-        gather.close(("layout", "asked", "planned", "agreed"), asked="asked")
+        gather.close(("layout", "asked", "planned", "agreed"), asked="asked", put=("layout",))
         self.plan_seconds = time.perf_counter() - started
         self._store, self._syncs, self._dests, self._slots, self._assigned = store, 0, None, None, False
         self._abandoned: list = []
@@ -215,9 +219,10 @@ class WeightSync:
         self._link = (NcclLink(self.peers, store, self._prefix, rank_timeout)
                       if self.peers.backend == "nccl" else None)
 
-    def _layout(self) -> tuple[list | None, int | None]:
-        """This rank's source boxes (None: no source here), kept to check at each sync that
-        the source still holds the shards the plan was made for; and its `max_host_bytes`."""
+    def _layout(self, gather: Gather) -> tuple[bool, int | None]:
+        """This rank's source boxes, `put` for the target ranks to read (kept to check at each
+        sync that the source still holds the shards the plan was made for): whether it has
+        any (a source here), and its `max_host_bytes`."""
         budget = self._options.max_host_bytes
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
             raise ArgumentError(f"WeightSync: max_host_bytes must be a positive integer (bytes per step), got "
@@ -225,12 +230,13 @@ class WeightSync:
         self._source_cuda = False
         if self.source is None:
             self._planned_layout: dict = {}
-            return None, budget
+            return False, budget
         tensors = source_tensors(self.source)
         self._source_cuda = any(local_of(t).is_cuda for t in tensors.values())
         layout = source_layout(tensors)
         self._planned_layout = {s.name: s for s in layout}
-        return layout, budget
+        gather.put("layout", layout)
+        return True, budget
 
     def _source_now(self) -> dict:
         """The source's tensors now, each still the shard the plan was made for: the same
