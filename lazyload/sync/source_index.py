@@ -56,7 +56,7 @@ def source_index(layouts: dict[int, list[SourceTensor]], tiled: bool = True) -> 
     layouts_of = {name: Layout(name, meta[name].shape, meta[name].torch_dtype, tuple(p), len(ranks))
                   for name, p in parts.items()}
     heads = next((t.megatron for t in meta.values() if t.megatron is not None), None)
-    if heads is not None:  # a Megatron-Core source: its names read as the torch_dist reader reads them
+    if heads is not None and tiled:  # a Megatron-Core source: its names read as the torch_dist reader reads them
         layouts_of = transformers_names({layer_key(n, _MEGATRON): layout for n, layout in layouts_of.items()}, heads,
                                         _MEGATRON)
     return CheckpointIndex.of([rank_file(r) for r in ranks], entries, layouts_of if tiled else None,
