@@ -33,6 +33,11 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(stop - start for start, stop in box)
 
 
+def box_within(box: Box, shape: Sequence[int]) -> bool:
+    """Whether `box` is a box of a tensor of `shape`: one span per dim, each inside it."""
+    return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))
+
+
 def box_numel(box: Box) -> int:
     n = 1
     for start, stop in box:  # no shape tuple built: asked for every read item of a plan

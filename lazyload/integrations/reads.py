@@ -26,7 +26,7 @@ import torch
 
 from ..engine import announce, run_schedule
 from ..errors import PlanError
-from ..expr import box_numel, box_shape
+from ..expr import box_numel, box_shape, box_within
 from ..placer import Destination, TensorDest, with_whole
 from ..plan import plan_boxes
 from ..planner import byte_budget
@@ -190,7 +190,7 @@ class LayerPrefetch:
         self.index = index = reads.checkpoint.index
         names = set(index.names())  # stored keys and logical names (a DCP, Megatron or DeepSpeed tensor)
         wanted = {f"{name}#{k}": (name, box, index.dtype(name)) for k, (name, box) in enumerate(boxes)
-                  if name in names and _fits(box, index.shape(name))}
+                  if name in names and box_within(box, index.shape(name))}
         _, _, items = plan_boxes(index, wanted) if wanted else ({}, [], [])
         first = {}  # layer -> its first box: the groups in the order the copies come (the boxes'), not the files'
         for k, (name, _) in enumerate(boxes):
@@ -219,6 +219,3 @@ class LayerPrefetch:
         if self.reader is not None:
             self.reader.close()
 
-
-def _fits(box: Box, shape) -> bool:
-    return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))

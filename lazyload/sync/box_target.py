@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ArgumentError
-from ..expr import Box, box_shape
+from ..expr import Box, box_shape, box_within
 from ..index import CheckpointIndex
 from ..placer import TensorDest, with_whole
 from ..plan import ReadItem, plan_boxes
@@ -65,6 +65,6 @@ def _check_box(index: CheckpointIndex, names: set[str], name: str, box: Box) -> 
         raise ArgumentError(f"WeightSync: the target asks for {name!r}, which no source rank holds; the trainer "
                             "must hold every tensor the server loads, in the checkpoint's names.")
     shape = tuple(index.shape(name))
-    if len(box) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+    if not box_within(box, shape):
         raise ArgumentError(f"WeightSync: the target asks for box {list(box)} of {name!r}, whose source shape is "
                             f"{list(shape)}; the trainer's model and the server's differ.")

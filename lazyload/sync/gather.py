@@ -112,8 +112,7 @@ class Gather:
             if computed is None:
                 return None
             values, summary = computed
-            for peer, value in values.items():
-                self.store.set(self._key(stage, f"{self.rank}>{peer}"), pickle.dumps(value))
+            self.tell(stage, values)
             return summary
 
         summaries = self.run(stage, publish)
