@@ -7,6 +7,10 @@ order under the byte budget, casting into the destinations (`totals.casts` count
 cast, by dtype path). `read` (an operation the geometry cannot record) reads a view whole
 at once and counts it as a fallback.
 
+With `peers` (an engine's TP workers reading a URL, `tp_share`), `run()` first gathers every
+worker's boxes; the tensors some worker's box cuts strided (row-parallel) are fetched one
+contiguous range of rows per worker and exchanged layer by layer; the rest is read as above.
+
 A reload (`deferred` False: vLLM processes each layer as soon as its copies are done, so each
 copy is read as it is made) gets the load's prefetch through `expect`: the boxes the last
 load's weight loaders copied, planned on this checkpoint and scheduled by layer as a load's
@@ -33,7 +37,9 @@ from ..planner import byte_budget
 from ..readers.choice import choose_reader, reader_name
 from ..schedule import Group, layer_of, schedule
 from ..stored import StoredCheckpoint
+from ..index import natural_key
 from .lazy_tensor import Box, LazySource, LazyTensor
+from .tp_share import Peers, by_layer, exchange, gather_boxes, plan_shared, within
 
 logger = logging.getLogger("lazyload")
 
@@ -70,6 +76,7 @@ class ReadTotals:
     bytes_repeated: int = 0  # of those, boxes asked for again (an engine copying the same box twice)
     boxes: int = 0
     prefetched_bytes: int = 0  # of the boxes read, bytes whose pages were announced a layer ahead (cold pages)
+    bytes_received: int = 0  # tensor bytes other TP workers fetched and sent this one (`tp_share`)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
     casts: dict[str, int] = field(default_factory=dict)  # "int8->float32" (via a loader's cast: "a->b->c"): stored bytes
     reader: str = ""
@@ -94,6 +101,7 @@ class BoxReads:
         self.totals = ReadTotals()
         self.asked: set[tuple[str, Box]] = set()
         self.prefetch: LayerPrefetch | None = None
+        self.peers: Peers | None = None  # TP workers to share strided fetches with (a URL's load, `tp_share`)
 
     def expect(self, boxes: list[tuple[str, Box]]) -> None:
         """Copies read as they are made (a reload) will ask for about these boxes (the last
@@ -138,9 +146,40 @@ class BoxReads:
     def run(self) -> None:
         """Read every recorded copy (layer order, byte budget), then forget them."""
         copies, self.pending = self.pending, []
+        if self.peers is not None:
+            copies = self._share(copies)
         self._read(copies)
 
-    def _read(self, copies: list[Copy]) -> None:
+    def _share(self, copies: list[Copy]) -> list[Copy]:
+        """Fetch this worker's part of the tensors it shares with the other TP workers and
+        exchange the parts layer by layer (`tp_share`), before any other read (so that the
+        workers meet at each exchange after balanced work); returns the copies left to read."""
+        index, me = self.checkpoint.index, self.peers.rank
+        boxes = sorted({(c.name, c.box) for c in copies}, key=lambda pair: (natural_key(pair[0]), pair[1]))
+        shared = plan_shared(gather_boxes(self.peers, boxes), index.shape)
+        mine = [c for c in copies if c.name in shared]
+        by_box: dict[tuple[str, Box], list[Copy]] = {}
+        for c in mine:
+            by_box.setdefault((c.name, c.box), []).append(c)
+
+        def deliver(name: str, box: Box, part: Box, values: torch.Tensor) -> None:
+            for c in by_box[(name, box)]:
+                c.dst[within(part, box)].copy_(values if c.via is None else values.to(c.via))
+
+        for layer in by_layer(shared):
+            fetched = {t.name: torch.empty(box_shape(t.fetch[me]), dtype=index.dtype(t.name))
+                       for t in layer if t.fetch[me] is not None}
+            self._read([Copy(name, shared[name].fetch[me], values) for name, values in fetched.items()], asked=False)
+            self.totals.bytes_received += exchange(self.peers, layer, fetched, index.dtype, deliver)
+        for c in mine:
+            self._count_cast(c)
+        self.totals.bytes_planned += sum(box_numel(c.box) * index.dtype(c.name).itemsize for c in mine)
+        self.totals.boxes += len(mine)
+        return [c for c in copies if c.name not in shared]
+
+    def _read(self, copies: list[Copy], asked: bool = True) -> None:
+        """Read `copies` (`asked` False: fetches for the TP workers to share, not this
+        worker's boxes: counted as read, not as planned)."""
         if not copies:
             return
         index = self.checkpoint.index
@@ -161,10 +200,12 @@ class BoxReads:
         for c in copies:
             if c.via is not None:
                 c.dst.copy_(staged[id(c)])
-            self._count_cast(c)
+            if asked:
+                self._count_cast(c)
         self.totals.bytes_read += reader.bytes_read
-        self.totals.bytes_planned += sum(item.nbytes for item in items)
-        self.totals.boxes += len(copies)
+        if asked:
+            self.totals.bytes_planned += sum(item.nbytes for item in items)
+            self.totals.boxes += len(copies)
         self.totals.reader = reader_name(self.options.reader, device, self.checkpoint.remote)
         self.totals.add_fields(reader.report_fields())
 
