@@ -33,14 +33,17 @@ def tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def _load(rank: int, world: int, url: str):
-    """Rank `rank`'s copies as vLLM's loaders make them, read with the TP workers sharing."""
+def _load(rank: int, world: int, url: str, expected: list | None = None):
+    """Rank `rank`'s copies as vLLM's loaders make them, read with the TP workers sharing:
+    deferred (a load), or each as it is made, the `expected` boxes announced (a reload)."""
     from lazyload.integrations.reads import BoxReads, ReadOptions
     from lazyload.integrations.tp_share import Peers
     from lazyload.stored import StoredCheckpoint
 
-    reads = BoxReads(StoredCheckpoint(url), ReadOptions(), world)
+    reads = BoxReads(StoredCheckpoint(url), ReadOptions(), world, deferred=expected is None)
     reads.peers = Peers(dist.new_group(backend="gloo"), rank, world, TIMEOUT)
+    if expected is not None:
+        reads.expect(expected)
     dsts = {}
     for layer in range(LAYERS):
         row = dsts[ROW.format(layer)] = torch.empty(96, 256)  # bf16 layer 1 cast to float32 on arrival
@@ -51,8 +54,13 @@ def _load(rank: int, world: int, url: str):
 
 
 def _shares(rank: int, world: int, url: str) -> None:
-    reads, dsts = _load(rank, world, url)
-    reads.run()
+    load, loaded = _load(rank, world, url)
+    load.run()
+    for reads, dsts in [(load, loaded), _load(rank, world, url, sorted(load.asked))]:  # the load, then a reload
+        _check_shared(rank, reads, dsts)
+
+
+def _check_shared(rank: int, reads, dsts) -> None:
     want = tensors()
     for layer in range(LAYERS):
         assert torch.equal(dsts[ROW.format(layer)], want[ROW.format(layer)][:, 256 * rank:256 * (rank + 1)].float())

@@ -39,7 +39,7 @@ from ..schedule import Group, layer_of, schedule
 from ..stored import StoredCheckpoint
 from ..index import natural_key
 from .lazy_tensor import Box, LazySource, LazyTensor
-from .tp_share import Peers, by_layer, exchange, gather_boxes, plan_shared, within
+from .tp_share import Peers, SharedTensor, by_layer, exchange, gather_boxes, plan_shared, within
 
 logger = logging.getLogger("lazyload")
 
@@ -102,6 +102,7 @@ class BoxReads:
         self.asked: set[tuple[str, Box]] = set()
         self.prefetch: LayerPrefetch | None = None
         self.peers: Peers | None = None  # TP workers to share strided fetches with (a URL's load, `tp_share`)
+        self.shared_reload: SharedReload | None = None
 
     def expect(self, boxes: list[tuple[str, Box]]) -> None:
         """Copies read as they are made (a reload) will ask for about these boxes (the last
@@ -109,11 +110,14 @@ class BoxReads:
         self.close()
         if reader_name(self.options.reader, torch.device("cpu"), self.checkpoint.remote) == "mmap":
             self.prefetch = LayerPrefetch(self, boxes)  # pread and remote readers announce nothing
+        if self.peers is not None:
+            self.shared_reload = SharedReload(self, boxes)
 
     def close(self) -> None:
         if self.prefetch is not None:
             self.prefetch.close()
             self.prefetch = None
+        self.shared_reload = None
 
     def tensor(self, name: str) -> LazyTensor:
         """The checkpoint tensor `name` as a lazy tensor whose copies land here."""
@@ -130,6 +134,9 @@ class BoxReads:
         copy = Copy(lazy.source.name, lazy.geometry.box, lazy.geometry.as_stored(dst), via)
         if self.deferred:
             self.pending.append(copy)
+        elif self.shared_reload is not None and (values := self.shared_reload.take(copy)) is not None:
+            copy.dst.copy_(values if via is None else values.to(via))
+            self._count_served(copy)
         else:
             if self.prefetch is not None:
                 self.totals.prefetched_bytes += self.prefetch.before(copy)
@@ -167,15 +174,24 @@ class BoxReads:
                 c.dst[within(part, box)].copy_(values if c.via is None else values.to(c.via))
 
         for layer in by_layer(shared):
-            fetched = {t.name: torch.empty(box_shape(t.fetch[me]), dtype=index.dtype(t.name))
-                       for t in layer if t.fetch[me] is not None}
-            self._read([Copy(name, shared[name].fetch[me], values) for name, values in fetched.items()], asked=False)
-            self.totals.bytes_received += exchange(self.peers, layer, fetched, index.dtype, deliver)
+            self._fetch_and_exchange(layer, deliver)
         for c in mine:
-            self._count_cast(c)
-        self.totals.bytes_planned += sum(box_numel(c.box) * index.dtype(c.name).itemsize for c in mine)
-        self.totals.boxes += len(mine)
+            self._count_served(c)
         return [c for c in copies if c.name not in shared]
+
+    def _fetch_and_exchange(self, layer: list[SharedTensor], deliver) -> None:
+        """Fetch this worker's rows of the layer's shared tensors, then exchange them (`tp_share.exchange`)."""
+        index, me = self.checkpoint.index, self.peers.rank
+        fetched = {t.name: torch.empty(box_shape(t.fetch[me]), dtype=index.dtype(t.name))
+                   for t in layer if t.fetch[me] is not None}
+        self._read([Copy(t.name, t.fetch[me], fetched[t.name]) for t in layer if t.name in fetched], asked=False)
+        self.totals.bytes_received += exchange(self.peers, layer, fetched, index.dtype, deliver)
+
+    def _count_served(self, c: Copy) -> None:
+        """Count a copy the exchange filled as one read is counted (not its bytes: others fetched part)."""
+        self._count_cast(c)
+        self.totals.bytes_planned += box_numel(c.box) * self.checkpoint.index.dtype(c.name).itemsize
+        self.totals.boxes += 1
 
     def _read(self, copies: list[Copy], asked: bool = True) -> None:
         """Read `copies` (`asked` False: fetches for the TP workers to share, not this
@@ -260,3 +276,40 @@ class LayerPrefetch:
         if self.reader is not None:
             self.reader.close()
 
+
+
+class SharedReload:
+    """A reload's shared tensors (`tp_share`), planned from every worker's boxes of the last
+    load (gathered at the start, so on every worker at once): at the first copy of a layer
+    that asks for one of them, the layer's rows are fetched and exchanged, and the values are
+    held until the next layer's exchange (the copies come in layer order); a copy they do
+    not cover is read alone."""
+
+    def __init__(self, reads: BoxReads, boxes: list[tuple[str, Box]]):
+        index = reads.checkpoint.index
+        names = set(index.names())
+        mine = sorted({(name, box) for name, box in boxes if name in names and box_within(box, index.shape(name))},
+                      key=lambda pair: (natural_key(pair[0]), pair[1]))
+        self.reads, self.rank = reads, reads.peers.rank
+        self.shared = plan_shared(gather_boxes(reads.peers, mine), index.shape)
+        self.layers = {layer_of(layer[0].name): layer for layer in by_layer(self.shared)}
+        self.values: dict[tuple[str, Box], torch.Tensor] = {}
+        self.exchanged: set[str] = set()
+
+    def take(self, copy: Copy) -> torch.Tensor | None:
+        """The values of `copy`'s box in its stored dtype, or None (read it alone)."""
+        tensor = self.shared.get(copy.name)
+        if tensor is None or copy.box not in tensor.boxes[self.rank]:
+            return None
+        layer = layer_of(copy.name)
+        if layer not in self.exchanged:
+            self.exchanged.add(layer)
+            self.values = {}
+            self.reads._fetch_and_exchange(self.layers[layer], self._keep)
+        return self.values.get((copy.name, copy.box))
+
+    def _keep(self, name: str, box: Box, part: Box, values: torch.Tensor) -> None:
+        held = self.values.get((name, box))
+        if held is None:
+            held = self.values[(name, box)] = torch.empty(box_shape(box), dtype=values.dtype)
+        held[within(part, box)].copy_(values)

@@ -223,7 +223,7 @@ class Load:
         self.rank, self.world = tp_rank_world()
         self.checkpoint = checkpoint_of(model_config, config)
         self.reads = BoxReads(self.checkpoint, config.read, self.world, deferred)
-        if deferred and self.world > 1 and self.checkpoint.remote is not None and config.cooperative is not False:
+        if self.world > 1 and self.checkpoint.remote is not None and config.cooperative is not False:
             self.reads.peers = tp_peers(config.rank_timeout)
         self.reload = reload
         self.memory = MemorySampler()
