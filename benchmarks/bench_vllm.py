@@ -20,7 +20,8 @@ From S3 (`--formats lazyload_s3,runai_streamer_s3`): the checkpoint uploaded to 
 server (its own process, as `bench_remote.py` starts it), behind a TCP proxy here that
 counts the bytes the store sent (all workers together: bodies and HTTP headers).
 `lazyload_s3`: `model` a local directory of the config files, `weights` the URL (default
-remote options; `lazyload_s3_gap0`: `merge_gap` 0, exact ranges); `runai_streamer_s3`:
+remote options: at TP > 1 the workers fetch the row-parallel tensors once between them and
+exchange the parts, `integrations.tp_share`; `lazyload_s3_gap0`: `merge_gap` 0); `runai_streamer_s3`:
 `model` the URL (vLLM pulls the config files through the streamer). These rows go in a table
 of their own.
 

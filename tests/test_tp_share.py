@@ -74,6 +74,29 @@ def _check_shared(rank: int, reads, dsts) -> None:
     assert fields["requests"] <= 2 * LAYERS, fields  # a range per tensor, not a GET per half row
 
 
+def _mixed_dtypes(rank: int, world: int, url: str) -> None:
+    """One layer's exchange of a bfloat16 tensor whose parts have an odd number of elements,
+    then a float32 one: each part lands at its place whatever its offset in the message."""
+    from lazyload.integrations.tp_share import Peers, exchange, plan_shared, within
+
+    g = torch.Generator().manual_seed(1)
+    stored = {"model.layers.0.a": torch.randn(5, 6, generator=g).to(torch.bfloat16),
+              "model.layers.0.b": torch.randn(4, 6, generator=g)}
+    boxes = [[(name, ((0, t.shape[0]), (3 * r, 3 * r + 3))) for name, t in stored.items()] for r in range(world)]
+    layer = list(plan_shared(boxes, lambda name: stored[name].shape).values())
+    fetched = {t.name: stored[t.name][within(t.fetch[rank], ((0, len(stored[t.name])), (0, 6)))] for t in layer}
+    got = {name: torch.zeros(t.shape[0], 3, dtype=t.dtype) for name, t in stored.items()}
+
+    def deliver(name, box, part, values):
+        got[name][within(part, box)] = values
+
+    peers = Peers(dist.new_group(backend="gloo"), rank, world, TIMEOUT)
+    received = exchange(peers, layer, fetched, lambda name: stored[name].dtype, deliver)
+    for name, t in stored.items():
+        assert torch.equal(got[name], t[:, 3 * rank:3 * rank + 3]), name
+    assert received == (3 * 3 * 2 + 2 * 3 * 4 if rank == 0 else 2 * 3 * 2 + 2 * 3 * 4)  # rows 0-1 / 0-2 fetched
+
+
 def _dies(rank: int, world: int, url: str) -> None:
     import lazyload
     import lazyload.integrations.reads as reads_module
@@ -98,10 +121,10 @@ def _worker(rank, world, init_file, url, errors):
     os.environ["LAZYLOAD_PROGRESS"] = "0"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    for case in (_shares, _dies):
+    for case in (_shares, _mixed_dtypes, _dies):
         try:
             case(rank, world, url)
-            if case is _shares:
+            if case is not _dies:
                 dist.barrier()
         except Exception:
             errors.put((rank, case.__name__, traceback.format_exc()))

@@ -111,7 +111,7 @@ def gather_boxes(peers: Peers, boxes: list[tuple[str, Box]]) -> list[list[tuple[
         padded[:mine.numel()] = mine
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(peers.world)]
         wait_all([dist.all_gather(out, padded, group=peers.group, async_op=True)], f"TP rank {peers.rank}: the TP workers' gather of their boxes")
-    return [json.loads(bytes(t[:int(n)].tolist()).decode()) for t, n in zip(out, sizes)]
+    return [json.loads(t[:int(n)].numpy().tobytes().decode()) for t, n in zip(out, sizes)]
 
 
 def overlap(a: Box, b: Box) -> Box | None:
@@ -170,6 +170,8 @@ def exchange(peers: Peers, layer: list[SharedTensor], fetched: dict[str, torch.T
         for tensor, box, part in pieces(layer, other, me):
             dtype = dtype_of(tensor.name)
             n = box_numel(part) * dtype.itemsize
-            deliver(tensor.name, box, part, received[offset:offset + n].view(dtype).view(box_shape(part)))
+            chunk = received[offset:offset + n]
+            chunk = chunk if offset % dtype.itemsize == 0 else chunk.clone()  # a dtype's view needs its alignment
+            deliver(tensor.name, box, part, chunk.view(dtype).view(box_shape(part)))
             offset += n
     return received.numel()
