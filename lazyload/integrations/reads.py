@@ -10,6 +10,8 @@ at once and counts it as a fallback.
 With `peers` (an engine's TP workers reading a URL, `tp_share`), `run()` first gathers every
 worker's boxes; the tensors some worker's box cuts strided (row-parallel) are fetched one
 contiguous range of rows per worker and exchanged layer by layer; the rest is read as above.
+A reload with `peers` plans them in `expect` (`SharedReload`, from every worker's boxes of the
+last load) and exchanges a layer at its first copy of one of them.
 
 A reload (`deferred` False: vLLM processes each layer as soon as its copies are done, so each
 copy is read as it is made) gets the load's prefetch through `expect`: the boxes the last
@@ -31,13 +33,13 @@ import torch
 from ..engine import announce, run_schedule
 from ..errors import PlanError
 from ..expr import box_numel, box_shape, box_within
+from ..index import natural_key
 from ..placer import Destination, TensorDest, with_whole
 from ..plan import plan_boxes
 from ..planner import byte_budget
 from ..readers.choice import choose_reader, reader_name
 from ..schedule import Group, layer_of, schedule
 from ..stored import StoredCheckpoint
-from ..index import natural_key
 from .lazy_tensor import Box, LazySource, LazyTensor
 from .tp_share import Peers, SharedTensor, by_layer, exchange, gather_boxes, plan_shared, within
 
@@ -161,7 +163,7 @@ class BoxReads:
         """Fetch this worker's part of the tensors it shares with the other TP workers and
         exchange the parts layer by layer (`tp_share`), before any other read (so that the
         workers meet at each exchange after balanced work); returns the copies left to read."""
-        index, me = self.checkpoint.index, self.peers.rank
+        index = self.checkpoint.index
         boxes = sorted({(c.name, c.box) for c in copies}, key=lambda pair: (natural_key(pair[0]), pair[1]))
         shared = plan_shared(gather_boxes(self.peers, boxes), index.shape)
         mine = [c for c in copies if c.name in shared]
@@ -275,7 +277,6 @@ class LayerPrefetch:
         self.thread.shutdown(wait=True)
         if self.reader is not None:
             self.reader.close()
-
 
 
 class SharedReload:

@@ -16,13 +16,13 @@ format.
 `RemoteOptions`' fields, `iteration`); any other key is an ArgumentError naming the
 nearest one. Each worker logs a `WorkerReport` and keeps it in `REPORTS`.
 
-From a URL at TP > 1, the load's row-parallel tensors (each worker's box the column half of
-every row) are fetched once between the workers, each a contiguous range of rows, and
+From a URL at TP > 1, the row-parallel tensors (each worker's box the column half of every
+row) are fetched once between the workers, at a load and a reload, each a contiguous range of rows, and
 exchanged over vLLM's TP group (`integrations.tp_share`): each worker fetches 1/TP of them in
 few GETs. `cooperative: False` turns it off (each worker fetches its own boxes);
 `rank_timeout` (seconds, 60 by default) bounds each collective of it, so that a worker that
 fails or dies is a LazyLoadError on the others, not a hang. Local files keep their own
-reads (the page cache is shared already), and so does a reload (its copies are read as made).
+reads (the page cache is shared already).
 
 The checkpoint is read from vLLM's `model_weights` when set, else from `model`. An object
 store's URL (`s3://`, ...) vLLM takes in neither for a load format not its own (it pulls
@@ -136,7 +136,7 @@ class WorkerReport:
     the boxes its weight loaders copied; a fallback reads more; the pread reader may read
     across a small gap; `bytes_repeated` of them were boxes copied again: vLLM's layer-wise
     reload replays some loads; `bytes_received` tensor bytes of its boxes that other TP
-    workers fetched and sent it, not counted in `bytes_read` (a URL's load at TP > 1, whose
+    workers fetched and sent it, not counted in `bytes_read` (a URL at TP > 1, whose
     `bytes_read` counts the rows it fetched for all instead); `prefetched_bytes` of them were announced a layer ahead of their
     reads, on cold pages, at a load and a reload alike), `header_bytes` of the checkpoint's headers, `read_syscall_bytes`
     what the worker process read through read()/pread() meanwhile (the kernel's count,
