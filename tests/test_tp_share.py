@@ -97,6 +97,22 @@ def _mixed_dtypes(rank: int, world: int, url: str) -> None:
     assert received == (3 * 3 * 2 + 2 * 3 * 4 if rank == 0 else 2 * 3 * 2 + 2 * 3 * 4)  # rows 0-1 / 0-2 fetched
 
 
+def _other_layers(rank: int, world: int, url: str) -> None:
+    """Workers whose copies came in different orders reach different layers of the same
+    sizes at one exchange: an ExchangeError on both, not values of the wrong layer."""
+    import lazyload
+    from lazyload.integrations.tp_share import Peers, exchange, plan_shared
+
+    stored = {f"model.layers.{k}.w": torch.full((2, 4), float(k)) for k in range(2)}
+    boxes = [[(name, ((0, 2), (2 * r, 2 * r + 2))) for name in stored] for r in range(world)]
+    shared = plan_shared(boxes, lambda name: stored[name].shape)
+    mine = shared[f"model.layers.{rank}.w"]  # rank 0 at layer 0, rank 1 at layer 1
+    fetched = {mine.name: stored[mine.name][rank:rank + 1]}
+    peers = Peers(dist.new_group(backend="gloo"), rank, world, TIMEOUT)
+    with pytest.raises(lazyload.ExchangeError, match=f"TP rank {1 - rank} sent another layer than 'model.layers.{rank}'"):
+        exchange(peers, [mine], fetched, lambda name: torch.float32, lambda *args: None)
+
+
 def _dies(rank: int, world: int, url: str) -> None:
     import lazyload
     import lazyload.integrations.reads as reads_module
@@ -121,7 +137,7 @@ def _worker(rank, world, init_file, url, errors):
     os.environ["LAZYLOAD_PROGRESS"] = "0"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    for case in (_shares, _mixed_dtypes, _dies):
+    for case in (_shares, _mixed_dtypes, _other_layers, _dies):
         try:
             case(rank, world, url)
             if case is not _dies:

@@ -16,12 +16,14 @@ Local files keep their own reads: the page cache is already shared between the w
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..agreement import bounded_collectives, wait_all
+from ..errors import ExchangeError
 from ..expr import box_numel, box_shape
 from ..index import natural_key
 from ..schedule import layer_of
@@ -142,20 +144,21 @@ def exchange(peers: Peers, layer: list[SharedTensor], fetched: dict[str, torch.T
     """One all_to_all: each rank sends every other the parts of its boxes it fetched
     (`fetched`: name -> this rank's fetch box); `deliver(name, box, part, values)` puts each
     part of this rank's boxes (its own fetch's too) where its copies go. Returns the bytes
-    received from the others."""
+    received from the others. Each message starts with the layer's tag (`layer_tag`): a
+    worker that reached another layer is an ExchangeError, never values put in the wrong place."""
     import torch.distributed as dist
 
-    me = peers.rank
+    me, tag = peers.rank, layer_tag(layer)
     for tensor, box, part in pieces(layer, me, me):
         deliver(tensor.name, box, part, fetched[tensor.name][within(part, tensor.fetch[me])])
     sends, send_sizes, recv_sizes = [], [], []
     for other in range(peers.world):
-        out = [] if other == me else [fetched[t.name][within(part, t.fetch[me])].reshape(-1).view(torch.uint8)
-                                      for t, _, part in pieces(layer, me, other)]
+        out = [] if other == me else [tag] + [fetched[t.name][within(part, t.fetch[me])].reshape(-1).view(torch.uint8)
+                                              for t, _, part in pieces(layer, me, other)]
         sends += out
         send_sizes.append(sum(p.numel() for p in out))
-        recv_sizes.append(0 if other == me else sum(box_numel(part) * dtype_of(t.name).itemsize
-                                                    for t, _, part in pieces(layer, other, me)))
+        recv_sizes.append(0 if other == me else tag.numel() + sum(box_numel(part) * dtype_of(t.name).itemsize
+                                                                  for t, _, part in pieces(layer, other, me)))
     send = torch.cat([p.contiguous() for p in sends]) if sends else torch.empty(0, dtype=torch.uint8)
     received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
     with bounded_collectives(peers.timeout):
@@ -167,6 +170,12 @@ def exchange(peers: Peers, layer: list[SharedTensor], fetched: dict[str, torch.T
     for other in range(peers.world):
         if other == me:
             continue
+        if not torch.equal(received[offset:offset + tag.numel()], tag):
+            raise ExchangeError(f"TP rank {me}: TP rank {other} sent another layer than "
+                                f"{layer_of(layer[0].name) or '(outside layers)'!r} in the exchange of the row-parallel "
+                                "tensors: the workers' copies came in different orders. Load with "
+                                "model_loader_extra_config {'cooperative': False} and report it.")
+        offset += tag.numel()
         for tensor, box, part in pieces(layer, other, me):
             dtype = dtype_of(tensor.name)
             n = box_numel(part) * dtype.itemsize
@@ -174,4 +183,10 @@ def exchange(peers: Peers, layer: list[SharedTensor], fetched: dict[str, torch.T
             chunk = chunk if offset % dtype.itemsize == 0 else chunk.clone()  # a dtype's view needs its alignment
             deliver(tensor.name, box, part, chunk.view(dtype).view(box_shape(part)))
             offset += n
-    return received.numel()
+    return received.numel() - tag.numel() * (peers.world - 1)
+
+
+def layer_tag(layer: list[SharedTensor]) -> torch.Tensor:
+    """8 bytes naming the layer's shared tensors (a CRC of their names)."""
+    crc = zlib.crc32("\n".join(t.name for t in layer).encode())
+    return torch.tensor([crc], dtype=torch.int64).view(torch.uint8)
