@@ -288,9 +288,10 @@ class WeightSync:
             return None
         self._copies = copies_of(self.pieces)  # computed once: `_cut_at` and `choose_copies` ask it
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
-            self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes,
-                                                                   self._cut_at)
-            return requests_of(self.items, self.pieces, budget)
+            self.items, self._box_dests, budget, self._wires = self.target.plan(self.index,
+                                                                                self._options.max_host_bytes,
+                                                                                self._cut_at)
+            return requests_of(self.items, self.pieces, budget, self._wires)
         if self.target_mesh is None:
             raise ArgumentError("WeightSync(target=...) needs target_mesh=, the server ranks' DeviceMesh (1-D, "
                                 "tensor parallel), e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)) over "
