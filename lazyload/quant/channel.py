@@ -45,11 +45,11 @@ def channel_dtype(quantization_config: Any) -> torch.dtype | None:
         return None
     config = dict(quantization_config)
     method = config.get("quant_method")
-    weights = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
-    kinds = {(w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("symmetric"), bool(w.get("dynamic")))
-             for w in weights}
-    supported = {("float", 8, "channel", True, False): torch.float8_e4m3fn,
-                 ("int", 8, "channel", True, False): torch.int8}
+    groups = list((config.get("config_groups") or {}).values())
+    kinds = {(w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("symmetric"), bool(w.get("dynamic")),
+              group.get("format") or config.get("format")) for group in groups for w in [group.get("weights") or {}]}
+    supported = {("float", 8, "channel", True, False, "float-quantized"): torch.float8_e4m3fn,
+                 ("int", 8, "channel", True, False, "int-quantized"): torch.int8}
     if method != "compressed-tensors" or len(kinds) != 1 or next(iter(kinds)) not in supported:
         raise ArgumentError(f"lazyload's weight update into a quantized engine writes compressed-tensors' per-channel "
                             f"8-bit weights (its FP8_DYNAMIC and W8A8 presets: symmetric, a scale per row); this "

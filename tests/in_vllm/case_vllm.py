@@ -235,6 +235,7 @@ def test_rl_update_equals_a_fresh_load():
     result = rl_update()
     assert [j["rank"] for j in result["joined"]] == [2, 3]
     assert len({j["plan_digest"] for j in result["joined"]}) == 1
+    assert result["reloaded_model"] == {"tokens": result["tokens"][0], "digests": result["digests"][0]}
     for step, fresh in enumerate(result["fresh"], start=1):
         assert result["digests"][step] == fresh["digests"], step
         assert result["tokens"][step] == fresh["tokens"], step
@@ -275,6 +276,8 @@ def test_rl_update_into_a_quantized_engine():
     directory = prequantized("FP8_DYNAMIC")
     result = rl_update_quantized()
     assert len({j["plan_digest"] for j in result["joined"]}) == 1
+    # the fresh loads are reloads: reloading the engine's own checkpoint gives LLM()'s load of it, bit for bit
+    assert result["reloaded_model"] == {"tokens": result["tokens"][0], "digests": result["digests"][0]}
     for step, fresh in enumerate(result["fresh"], start=1):
         assert result["digests"][step] == fresh["digests"], step
         assert result["tokens"][step] == fresh["tokens"], step

@@ -4,7 +4,8 @@ own, FSDP2) start from the same checkpoint, and after each optimizer step send e
 its boxes (`lazyload.integrations.vllm_update`). Two updates; then trainer rank 1 dies in
 the third. After each update the engine's tokens and a digest of every worker's parameters
 are taken; finally each step's weights, saved by the trainers, are loaded into the engine
-afresh (`reload_weights`) and the same taken again. One JSON line `RESULT {...}`.
+afresh (`reload_weights`) and the same taken again, and so is MODEL's (against the load's).
+One JSON line `RESULT {...}`.
 
     python tests/in_vllm/rl_update_run.py MODEL OUT --tp 2 --timeout 20
     python tests/in_vllm/rl_update_run.py MODEL-FP8 OUT --trainer-model MODEL --scheme FP8_DYNAMIC
@@ -179,6 +180,10 @@ def main() -> None:
                                            step_checkpoint(args.out, step, args.scheme), args.scheme)
             llm.collective_rpc("reload_weights", kwargs={"weights_path": step_checkpoint(args.out, step, args.scheme)})
             result["fresh"].append({"tokens": generate(llm), "digests": llm.collective_rpc(parameters_digest)})
+        # MODEL reloaded likewise: against `LLM()`'s load of it (the first digests), that such a
+        # reload is a fresh load
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": args.model})
+        result["reloaded_model"] = {"tokens": generate(llm), "digests": llm.collective_rpc(parameters_digest)}
     finally:
         for _ in trainers:
             go.put(None)
