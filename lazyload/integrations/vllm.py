@@ -61,7 +61,7 @@ from ..index import natural_key
 from .lazy_tensor import LazyTensor
 from .reads import BoxReads, ReadOptions
 from .tp_share import Peers
-from .vllm_update import LOADED_BOXES, register_transfer_engine
+from .vllm_update import LOADED_BOXES, LOADED_QUANTIZATION, register_transfer_engine
 
 FORMAT = "lazyload"
 
@@ -204,6 +204,12 @@ def checkpoint_of(model_config: Any, config: LoaderConfig) -> StoredCheckpoint:
                             remote=config.remote, iteration=config.iteration)
 
 
+def quantization_config(model_config: Any) -> dict:
+    """The checkpoint's `quantization_config` as a dict ({} when not quantized)."""
+    config = getattr(model_config.hf_config, "quantization_config", None) or {}
+    return config if isinstance(config, dict) else config.to_dict()
+
+
 def lazy_weights(reads: BoxReads) -> Generator[tuple[str, LazyTensor], None, None]:
     """Every checkpoint tensor, in layer order, as a lazy tensor whose copies go to `reads`."""
     for name in reads.checkpoint.index.natural_names():
@@ -289,6 +295,8 @@ def loader_class() -> type:
                 loaded = model.load_weights(lazy_weights(load.reads))
                 load.reads.run()
             LOADED_BOXES[:] = sorted(load.reads.asked, key=lambda pair: (natural_key(pair[0]), pair[1]))
+            LOADED_QUANTIZATION.clear()
+            LOADED_QUANTIZATION.update(quantization_config(model_config))
             self.last_report = load.report()
             if model_config.quantization is None and loaded is not None:
                 self.track_weights_loading(model, loaded, quantized=False)

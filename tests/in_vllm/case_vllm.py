@@ -102,14 +102,15 @@ def replicated(name: str, config: dict, tp: int) -> bool:
     return (".k_proj." in name or ".v_proj." in name) and config["num_key_value_heads"] < tp
 
 
-def share(directory: Path, tp: int, whole=replicated) -> int:
-    """The tensor bytes each of `tp` ranks holds, from the headers and the rule `whole` (above)."""
+def share(directory: Path, tp: int, whole=replicated, counted=lambda name: True) -> int:
+    """The tensor bytes each of `tp` ranks holds, from the headers and the rule `whole`
+    (above), of the tensors `counted` names."""
     config = json.loads((directory / "config.json").read_text())
     total = 0
     for path in shard_files(directory):
         _, header = read_header(path)
         for name, entry in header.items():
-            if name == "__metadata__":
+            if name == "__metadata__" or not counted(name):
                 continue
             nbytes = entry["data_offsets"][1] - entry["data_offsets"][0]
             total += nbytes if whole(name, config, tp) else nbytes // tp
@@ -204,10 +205,23 @@ def rl_update() -> dict:
     trainer ranks starting from A, two updates, a third in which trainer rank 1 dies, then
     each step's saved weights loaded afresh."""
     a, _ = checkpoints("llama")
-    out = ROOT / "rl-steps"
+    return run_rl_update(a, ROOT / "rl-steps")
+
+
+@lru_cache(maxsize=None)
+def rl_update_quantized() -> dict:
+    """rl_update_run.py into a TP-2 engine serving compressed-tensors' FP8_DYNAMIC of Llama's
+    checkpoint A (`prequantized`), the trainers starting from A in float32; each step's fresh
+    load is of the FP8 checkpoint compressed-tensors writes from the trainer's weights."""
+    a, _ = checkpoints("llama")
+    return run_rl_update(prequantized("FP8_DYNAMIC"), ROOT / "rl-steps-fp8", "--trainer-model", str(a),
+                         "--scheme", "FP8_DYNAMIC")
+
+
+def run_rl_update(model: Path, out: Path, *options: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(HERE / "rl_update_run.py"), str(a), str(out), "--tp", "2",
-               "--timeout", str(RL_TIMEOUT)]
+    command = [sys.executable, str(HERE / "rl_update_run.py"), str(model), str(out), "--tp", "2",
+               "--timeout", str(RL_TIMEOUT), *options]
     returncode, output = run_process(command)
     results = [line for line in output.splitlines() if line.startswith("RESULT ")]
     assert returncode == 0 and results, f"{' '.join(command)} failed ({returncode}):\n{output[-6000:]}"
@@ -221,6 +235,7 @@ def test_rl_update_equals_a_fresh_load():
     result = rl_update()
     assert [j["rank"] for j in result["joined"]] == [2, 3]
     assert len({j["plan_digest"] for j in result["joined"]}) == 1
+    assert result["reloaded_model"] == {"tokens": result["tokens"][0], "digests": result["digests"][0]}
     for step, fresh in enumerate(result["fresh"], start=1):
         assert result["digests"][step] == fresh["digests"], step
         assert result["tokens"][step] == fresh["tokens"], step
@@ -248,6 +263,32 @@ def test_rl_update_trainer_dies():
     assert result["failed_after"] < 4 * RL_TIMEOUT  # bounded by the timeout, not a hang (generous: 2 busy cores)
     assert result["trainer_failed"][:2] == [0, 3] and "rank 1" in result["trainer_failed"][2]
     assert result["after_failure"] == {"tokens": result["tokens"][-1], "digests": result["digests"][-1]}
+
+
+def test_rl_update_into_a_quantized_engine():
+    """A TP-2 engine serving a compressed-tensors FP8_DYNAMIC checkpoint, updated from float32
+    FSDP2 trainers: after each of two updates (an optimizer step between) every worker's
+    parameters are bit-equal to a fresh load (vLLM's reload_weights) of the FP8 checkpoint
+    compressed-tensors writes from the trainer's weights, and the tokens are that load's.
+    Each worker received exactly its share of that checkpoint, as a lazyload load reads it
+    (`replicated_quantized`): its FP8 boxes and their rows' float32 scales quantized by the
+    trainers (`quantized_on_wire`), the rest as stored; the trainers sent no more."""
+    directory = prequantized("FP8_DYNAMIC")
+    result = rl_update_quantized()
+    assert len({j["plan_digest"] for j in result["joined"]}) == 1
+    # the fresh loads are reloads: reloading the engine's own checkpoint gives LLM()'s load of it, bit for bit
+    assert result["reloaded_model"] == {"tokens": result["tokens"][0], "digests": result["digests"][0]}
+    for step, fresh in enumerate(result["fresh"], start=1):
+        assert result["digests"][step] == fresh["digests"], step
+        assert result["tokens"][step] == fresh["tokens"], step
+        assert result["digests"][step] != result["digests"][step - 1], step  # not vacuous: the weights moved
+    quantized = share(directory, 2, replicated_quantized, counted=lambda name: "_proj." in name)
+    assert 0 < quantized < share(directory, 2, replicated_quantized)
+    for update in result["updates"]:
+        assert [w["bytes_received"] for w in update] == [share(directory, 2, replicated_quantized)] * 2
+        assert [w["quantized_on_wire"] for w in update] == [quantized] * 2
+        assert all(w["fallbacks"] == [] and w["bytes_sent"] == 0 for w in update)
+    assert sum(sent for _, _, sent in result["trainers"]) == 2 * share(directory, 2, replicated_quantized)
 
 
 def test_the_readme_rl_update_script_runs(tmp_path):
