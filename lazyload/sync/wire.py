@@ -157,17 +157,52 @@ class AssembledDest:
         return self.dest.tensors(name)
 
 
-def with_assembled(dests: dict, plan, items: list) -> dict:
-    """`dests` with each quantized target whose boxes cut its groups (`_whole_groups`) behind
-    an `AssembledDest` (not a conversion's: it quantizes its whole result already)."""
+def cut_items(plan, items: list) -> dict[str, list[int]]:
+    """Each quantized target whose boxes cut its groups (`_whole_groups`) -> the positions of
+    those items (not a conversion's: it quantizes its whole result already)."""
     local = {t.name: t.local_shape for t in plan.targets}
-    cut: dict[str, int] = {}
-    for item in items:
+    cut: dict[str, list[int]] = {}
+    for position, item in enumerate(items):
         grid = plan.quantized.get(item.target)
-        if (grid is not None and not grid.keep and not grid.packed and isinstance(dests[item.target], QuantizedDest)
+        if (grid is not None and not grid.keep and not grid.packed
+                and not isinstance(plan.mapping.exprs.get(item.target), Whole)
                 and not _whole_groups(item.dst_box, local[item.target], grid)):
-            cut[item.target] = cut.get(item.target, 0) + 1
-    return {**dests, **{name: AssembledDest(dests[name], local[name], n) for name, n in cut.items()}}
+            cut.setdefault(item.target, []).append(position)
+    return cut
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """An `AssembledDest`'s float32 scratch in host memory: `nbytes`, alive from the item at
+    position `first` (its target's first cut box) to the one at `last` (its last)."""
+
+    target: str
+    nbytes: int
+    first: int
+    last: int
+
+
+def host_scratch(plan, items: list) -> list[Scratch]:
+    """The scratch each `AssembledDest` of the plan holds in host memory (none on a GPU
+    target: its scratch is on the device), with the items it lives across."""
+    if plan.device.type != "cpu":
+        return []
+    local = {t.name: t.local_shape for t in plan.targets}
+    return [Scratch(name, box_numel(full_box(local[name])) * torch.float32.itemsize, positions[0], positions[-1])
+            for name, positions in cut_items(plan, items).items()]
+
+
+def most_scratch(scratch: list[Scratch]) -> int:
+    """The most bytes of scratch alive at once (at any item)."""
+    return max((sum(s.nbytes for s in scratch if s.first <= other.first <= s.last) for other in scratch), default=0)
+
+
+def with_assembled(dests: dict, plan, items: list) -> dict:
+    """`dests` with each quantized target whose boxes cut its groups (`cut_items`) behind an
+    `AssembledDest`."""
+    local = {t.name: t.local_shape for t in plan.targets}
+    return {**dests, **{name: AssembledDest(dests[name], local[name], len(positions))
+                        for name, positions in cut_items(plan, items).items()}}
 
 
 def wire_bytes(kind: torch.dtype | QuantizedWire, box: Box) -> int:
