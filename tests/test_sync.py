@@ -1148,7 +1148,8 @@ def test_copies_chosen_per_target():
         """The requests of target `tp` of a TP-`world` server, the copies as the planner picks them."""
         rows = (8 // world * tp, 8 // world * (tp + 1))
         keys = [k for name in names for k in index.for_rank(tp, world).expr(name).keys()]
-        return [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box]), 4) for k in keys
+        return [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box]), torch.float32)
+                for k in keys
                 if pieces[k].name == "norm" or rows[0] <= pieces[k].held.box[0][0] < rows[1]]
 
     def sources(requests):
@@ -1383,10 +1384,11 @@ def test_steps_within_every_budget():
         slots = source_slots(needs, budget)
         assert all(sum(s.budget(step) for s in slots.values()) <= budget for step in range(2 * len(needs)))
         assert all(max(s.budget(step) for step in range(len(needs))) >= needs[t] for t, s in slots.items())
-    tight = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), 2), Request(0, 0, "b@0.0", ((0, 1),), 4)], {0: Slot(10)})
+    tight = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), torch.bfloat16),
+                          Request(0, 0, "b@0.0", ((0, 1),), torch.float32)], {0: Slot(10)})
     assert [r.step for r in tight] == [0, 1]
     with pytest.raises(lazyload.PlanError, match="exceeds rank 0's step budget"):
-        own_steps(2, [Request(0, 0, "c@0.0", ((0, 100),), 4)], {0: Slot(200)})
+        own_steps(2, [Request(0, 0, "c@0.0", ((0, 100),), torch.float32)], {0: Slot(200)})
 
 
 def stepped_at(stepped: dict, step: int) -> list:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import PlanError
-from ..expr import Box, box_numel, box_shape
+from ..expr import Box, box_shape
 from ..schedule import layer_of
 from .source_index import Piece
 from .wire import QuantizedWire, Scratch, wire_bytes
@@ -36,12 +36,17 @@ class Request:
     source: int
     key: str
     box: Box
-    itemsize: int  # of its dtype on the wire: the stored key's, or `wire` (quantized: its alignment)
+    dtype: torch.dtype  # the stored key's
     wire: torch.dtype | QuantizedWire | None = None
 
     @property
+    def itemsize(self) -> int:
+        """Of its dtype on the wire: the stored key's, or `wire`'s (quantized: its alignment)."""
+        return (self.wire or self.dtype).itemsize
+
+    @property
     def nbytes(self) -> int:
-        return self.wire.nbytes(self.box) if isinstance(self.wire, QuantizedWire) else box_numel(self.box) * self.itemsize
+        return wire_bytes(self.wire or self.dtype, self.box)
 
 
 def requests_of(items: list, pieces: dict[str, Piece], budget: int,
@@ -62,16 +67,16 @@ def requests_of(items: list, pieces: dict[str, Piece], budget: int,
         for s in starts.get(position, ()):
             alive[s.target] = in_window[s.target] = s
         wire = (wires or {}).get(position)
-        source, itemsize = pieces[item.entry.key].rank, (wire or item.entry.dtype).itemsize
-        nbytes = wire_bytes(wire or item.entry.dtype, item.src_box)
-        grow = packed_growth(ends.get(source, 0), nbytes, itemsize)
+        request = Request(0, pieces[item.entry.key].rank, item.entry.key, item.src_box, item.entry.dtype, wire)
+        source, nbytes = request.source, request.nbytes
+        grow = packed_growth(ends.get(source, 0), nbytes, request.itemsize)
         if held and held + grow + _bytes(in_window) > budget:
             window, held, ends, grow, in_window = window + 1, 0, {}, nbytes, dict(alive)
         if in_window and nbytes + _bytes(in_window) > budget:
             raise _scratch_error(item, nbytes, budget, in_window)
         held += grow
         ends[source] = ends.get(source, 0) + grow
-        out.append(Request(window, source, item.entry.key, item.src_box, itemsize, wire))
+        out.append(replace(request, step=window))
         alive = {t: s for t, s in alive.items() if s.last != position}
     return out
 
