@@ -132,6 +132,7 @@ def main() -> None:
     checkpoint_bytes = sum(os.path.getsize(p) for p in shard_files(path))
     tensors = tensors_of(path)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(args.tp)))
+    from rl_update_run import stop_trainers  # after the bind above: importing it sets the test's vLLM defaults
     llm = LLM(model=path, load_format="lazyload", tensor_parallel_size=args.tp, enforce_eager=True,
               skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
               distributed_executor_backend="mp" if args.tp > 1 else None,
@@ -161,12 +162,7 @@ def main() -> None:
             rows[way].append((seconds, max(s[2] for s in sides), [r["bytes_received"] for r in replies],
                               sum(s[3] for s in sides), max(r["reload_seconds"] for r in replies)))
     finally:
-        for _ in trainers:
-            go.put(None)
-        for process in trainers:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
+        stop_trainers(trainers, go, 60)
     print(f"checkpoint {path}: {checkpoint_bytes / 2**20:.0f} MiB; TP {args.tp}; {TRAINERS} FSDP2 trainer ranks; "
           f"{args.updates} updates each way, alternating; {os.cpu_count()} CPUs\n")
     print("| update | engine-side s (median) | of which vLLM's reload s | trainer-side s (median) | MiB received "

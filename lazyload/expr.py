@@ -38,6 +38,12 @@ def box_within(box: Box, shape: Sequence[int]) -> bool:
     return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))
 
 
+def groups_of(box: Box, sizes: Sequence[int]) -> Box:
+    """The box, in the grid of groups of `sizes[d]` elements along each dim d (a scale grid,
+    FP8 blocks), of the groups `box` starts and ends in and all between."""
+    return tuple((a // size, -(-b // size)) for (a, b), size in zip(box, sizes))
+
+
 def box_numel(box: Box) -> int:
     n = 1
     for start, stop in box:  # no shape tuple built: asked for every read item of a plan
@@ -325,7 +331,7 @@ class Dequant(Expr):
         if math.prod(scale_shape) == 1:  # one scale for the whole weight
             scale_box = full_box(scale_shape)
         else:  # the blocks the box starts and ends in, and all between
-            scale_box = tuple((a // b, (z - 1) // b + 1) for (a, z), b in zip(box, self.block))
+            scale_box = groups_of(box, self.block)
         return [Piece(self.weight, box, (), box, ScaleRef(self.scale, scale_box, self.zero, self.block))]
 
     def layout(self, shape_of):

@@ -76,15 +76,16 @@ def _cpu_only() -> None:
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
 
 
-def _gpt_model(kind: str, tp: int, ep: int = 1, pp: int = 1):
-    """A Megatron GPTModel of `kind` at TP `tp` (a MoE one at EP `ep`: whole experts per rank),
-    this rank's pipeline stage of `pp`."""
+def _gpt_model(kind: str, tp: int, ep: int = 1, pp: int = 1, etp: int = 1):
+    """A Megatron GPTModel of `kind` at TP `tp` (a MoE one at EP `ep`: whole experts per rank,
+    each split over `etp` ranks, expert tensor parallel), this rank's pipeline stage of `pp`."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    options = dict(_MEGATRON[kind], expert_model_parallel_size=ep) if kind != "llama" else {}
+    options = dict(_MEGATRON[kind], expert_model_parallel_size=ep, expert_tensor_parallel_size=etp) \
+        if kind != "llama" else {}
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=GROUPS, ffn_hidden_size=FFN, use_cpu_initialization=True,
                                normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,

@@ -418,13 +418,17 @@ class StandInNCCL:
     def abort(self) -> None:
         """What is pending ends (failed): a gloo wait that expires closes every pair of its
         group, and the waits stuck on them raise; the peers' too (NCCL's abort is local: a
-        peer's kernels wait until it aborts its own, as every rank of a failed sync does)."""
+        peer's kernels wait until it aborts its own, as every rank of a failed sync does).
+        A receive from a peer that closed its pair already fails at once without closing
+        the others, so each peer is tried until one wait expires."""
         from datetime import timedelta
 
         self.aborted = True
-        if self.gloo is not None and self.size > 1:
+        for peer in range(self.size) if self.gloo is not None else ():
+            if peer == self.me:
+                continue
             try:
-                self.gloo.recv([torch.zeros(1)], (self.me + 1) % self.size, 1 << 30).wait(timedelta(milliseconds=1))
+                self.gloo.recv([torch.zeros(1)], peer, 1 << 30).wait(timedelta(milliseconds=1))
             except RuntimeError:
                 pass
 
@@ -957,6 +961,38 @@ def test_the_nccl_stand_in_pairs_by_order_waits_on_the_stream_and_aborts():
     assert completed(waiting) and stuck.exception() is not None
     for comm in comms:
         comm.abort()
+    for gpu in gpus:
+        gpu.synchronize()
+        gpu.close()
+        assert gpu.problems == []
+
+
+def test_the_nccl_stand_in_abort_ends_what_is_pending_whichever_peer_aborted_first():
+    """A communicator's abort ends a receive pending on it, as NCCL's does, even when the peer
+    its abort probes first has aborted already (their pair closed from that side; the
+    receive waits on another pair): three ranks, rank 0 waiting for rank 2, rank 1 aborts
+    first. (The stand-in's abort closed its pairs only when its one timed receive, from the
+    next rank, timed out: rank 0's ended at once on the closed pair, and its receive from
+    rank 2 waited gloo's whole timeout, holding the caller's stream, and a retry's first
+    collective behind it: test_sync's nccl-retry case, when its ranks aborted in that order.)"""
+    import torch.distributed as dist
+
+    gpus = [StandInGPU(delay_chance=0) for _ in range(3)]
+    store = dist.HashStore()
+    comms = [StandInNCCL(gpu, store, rank, 3) for rank, gpu in enumerate(gpus)]
+    setup = [threading.Thread(target=comm.allreduce, args=([torch.ones(1)],)) for comm in comms]
+    for thread in setup:
+        thread.start()
+    for thread in setup:
+        thread.join(WAIT)
+    comms[0]._start_coalescing()
+    comms[0].recv([torch.zeros(3)], 2, 0)
+    stuck = comms[0]._end_coalescing()
+    comms[1].abort()
+    time.sleep(0.5)  # rank 0 sees its pair with rank 1 closed
+    comms[0].abort()
+    assert stuck.mark.reached.wait(10) and stuck.exception() is not None
+    comms[2].abort()
     for gpu in gpus:
         gpu.synchronize()
         gpu.close()

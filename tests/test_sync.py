@@ -584,6 +584,65 @@ def _blocks_cut(rank, world):
     dist.barrier()
     if rank == 0:
         shutil.rmtree(directory[0])
+    _scratch_in_budget(trainer, server, mesh, plan, quantize)
+
+
+def _scratch_in_budget(trainer, server, mesh, plan, quantize):
+    """The float32 scratch a server rank assembles layer 0's cut blocks in (384 x 128: 196,608
+    bytes) counts in its max_host_bytes: beside one of its 98,304-byte boxes it needs
+    294,912, so 200,000 is a PlanError naming the tensor on the server ranks (the trainers:
+    RankFailedError), and under 300,000 no step holds more than that of messages and
+    scratch together (without counting it, one step held all three boxes beside it)."""
+    import lazyload
+
+    def sync(budget):
+        return lazyload.WeightSync(source=trainer, target=server, target_mesh=mesh if server is not None else None,
+                                   plan=plan, quantize=quantize, rank_timeout=60, max_host_bytes=budget)
+    with pytest.raises(lazyload.LazyLoadError) as caught:
+        sync(200_000)
+    if server is not None:
+        assert isinstance(caught.value, lazyload.PlanError), caught.value
+        assert "'0.weight' (196608 bytes)" in str(caught.value) and "at least 294912" in str(caught.value)
+    else:
+        assert isinstance(caught.value, lazyload.RankFailedError) and sorted(caught.value.ranks) == [2, 3]
+    bounded = sync(300_000)
+    with pytest.MonkeyPatch.context() as patch:
+        peaks = _host_peaks(patch)
+        bounded()
+    if server is not None:
+        assert 196_608 < max(peaks) <= 300_000, peaks
+
+
+def _host_peaks(patch) -> list[int]:
+    """Patched in: per step of a sync on this rank, the bytes of the messages it allocated
+    plus the most float32 scratch (`wire.AssembledDest`'s) alive at once during the step."""
+    import lazyload.sync.transfer as transfer
+    import lazyload.sync.wire as wire
+
+    peaks, now, live = [], {"messages": 0, "scratch": 0}, {}
+    step, buffer, place = transfer._step, transfer.message_buffer, wire.AssembledDest.place
+
+    def counted_step(routes, ends, moved, k):
+        now.update(messages=0, scratch=sum(live.values()))
+        step(routes, ends, moved, k)
+        peaks.append(now["messages"] + now["scratch"])
+
+    def counted_buffer(nbytes, ends):
+        now["messages"] += nbytes
+        return buffer(nbytes, ends)
+
+    def counted_place(self, item, source):
+        left = self._left
+        place(self, item, source)
+        if self._left != left:  # a cut box, landed in the scratch (dropped after the last)
+            live[id(self)] = math.prod(self.shape) * 4
+            now["scratch"] = max(now["scratch"], sum(live.values()))
+            if not self._left:
+                del live[id(self)]
+    patch.setattr(transfer, "_step", counted_step)
+    patch.setattr(transfer, "message_buffer", counted_buffer)
+    patch.setattr(wire.AssembledDest, "place", counted_place)
+    return peaks
 
 
 def _renamed_state_dict(rank, world):
@@ -1155,7 +1214,8 @@ def test_copies_chosen_per_target():
         """The requests of target `tp` of a TP-`world` server, the copies as the planner picks them."""
         rows = (8 // world * tp, 8 // world * (tp + 1))
         keys = [k for name in names for k in index.for_rank(tp, world).expr(name).keys()]
-        return [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box]), 4) for k in keys
+        return [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box]), torch.float32)
+                for k in keys
                 if pieces[k].name == "norm" or rows[0] <= pieces[k].held.box[0][0] < rows[1]]
 
     def sources(requests):
@@ -1390,10 +1450,11 @@ def test_steps_within_every_budget():
         slots = source_slots(needs, budget)
         assert all(sum(s.budget(step) for s in slots.values()) <= budget for step in range(2 * len(needs)))
         assert all(max(s.budget(step) for step in range(len(needs))) >= needs[t] for t, s in slots.items())
-    tight = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), 2), Request(0, 0, "b@0.0", ((0, 1),), 4)], {0: Slot(10)})
+    tight = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), torch.bfloat16),
+                          Request(0, 0, "b@0.0", ((0, 1),), torch.float32)], {0: Slot(10)})
     assert [r.step for r in tight] == [0, 1]
     with pytest.raises(lazyload.PlanError, match="exceeds rank 0's step budget"):
-        own_steps(2, [Request(0, 0, "c@0.0", ((0, 100),), 4)], {0: Slot(200)})
+        own_steps(2, [Request(0, 0, "c@0.0", ((0, 100),), torch.float32)], {0: Slot(200)})
 
 
 def stepped_at(stepped: dict, step: int) -> list:

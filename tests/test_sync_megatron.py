@@ -10,7 +10,9 @@ experts, one parameter each, under the expert axis) at TP 2 x EP 2 and at TP 2 x
 (every expert on both trainer ranks) syncs likewise into a transformers Qwen3-MoE at TP 2,
 its experts cut per expert (TP) or whole per rank (the default plan); a Qwen2-MoE (a gated
 shared expert, its second layer dense: Megatron describes each layer under its own number,
-the experts with the expert axis alone) at TP 2 x EP 2 into the default plan."""
+the experts with the expert axis alone) at TP 2 x EP 2 into the default plan. At expert TP 2
+(EP 1) each trainer rank holds half of every expert (fc1's gate and up rows, fc2's columns),
+synced into both plans."""
 from __future__ import annotations
 
 import argparse
@@ -146,23 +148,25 @@ def _check_against_load_into(server, report, iteration: str, mesh, kind: str, pl
 
 
 def _megatron_into_tp2(case, rank, world):
-    """The trainer Megatron TP `tp` x PP `pp` x EP `ep` (stages in order over ranks 0-1), the
-    server a transformers model of `kind` at TP 2 on ranks 2-3, its experts split by `plan`."""
+    """The trainer Megatron TP `tp` x PP `pp` x EP `ep` (stages in order over ranks 0-1; each
+    expert over `etp` ranks), the server a transformers model of `kind` at TP 2 on ranks 2-3,
+    its experts split by `plan`."""
     import lazyload
     from megatron.core import parallel_state
     from torch.distributed.device_mesh import init_device_mesh
 
     from megatron_dist_checkpoints import _cpu_only, _gpt_model
 
-    directory, kind, tp, pp, ep, plan = case
+    directory, kind, tp, pp, ep, plan, *etp = case
+    etp = etp[0] if etp else 1
     _cpu_only()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep, order="tp-cp-ep-pp-dp",
-                                             expert_tensor_parallel_size=1 if kind != "llama" else None)
+                                             expert_tensor_parallel_size=etp if kind != "llama" else None)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = server = None
     if rank < 2:
-        trainer = _gpt_model(kind, tp, ep, pp=pp)
+        trainer = _gpt_model(kind, tp, ep, pp=pp, etp=etp)
         _perturb(trainer, 1)
     else:
         server = _server(kind)
@@ -184,7 +188,28 @@ def _megatron_into_tp2(case, rank, world):
     elif trainer is not None and (kind == "llama" or ep == 2):  # the dense TP 2 model's, the MoE one's at EP 2
         _described_twice_is_refused(trainer, kind)
         _unsyncable_shards_are_refused()
+    elif trainer is not None and etp > 1:
+        _experts_split(trainer, etp)
     parallel_state.destroy_model_parallel()
+
+
+def _experts_split(trainer, etp: int) -> None:
+    """At expert TP `etp`, this trainer rank held its part of every expert: fc2 its block of
+    input columns, fc1 its block of gate rows and of up rows (two boxes of [all gate; all up])."""
+    from megatron.core import parallel_state
+
+    from lazyload.sync.megatron_source import megatron_tensors
+    from megatron_dist_checkpoints import EXPERT_FFN, EXPERTS
+
+    part, tensors = parallel_state.get_expert_tensor_parallel_rank(), megatron_tensors(trainer)
+    width = EXPERT_FFN // etp
+    for layer in range(2):
+        fc1, fc2 = (tensors[f"decoder.layers.{layer}.mlp.experts.experts.{n}.weight"]
+                    for n in ("linear_fc1", "linear_fc2"))
+        assert sorted(box[2] for box, _, _ in fc2.held) == [(part * width, (part + 1) * width)] * EXPERTS
+        rows = sorted(box[1] for box, _, _ in fc1.held)
+        assert rows == [(part * width, (part + 1) * width)] * EXPERTS + [
+            (EXPERT_FFN + part * width, EXPERT_FFN + (part + 1) * width)] * EXPERTS, rows
 
 
 def _run_case(case, rank, world):
@@ -196,12 +221,16 @@ def test_sync_from_a_megatron_trainer(tmp_path):
     the last: layers numbered globally), into a TP-2 Llama; at TP 2 the trainer ranks also
     check that the shards lazyload does not sync are refused. A Qwen3-MoE at TP 2 x EP 2 into
     a TP-2 Qwen3-MoE, its experts cut per expert (TP), and at TP 2 x EP 1 into the default
-    plan (whole experts per rank); a Qwen2-MoE (layers unstacked, a shared expert) at EP 2."""
+    plan (whole experts per rank); a Qwen2-MoE (layers unstacked, a shared expert) at EP 2.
+    A Qwen3-MoE at TP 2 x expert TP 2 (each expert's rows split over both trainer ranks) into
+    both plans: its experts cut per expert, and whole per rank (each expert from both halves)."""
     from checkpoints import EXPERTS_TP
 
     cases = [(str(tmp_path / "tp2"), "llama", 2, 1, 1, None), (str(tmp_path / "pp2"), "llama", 1, 2, 1, None),
              (str(tmp_path / "moe_ep2"), "qwen3_moe", 2, 1, 2, EXPERTS_TP),
              (str(tmp_path / "moe_ep1"), "qwen3_moe", 2, 1, 1, None),
-             (str(tmp_path / "qwen2_moe"), "qwen2_moe", 2, 1, 2, None)]
+             (str(tmp_path / "qwen2_moe"), "qwen2_moe", 2, 1, 2, None),
+             (str(tmp_path / "moe_etp2"), "qwen3_moe", 2, 1, 1, EXPERTS_TP, 2),
+             (str(tmp_path / "moe_etp2_whole"), "qwen3_moe", 2, 1, 1, None, 2)]
     spawn_cases(4, cases, tmp_path, _run_case)
 

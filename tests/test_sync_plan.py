@@ -73,7 +73,8 @@ def test_copies_chosen_without_the_other_targets():
 
     index, pieces = source_index(_two_d_sources())
     keys = list(index.for_rank(0, 1).expr("norm").keys())
-    wanted = [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box]), 4) for k in keys]
+    wanted = [Request(0, pieces[k].rank, k, full_box([b - a for a, b in pieces[k].held.box]), torch.float32)
+              for k in keys]
     together = choose_copies({8: wanted, 9: wanted}, pieces)
     assert together[9] == choose_copies({9: wanted}, pieces)[9]
     assert together[8] == choose_copies({8: wanted}, pieces)[8]
@@ -92,8 +93,8 @@ def test_requests_read_are_checked_against_their_digest():
     from lazyload.errors import PlanError
     from lazyload.sync.routes import Request, Slot, Summary, addressed, own_steps, pair_digest, routes_for
 
-    wanted = [Request(0, 0, "w@0.0", ((0, 2),), 4), Request(0, 1, "w@1.0", ((0, 2),), 4),
-              Request(1, 0, "v@0.0", ((0, 3),), 4), Request(1, 2, "v@2.0", ((0, 3),), 4)]
+    wanted = [Request(0, 0, "w@0.0", ((0, 2),), torch.float32), Request(0, 1, "w@1.0", ((0, 2),), torch.float32),
+              Request(1, 0, "v@0.0", ((0, 3),), torch.float32), Request(1, 2, "v@2.0", ((0, 3),), torch.float32)]
     wanted = own_steps(2, wanted, dict.fromkeys((0, 1), Slot(16)))
     summaries = {0: None, 1: None, 2: Summary.of(wanted)}
     asked = addressed(2, wanted)
@@ -105,8 +106,9 @@ def test_requests_read_are_checked_against_their_digest():
                                                                                       1: {0: (2,)}}
     assert target.local == {1: (3,)} and source.digest == target.digest and source.steps == target.steps == 2
     # a request that waits for the next step while a later one goes now: the steps are the latest's
-    waits = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), 4), Request(0, 0, "b@0.0", ((0, 3),), 4),
-                          Request(0, 1, "c@1.0", ((0, 1),), 4)], dict.fromkeys((0, 1), Slot(12)))
+    f32 = torch.float32
+    waits = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), f32), Request(0, 0, "b@0.0", ((0, 3),), f32),
+                          Request(0, 1, "c@1.0", ((0, 1),), f32)], dict.fromkeys((0, 1), Slot(12)))
     assert [r.step for r in waits] == [0, 1, 0] and Summary.of(waits).steps == 2
     tampered = [asked[0][0], dataclasses.replace(asked[0][1], box=((0, 2),))]
     with pytest.raises(PlanError, match="rank 2's requests of it"):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
+from ..expr import groups_of
 from ..plan import REPLICATE, Placement, local_regions
 
 FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
@@ -90,7 +91,7 @@ def _in_blocks(placement: Placement, block: tuple[int, ...]) -> Placement:
     if placement.kind != "box":
         return placement
     sizes = (1,) * (len(placement.spans) - len(block)) + tuple(block)
-    return replace(placement, spans=tuple(tuple((a // size, -(-b // size)) for a, b in runs)
+    return replace(placement, spans=tuple(groups_of(runs, (size,) * len(runs))
                                           for runs, size in zip(placement.spans, sizes)))
 
 
@@ -108,7 +109,7 @@ def _splits_blocks(shape: tuple[int, ...], scale_shape: tuple[int, ...], block: 
         for (a, b), local, n, size in zip(region.global_box, region.local_start, shape, block):
             if a % size or local % size or (b % size and b != n):
                 return True
-        wanted.add((tuple((a // size, -(-b // size)) for (a, b), size in zip(region.global_box, block)),
+        wanted.add((groups_of(region.global_box, block),
                     tuple(local // size for local, size in zip(region.local_start, block))))
     return wanted != {(r.global_box, r.local_start) for r in scale_regions}
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import PlanError
-from ..expr import Box, box_numel, box_shape
+from ..expr import Box, box_shape
 from ..schedule import layer_of
 from .source_index import Piece
-from .wire import QuantizedWire, wire_bytes
+from .wire import QuantizedWire, Scratch, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -36,32 +36,62 @@ class Request:
     source: int
     key: str
     box: Box
-    itemsize: int  # of its dtype on the wire: the stored key's, or `wire` (quantized: its alignment)
+    dtype: torch.dtype  # the stored key's
     wire: torch.dtype | QuantizedWire | None = None
 
     @property
+    def itemsize(self) -> int:
+        """Of its dtype on the wire: the stored key's, or `wire`'s (quantized: its alignment)."""
+        return (self.wire or self.dtype).itemsize
+
+    @property
     def nbytes(self) -> int:
-        return self.wire.nbytes(self.box) if isinstance(self.wire, QuantizedWire) else box_numel(self.box) * self.itemsize
+        return wire_bytes(self.wire or self.dtype, self.box)
 
 
 def requests_of(items: list, pieces: dict[str, Piece], budget: int,
-                wires: dict[int, torch.dtype] | None = None) -> list[Request]:
+                wires: dict[int, torch.dtype] | None = None, scratch: list[Scratch] = ()) -> list[Request]:
     """A target rank's requests, one per read item (in `items`' order, layer by layer), their
     `step` the window they fall in: windows of at most `budget` bytes as its messages pack
-    them (a larger item alone). `own_steps` turns windows into steps. `wires`: the items
-    (by position) sent cast to a narrower dtype, or quantized (their bytes on the wire count)."""
+    them (a larger item alone), counting the host scratch alive in the window (`scratch`: a
+    quantized target assembled from boxes that cut its blocks, `wire.AssembledDest`).
+    `own_steps` turns windows into steps. `wires`: the items (by position) sent cast to a
+    narrower dtype, or quantized (their bytes on the wire count)."""
     out, window, held, ends = [], 0, 0, {}
+    starts: dict[int, list[Scratch]] = {}
+    for s in scratch:
+        starts.setdefault(s.first, []).append(s)
+    alive: dict[str, Scratch] = {}  # scratch alive at this item, and alive in this window
+    in_window: dict[str, Scratch] = {}
     for position, item in enumerate(items):
+        for s in starts.get(position, ()):
+            alive[s.target] = in_window[s.target] = s
         wire = (wires or {}).get(position)
-        source, itemsize = pieces[item.entry.key].rank, (wire or item.entry.dtype).itemsize
-        nbytes = wire_bytes(wire or item.entry.dtype, item.src_box)
-        grow = packed_growth(ends.get(source, 0), nbytes, itemsize)
-        if held and held + grow > budget:
-            window, held, ends, grow = window + 1, 0, {}, nbytes
+        request = Request(0, pieces[item.entry.key].rank, item.entry.key, item.src_box, item.entry.dtype, wire)
+        source, nbytes = request.source, request.nbytes
+        grow = packed_growth(ends.get(source, 0), nbytes, request.itemsize)
+        if held and held + grow + _bytes(in_window) > budget:
+            window, held, ends, grow, in_window = window + 1, 0, {}, nbytes, dict(alive)
+        if in_window and nbytes + _bytes(in_window) > budget:
+            raise _scratch_error(item, nbytes, budget, in_window)
         held += grow
         ends[source] = ends.get(source, 0) + grow
-        out.append(Request(window, source, item.entry.key, item.src_box, itemsize, wire))
+        out.append(replace(request, step=window))
+        alive = {t: s for t, s in alive.items() if s.last != position}
     return out
+
+
+def _bytes(scratch: dict[str, Scratch]) -> int:
+    return sum(s.nbytes for s in scratch.values())
+
+
+def _scratch_error(item, nbytes: int, budget: int, scratch: dict[str, Scratch]) -> PlanError:
+    held = ", ".join(f"{s.target!r} ({s.nbytes} bytes)" for s in scratch.values())
+    return PlanError(f"WeightSync: max_host_bytes={budget} is smaller than this rank's float32 scratch of {held} "
+                     f"plus a box of {item.target!r} ({nbytes} bytes) received beside it: the trainer's shards cut "
+                     "the scale groups or FP8 blocks of that scratch's tensor, so its boxes are assembled in full "
+                     "precision and quantized once all have landed; raise max_host_bytes to at least "
+                     f"{nbytes + _bytes(scratch)}.")
 
 
 def packed_growth(end: int, nbytes: int, itemsize: int) -> int:

@@ -36,7 +36,7 @@ from .box_target import BoxTarget
 from .peers import NcclLink, Peers
 from .split import split_plan
 from .transfer import Ends, Moved, Traffic, message_buffer, transfer, wait_on_device
-from .wire import quantize_on_wire, with_assembled
+from .wire import host_scratch, most_scratch, quantize_on_wire, with_assembled
 
 
 @dataclass(frozen=True)
@@ -313,7 +313,9 @@ class WeightSync:
         self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
         self.items = [item for group in self.load_plan.groups for item in group.items]
         self._wires = {**cast_on_wire(self.load_plan, self.items), **quantize_on_wire(self.load_plan, self.items)}
-        return requests_of(self.items, self.pieces, budget or self.load_plan.budget, self._wires)
+        scratch = host_scratch(self.load_plan, self.items)  # blocks cut by the trainer's shards, assembled here
+        return requests_of(self.items, self.pieces, budget or self.load_plan.budget + most_scratch(scratch),
+                           self._wires, scratch)
 
     def _cut_at(self, item) -> int | None:
         """The bytes an item of this target may hold in one step: this rank's budget, and

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..expr import Box, Whole, box_numel, box_shape, full_box
+from ..expr import Box, Whole, box_numel, box_shape, full_box, groups_of
 from ..placer import TensorDest
 from ..quant.channel import quantize_rows
 from ..quant.onload import Grid, QuantizedDest, scale_shape
@@ -76,10 +76,7 @@ class QuantizedWire:
 
     def _scale_box(self, box: Box) -> Box:
         """The scales of `box` (whole groups) in its tensor's scale grid (`scale_shape`)."""
-        axis, last = self.axis % len(box), len(box) - 1
-        return tuple((a // self.group, -(-b // self.group)) if d == axis
-                     else (a // self.rows, -(-b // self.rows)) if d == last - 1 and self.rows > 1 else (a, b)
-                     for d, (a, b) in enumerate(box))
+        return groups_of(box, group_sizes(self, len(box)))
 
 
 @dataclass(frozen=True)
@@ -120,12 +117,24 @@ def quantize_on_wire(plan, items: list) -> dict[int, QuantizedWire]:
     return out
 
 
+def group_sizes(grid: Grid | QuantizedWire, dims: int) -> tuple[int, ...]:
+    """The elements per scale along each of `dims` dims: `grid.group` along its input dim,
+    `grid.rows` along the rows of FP8 blocks, 1 elsewhere."""
+    axis = grid.axis % dims
+    return tuple(grid.group if d == axis else grid.rows if d == dims - 2 else 1 for d in range(dims))
+
+
+def _widened(box: Box, shape: tuple[int, ...], grid: Grid) -> Box:
+    """`box` of a local tensor of `shape` widened to whole scale groups and blocks, within it."""
+    sizes = group_sizes(grid, len(box))
+    return tuple((a * size, min(b * size, n)) for (a, b), size, n in zip(groups_of(box, sizes), sizes, shape))
+
+
 def _whole_groups(box: Box, shape: tuple[int, ...], grid: Grid) -> bool:
     """Whether `box` of a local tensor of `shape` starts on a scale group of its input dim (and
     a block's rows) and ends on one or at the tensor's end: its quantization is then that of
     the same groups of the whole tensor."""
-    dims = [(grid.axis % len(box), grid.group)] + ([(len(box) - 2, grid.rows)] if grid.rows > 1 else [])
-    return all(box[d][0] % size == 0 and (box[d][1] % size == 0 or box[d][1] == shape[d]) for d, size in dims)
+    return all(tuple(span) == whole for span, whole in zip(box, _widened(box, shape, grid)))
 
 
 class AssembledDest:
@@ -159,17 +168,9 @@ class AssembledDest:
             last = not self._left
         if last:
             for box in self._cut:
-                box = self._widened(box)
+                box = _widened(box, self.shape, self._grid)
                 self.dest.write(box, self._scratch[tuple(slice(a, b) for a, b in box)])
             self._scratch, self._cut = None, []
-
-    def _widened(self, box: Box) -> Box:
-        """`box` widened to whole groups of the input dim (and blocks' rows), within the tensor."""
-        sizes = {self._grid.axis % len(box): self._grid.group}
-        if self._grid.rows > 1:
-            sizes[len(box) - 2] = self._grid.rows
-        return tuple((a // sizes[d] * sizes[d], min(-(-b // sizes[d]) * sizes[d], self.shape[d])) if d in sizes
-                     else (a, b) for d, (a, b) in enumerate(box))
 
     def write(self, box: Box, values: torch.Tensor) -> None:
         self.dest.write(box, values)
@@ -181,17 +182,52 @@ class AssembledDest:
         return self.dest.tensors(name)
 
 
-def with_assembled(dests: dict, plan, items: list) -> dict:
-    """`dests` with each quantized target whose boxes cut its groups (`_whole_groups`) behind
-    an `AssembledDest` (not a conversion's: it quantizes its whole result already)."""
+def cut_items(plan, items: list) -> dict[str, list[int]]:
+    """Each quantized target whose boxes cut its groups (`_whole_groups`) -> the positions of
+    those items (not a conversion's: it quantizes its whole result already)."""
     local = {t.name: t.local_shape for t in plan.targets}
-    cut: dict[str, int] = {}
-    for item in items:
+    cut: dict[str, list[int]] = {}
+    for position, item in enumerate(items):
         grid = plan.quantized.get(item.target)
-        if (grid is not None and not grid.keep and not grid.packed and isinstance(dests[item.target], QuantizedDest)
+        if (grid is not None and not grid.keep and not grid.packed
+                and not isinstance(plan.mapping.exprs.get(item.target), Whole)
                 and not _whole_groups(item.dst_box, local[item.target], grid)):
-            cut[item.target] = cut.get(item.target, 0) + 1
-    return {**dests, **{name: AssembledDest(dests[name], local[name], n) for name, n in cut.items()}}
+            cut.setdefault(item.target, []).append(position)
+    return cut
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """An `AssembledDest`'s float32 scratch in host memory: `nbytes`, alive from the item at
+    position `first` (its target's first cut box) to the one at `last` (its last)."""
+
+    target: str
+    nbytes: int
+    first: int
+    last: int
+
+
+def host_scratch(plan, items: list) -> list[Scratch]:
+    """The scratch each `AssembledDest` of the plan holds in host memory (none on a GPU
+    target: its scratch is on the device), with the items it lives across."""
+    if plan.device.type != "cpu":
+        return []
+    local = {t.name: t.local_shape for t in plan.targets}
+    return [Scratch(name, box_numel(full_box(local[name])) * torch.float32.itemsize, positions[0], positions[-1])
+            for name, positions in cut_items(plan, items).items()]
+
+
+def most_scratch(scratch: list[Scratch]) -> int:
+    """The most bytes of scratch alive at once (at any item)."""
+    return max((sum(s.nbytes for s in scratch if s.first <= other.first <= s.last) for other in scratch), default=0)
+
+
+def with_assembled(dests: dict, plan, items: list) -> dict:
+    """`dests` with each quantized target whose boxes cut its groups (`cut_items`) behind an
+    `AssembledDest`."""
+    local = {t.name: t.local_shape for t in plan.targets}
+    return {**dests, **{name: AssembledDest(dests[name], local[name], len(positions))
+                        for name, positions in cut_items(plan, items).items()}}
 
 
 def wire_bytes(kind: torch.dtype | QuantizedWire, box: Box) -> int:

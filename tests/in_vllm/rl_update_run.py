@@ -185,13 +185,19 @@ def main() -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": args.model})
         result["reloaded_model"] = {"tokens": generate(llm), "digests": llm.collective_rpc(parameters_digest)}
     finally:
-        for _ in trainers:
-            go.put(None)
-        for process in trainers:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+        stop_trainers(trainers, go, 30)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def stop_trainers(trainers: list, go, timeout: float) -> None:
+    """Tell each trainer process to stop (None on `go`), and kill any still running after
+    `timeout` seconds. `benchmarks/bench_vllm_update.py` stops its trainers alike."""
+    for _ in trainers:
+        go.put(None)
+    for process in trainers:
+        process.join(timeout=timeout)
+        if process.is_alive():
+            process.kill()
 
 
 if __name__ == "__main__":
