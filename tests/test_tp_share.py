@@ -253,3 +253,44 @@ def test_tp_workers_fetch_row_parallel_tensors_once_and_share(tmp_path):
 
 def test_a_stalled_tp_worker_is_an_error_on_the_others_not_a_hang(tmp_path):
     _job(tmp_path, (_stalls,))
+
+
+def _round_bytes(tensor, rank: int, itemsize: int) -> int:
+    """What `rank` holds of `tensor` in a round: its fetch, what it sends, what it receives."""
+    from lazyload.expr import box_numel
+    from lazyload.integrations.tp_share import overlap
+
+    def moved(source, target):
+        fetched = tensor.fetch[source]
+        return sum(box_numel(o) for box in tensor.boxes[target] if fetched and (o := overlap(fetched, box)))
+    others = [o for o in range(len(tensor.fetch)) if o != rank]
+    fetch = box_numel(tensor.fetch[rank]) if tensor.fetch[rank] else 0
+    return itemsize * (fetch + sum(moved(rank, o) + moved(o, rank) for o in others))
+
+
+def test_rounds_fit_the_budget_and_cover_every_fetched_row_once():
+    """A layer of tensors of several sizes and dtypes at TP 3: each round's buffers (fetch,
+    send, receive, tags) fit the budget on every rank, small tensors share a round, a big one is
+    cut, and the rounds fetch each rank's rows of every tensor exactly once, in order."""
+    from lazyload.integrations.tp_share import TAG, plan_shared, rounds
+
+    world = 3
+    shapes = {"model.layers.0.a": (6, 12), "model.layers.0.b": (8, 12), "model.layers.0.c": (300, 12)}
+    dtypes = {"model.layers.0.a": torch.float32, "model.layers.0.b": torch.bfloat16, "model.layers.0.c": torch.float32}
+    boxes = [[(name, ((0, rows), (4 * r, 4 * r + 4))) for name, (rows, _) in shapes.items()] for r in range(world)]
+    layer = list(plan_shared(boxes, shapes.__getitem__).values())
+    for budget in (2_000, 5_000, 20_000):
+        out = rounds(layer, world, dtypes.__getitem__, budget)
+        for tensors in out:
+            held = [2 * (world - 1) * TAG + sum(_round_bytes(t, rank, dtypes[t.name].itemsize) for t in tensors)
+                    for rank in range(world)]
+            assert max(held) <= budget, (budget, held)
+        assert [t.name for t in out[0]][:2] == ["model.layers.0.a", "model.layers.0.b"]  # small ones in one round
+        for whole in layer:
+            parts = [t for tensors in out for t in tensors if t.name == whole.name]
+            for rank in range(world):
+                rows = [p.fetch[rank][0] for p in parts if p.fetch[rank] is not None]
+                assert rows[0][0] == whole.fetch[rank][0][0] and rows[-1][1] == whole.fetch[rank][0][1]
+                assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))  # contiguous, no row twice
+        cuts = len([t for tensors in out for t in tensors if t.name.endswith(".c")])
+        assert cuts == 1 if budget == 20_000 else cuts > 2  # c's buffers: 11 kB on a rank
