@@ -3,11 +3,15 @@
 range server, each rank's weight loaders record vLLM's boxes (row-parallel: the column half
 of every row; column-parallel: half the rows), each rank fetches about half of each
 row-parallel tensor in a handful of GETs under the default merge gap, and both get exact
-values. Then rank 1 dies in the middle of the exchange: rank 0 raises a LazyLoadError
-within rank_timeout instead of hanging."""
+values. Under a small max_host_bytes the exchange runs in rounds whose buffers fit it; with
+`cooperative: False` (the loader's config) each rank fetches its own boxes. Then rank 1 dies
+in the middle of the exchange (or, in a job of its own, stalls alive before it): rank 0
+raises a LazyLoadError within rank_timeout instead of hanging."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 import traceback
 
 import pytest
@@ -19,6 +23,7 @@ from gloo import spawn_collecting
 from remote_servers import RangeServer
 
 TIMEOUT = 5.0
+STALL_TIMEOUT = 3.0
 ROW = "model.layers.{}.self_attn.o_proj.weight"  # row-parallel: each rank copies half of every row
 COL = "model.layers.{}.self_attn.q_proj.weight"  # column-parallel: half the rows, one range already
 LAYERS = 3
@@ -33,15 +38,18 @@ def tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def _load(rank: int, world: int, url: str, expected: list | None = None):
-    """Rank `rank`'s copies as vLLM's loaders make them, read with the TP workers sharing:
-    deferred (a load), or each as it is made, the `expected` boxes announced (a reload)."""
-    from lazyload.integrations.reads import BoxReads, ReadOptions
-    from lazyload.integrations.tp_share import Peers
+def _load(rank: int, world: int, url: str, expected: list | None = None, extra: dict | None = None):
+    """Rank `rank`'s copies as vLLM's loaders make them, read with the TP workers sharing as
+    the loader's `model_loader_extra_config` `extra` says (`vllm.tp_peers`): deferred (a
+    load), or each as it is made, the `expected` boxes announced (a reload)."""
+    from lazyload.integrations.reads import BoxReads
+    from lazyload.integrations.vllm import LoaderConfig, tp_peers
     from lazyload.stored import StoredCheckpoint
 
-    reads = BoxReads(StoredCheckpoint(url), ReadOptions(), world, deferred=expected is None)
-    reads.peers = Peers(dist.new_group(backend="gloo"), rank, world, TIMEOUT)
+    config = LoaderConfig.of({"rank_timeout": TIMEOUT, **(extra or {})})
+    checkpoint = StoredCheckpoint(url)
+    reads = BoxReads(checkpoint, config.read, world, deferred=expected is None)
+    reads.peers = tp_peers(config, checkpoint, world, dist.new_group(backend="gloo"))
     if expected is not None:
         reads.expect(expected)
     dsts = {}
@@ -54,24 +62,78 @@ def _load(rank: int, world: int, url: str, expected: list | None = None):
 
 
 def _shares(rank: int, world: int, url: str) -> None:
-    load, loaded = _load(rank, world, url)
-    load.run()
-    for reads, dsts in [(load, loaded), _load(rank, world, url, sorted(load.asked))]:  # the load, then a reload
+    for reads, dsts in _load_and_reload(rank, world, url):
         _check_shared(rank, reads, dsts)
+        assert reads.totals.fields["requests"] <= 2 * LAYERS, reads.totals.fields  # a range a tensor, not a half row
 
 
-def _check_shared(rank: int, reads, dsts) -> None:
+def _load_and_reload(rank: int, world: int, url: str, extra: dict | None = None) -> list:
+    """[(the load's reads, its destinations), the reload's]: the reload expects the load's boxes."""
+    load, loaded = _load(rank, world, url, extra=extra)
+    load.run()
+    return [(load, loaded), _load(rank, world, url, sorted(load.asked), extra)]
+
+
+def _check_values(rank: int, dsts) -> None:
     want = tensors()
     for layer in range(LAYERS):
         assert torch.equal(dsts[ROW.format(layer)], want[ROW.format(layer)][:, 256 * rank:256 * (rank + 1)].float())
         assert torch.equal(dsts[COL.format(layer)], want[COL.format(layer)][64 * rank:64 * (rank + 1)])
+
+
+def _check_shared(rank: int, reads, dsts) -> None:
+    _check_values(rank, dsts)
+    want = tensors()
     row_bytes = sum(want[ROW.format(layer)].nbytes for layer in range(LAYERS))
     col_bytes = sum(want[COL.format(layer)].nbytes for layer in range(LAYERS))
     totals, fields = reads.totals, reads.totals.fields
     assert totals.bytes_read == fields["bytes_served"] == row_bytes // 2 + col_bytes // 2  # half rows each: exact
     assert totals.bytes_planned == row_bytes // 2 + col_bytes // 2  # its boxes, in stored bytes
     assert totals.bytes_received == row_bytes // 4  # the half of its boxes the other rank fetched
-    assert fields["requests"] <= 2 * LAYERS, fields  # a range per tensor, not a GET per half row
+
+
+BUDGET = 40_000  # a float32 row-parallel tensor's buffers take 192 KiB per rank in one round (fetch, send, receive)
+
+
+def _within_budget(rank: int, world: int, url: str) -> None:
+    """Under a small max_host_bytes each layer is exchanged in several rounds, each tensor cut
+    by rows, and the buffers one round holds stay within it; values and bytes as in one round."""
+    import lazyload.integrations.reads as reads_module
+
+    exchange, rounds = reads_module.exchange, []
+
+    def counted(*args, **kwargs):
+        rounds.append(args[1])
+        return exchange(*args, **kwargs)
+    reads_module.exchange = counted
+    try:
+        for reads, dsts in _load_and_reload(rank, world, url, {"max_host_bytes": BUDGET}):
+            _check_shared(rank, reads, dsts)
+            assert 0 < reads.totals.exchange_peak_bytes <= BUDGET
+    finally:
+        reads_module.exchange = exchange
+    assert len(rounds) >= 2 * 2 * LAYERS, len(rounds)  # a load and a reload, more than a round per layer
+    assert all(len(tensors) == 1 for tensors in rounds)  # every row-parallel tensor cut (one per layer here)
+
+
+def _budget_below_a_row(rank: int, world: int, url: str) -> None:
+    """A max_host_bytes below one row's exchange is a PlanError on every worker before any fetch."""
+    import lazyload
+
+    reads, _ = _load(rank, world, url, extra={"max_host_bytes": 3000})  # a row: 2 KiB fetched, 1 KiB sent and received
+    with pytest.raises(lazyload.PlanError, match="max_host_bytes=3000 is smaller than the TP workers' exchange of one "
+                                                 r"row of model.layers.0.self_attn.o_proj.weight \(4112 bytes"):
+        reads.run()
+    assert reads.totals.bytes_read == 0
+
+
+def _not_cooperative(rank: int, world: int, url: str) -> None:
+    """With `cooperative: False` each worker fetches its own boxes: nothing exchanged."""
+    for reads, dsts in _load_and_reload(rank, world, url, {"cooperative": False}):
+        assert reads.peers is None
+        _check_values(rank, dsts)
+        assert reads.totals.bytes_received == reads.totals.exchange_peak_bytes == 0
+        assert reads.totals.bytes_read >= reads.totals.bytes_planned  # its own half rows (merged: more)
 
 
 def _mixed_dtypes(rank: int, world: int, url: str) -> None:
@@ -91,7 +153,7 @@ def _mixed_dtypes(rank: int, world: int, url: str) -> None:
         got[name][within(part, box)] = values
 
     peers = Peers(dist.new_group(backend="gloo"), rank, world, TIMEOUT)
-    received = exchange(peers, layer, fetched, lambda name: stored[name].dtype, deliver)
+    received, _ = exchange(peers, layer, fetched, lambda name: stored[name].dtype, deliver)
     for name, t in stored.items():
         assert torch.equal(got[name], t[:, 3 * rank:3 * rank + 3]), name
     assert received == (3 * 3 * 2 + 2 * 3 * 4 if rank == 0 else 2 * 3 * 2 + 2 * 3 * 4)  # rows 0-1 / 0-2 fetched
@@ -131,16 +193,43 @@ def _dies(rank: int, world: int, url: str) -> None:
         reads.run()
 
 
-def _worker(rank, world, init_file, url, errors):
+def _stalls(rank: int, world: int, url: str) -> None:
+    """Rank 1 stays alive but never reaches its exchange of layer 1: rank 0 raises within
+    rank_timeout (short here), then ends rank 1 (SIGTERM: it exits 0, as the job wants)."""
+    import lazyload
+    import lazyload.integrations.reads as reads_module
+
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    reads, _ = _load(rank, world, url, extra={"rank_timeout": STALL_TIMEOUT})
+    if rank == 1:
+        exchange, calls = reads_module.exchange, []
+        signal.signal(signal.SIGTERM, lambda *args: os._exit(0))
+
+        def stalling(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                while True:
+                    time.sleep(60)  # stuck: alive, but never at the collective
+            return exchange(*args, **kwargs)
+        reads_module.exchange = stalling
+        reads.run()
+    with pytest.raises(lazyload.LazyLoadError, match=f"TP rank 0: the exchange of layer 'model.layers.1' .*did not "
+                                                     f"finish within {STALL_TIMEOUT:g} s"):
+        reads.run()
+    os.kill(pids[1], signal.SIGTERM)
+
+
+def _worker(rank, world, init_file, url, cases, errors):
     from gloo import end_rank
 
     os.environ["LAZYLOAD_PROGRESS"] = "0"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    for case in (_shares, _mixed_dtypes, _other_layers, _dies):
+    for case in cases:
         try:
             case(rank, world, url)
-            if case is not _dies:
+            if case not in (_dies, _stalls):
                 dist.barrier()
         except Exception:
             errors.put((rank, case.__name__, traceback.format_exc()))
@@ -148,8 +237,60 @@ def _worker(rank, world, init_file, url, errors):
     end_rank()
 
 
-def test_tp_workers_fetch_row_parallel_tensors_once_and_share(tmp_path):
+def _job(tmp_path, cases: tuple) -> None:
+    """`cases` on both ranks of a gloo job reading the checkpoint from a local range server."""
     (tmp_path / "ckpt").mkdir()
     save_file(tensors(), tmp_path / "ckpt" / "model.safetensors")
     with RangeServer(str(tmp_path)) as server:
-        spawn_collecting(_worker, (2, str(tmp_path / "pg"), server.url + "/ckpt/model.safetensors"), 2, timeout=300)
+        spawn_collecting(_worker, (2, str(tmp_path / "pg"), server.url + "/ckpt/model.safetensors", cases), 2,
+                         timeout=300)
+
+
+def test_tp_workers_fetch_row_parallel_tensors_once_and_share(tmp_path):
+    _job(tmp_path, (_shares, _within_budget, _budget_below_a_row, _not_cooperative, _mixed_dtypes, _other_layers,
+                    _dies))
+
+
+def test_a_stalled_tp_worker_is_an_error_on_the_others_not_a_hang(tmp_path):
+    _job(tmp_path, (_stalls,))
+
+
+def _round_bytes(tensor, rank: int, itemsize: int) -> int:
+    """What `rank` holds of `tensor` in a round: its fetch, what it sends, what it receives."""
+    from lazyload.expr import box_numel
+    from lazyload.integrations.tp_share import overlap
+
+    def moved(source, target):
+        fetched = tensor.fetch[source]
+        return sum(box_numel(o) for box in tensor.boxes[target] if fetched and (o := overlap(fetched, box)))
+    others = [o for o in range(len(tensor.fetch)) if o != rank]
+    fetch = box_numel(tensor.fetch[rank]) if tensor.fetch[rank] else 0
+    return itemsize * (fetch + sum(moved(rank, o) + moved(o, rank) for o in others))
+
+
+def test_rounds_fit_the_budget_and_cover_every_fetched_row_once():
+    """A layer of tensors of several sizes and dtypes at TP 3: each round's buffers (fetch,
+    send, receive, tags) fit the budget on every rank, small tensors share a round, a big one is
+    cut, and the rounds fetch each rank's rows of every tensor exactly once, in order."""
+    from lazyload.integrations.tp_share import TAG, plan_shared, rounds
+
+    world = 3
+    shapes = {"model.layers.0.a": (6, 12), "model.layers.0.b": (8, 12), "model.layers.0.c": (300, 12)}
+    dtypes = {"model.layers.0.a": torch.float32, "model.layers.0.b": torch.bfloat16, "model.layers.0.c": torch.float32}
+    boxes = [[(name, ((0, rows), (4 * r, 4 * r + 4))) for name, (rows, _) in shapes.items()] for r in range(world)]
+    layer = list(plan_shared(boxes, shapes.__getitem__).values())
+    for budget in (2_000, 5_000, 20_000):
+        out = rounds(layer, world, dtypes.__getitem__, budget)
+        for tensors in out:
+            held = [2 * (world - 1) * TAG + sum(_round_bytes(t, rank, dtypes[t.name].itemsize) for t in tensors)
+                    for rank in range(world)]
+            assert max(held) <= budget, (budget, held)
+        assert [t.name for t in out[0]][:2] == ["model.layers.0.a", "model.layers.0.b"]  # small ones in one round
+        for whole in layer:
+            parts = [t for tensors in out for t in tensors if t.name == whole.name]
+            for rank in range(world):
+                rows = [p.fetch[rank][0] for p in parts if p.fetch[rank] is not None]
+                assert rows[0][0] == whole.fetch[rank][0][0] and rows[-1][1] == whole.fetch[rank][0][1]
+                assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))  # contiguous, no row twice
+        cuts = len([t for tensors in out for t in tensors if t.name.endswith(".c")])
+        assert cuts == 1 if budget == 20_000 else cuts > 2  # c's buffers: 11 kB on a rank

@@ -41,7 +41,7 @@ from ..readers.choice import choose_reader, reader_name
 from ..schedule import Group, layer_of, schedule
 from ..stored import StoredCheckpoint
 from .lazy_tensor import Box, LazySource, LazyTensor
-from .tp_share import Peers, SharedTensor, by_layer, exchange, gather_boxes, plan_shared, within
+from .tp_share import Peers, SharedTensor, exchange, gather_boxes, layer_rounds, plan_shared, within
 
 logger = logging.getLogger("lazyload")
 
@@ -79,6 +79,7 @@ class ReadTotals:
     boxes: int = 0
     prefetched_bytes: int = 0  # of the boxes read, bytes whose pages were announced a layer ahead (cold pages)
     bytes_received: int = 0  # tensor bytes other TP workers fetched and sent this one (`tp_share`)
+    exchange_peak_bytes: int = 0  # the most bytes one exchange round's buffers held: fetch, send, receive
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
     casts: dict[str, int] = field(default_factory=dict)  # "int8->float32" (via a loader's cast: "a->b->c"): stored bytes
     reader: str = ""
@@ -175,19 +176,28 @@ class BoxReads:
             for c in by_box[(name, box)]:
                 c.dst[within(part, box)].copy_(values if c.via is None else values.to(c.via))
 
-        for layer in by_layer(shared):
+        for layer in self._rounds(shared):
             self._fetch_and_exchange(layer, deliver)
         for c in mine:
             self._count_served(c)
         return [c for c in copies if c.name not in shared]
 
-    def _fetch_and_exchange(self, layer: list[SharedTensor], deliver) -> None:
-        """Fetch this worker's rows of the layer's shared tensors, then exchange them (`tp_share.exchange`)."""
+    def _rounds(self, shared: dict[str, SharedTensor]) -> list[list[list[SharedTensor]]]:
+        """Each layer's exchange rounds under the byte budget (`tp_share.rounds`)."""
+        return layer_rounds(shared, self.peers.world, self.checkpoint.index.dtype, self.options.max_host_bytes)
+
+    def _fetch_and_exchange(self, layer: list[list[SharedTensor]], deliver) -> None:
+        """Round by round, fetch this worker's rows of the round's shared tensors, then exchange
+        them (`tp_share.exchange`); a round's buffers are gone before the next is fetched."""
         index, me = self.checkpoint.index, self.peers.rank
-        fetched = {t.name: torch.empty(box_shape(t.fetch[me]), dtype=index.dtype(t.name))
-                   for t in layer if t.fetch[me] is not None}
-        self._read([Copy(t.name, t.fetch[me], fetched[t.name]) for t in layer if t.name in fetched], asked=False)
-        self.totals.bytes_received += exchange(self.peers, layer, fetched, index.dtype, deliver)
+        for tensors in layer:
+            fetched = {t.name: torch.empty(box_shape(t.fetch[me]), dtype=index.dtype(t.name))
+                       for t in tensors if t.fetch[me] is not None}
+            self._read([Copy(t.name, t.fetch[me], fetched[t.name]) for t in tensors if t.name in fetched], asked=False)
+            received, held = exchange(self.peers, tensors, fetched, index.dtype, deliver)
+            self.totals.bytes_received += received
+            self.totals.exchange_peak_bytes = max(self.totals.exchange_peak_bytes, held)
+            del fetched  # before the next round allocates its own
 
     def _count_served(self, c: Copy) -> None:
         """Count a copy the exchange filled as one read is counted (not its bytes: others fetched part)."""
@@ -293,7 +303,7 @@ class SharedReload:
                       key=lambda pair: (natural_key(pair[0]), pair[1]))
         self.reads, self.rank = reads, reads.peers.rank
         self.shared = plan_shared(gather_boxes(reads.peers, mine), index.shape)
-        self.layers = {layer_of(layer[0].name): layer for layer in by_layer(self.shared)}
+        self.layers = {layer_of(layer[0][0].name): layer for layer in reads._rounds(self.shared)}
         self.values: dict[tuple[str, Box], torch.Tensor] = {}
         self.exchanged: set[str] = set()
 

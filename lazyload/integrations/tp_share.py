@@ -9,8 +9,13 @@ cuts that way (`strided`) is split: each worker fetches one contiguous range of 
 union of the workers' boxes (its 1/TP; `fetch_boxes`), and per layer one all_to_all sends
 each worker the parts of its boxes that the others fetched. Every worker computes the same
 plan from the gathered boxes, so all issue the same collectives in the same order; each
-collective runs under `rank_timeout` (`agreement.wait_all`), so a worker that failed or died
-makes the others raise a LazyLoadError (CollectiveError) within it, never hang.
+collective runs under `rank_timeout` (`agreement.wait_all`), so a worker that failed, died
+or stalls makes the others raise a LazyLoadError (CollectiveError) within it, never hang.
+
+A layer's fetch, send and receive buffers (at TP 2 as many bytes as the layer's shared
+tensors, fewer at a larger TP) stay within `max_host_bytes` when it is set: a layer whose
+buffers would not fit it is exchanged in rounds (`rounds`), each a few of its tensors or 1/k
+of every worker's rows of one tensor, each round's buffers released before the next.
 
 Local files keep their own reads: the page cache is already shared between the workers."""
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import torch
 
 from ..agreement import bounded_collectives, wait_all
-from ..errors import ExchangeError
+from ..errors import ExchangeError, PlanError
 from ..expr import box_numel, box_shape
 from ..index import natural_key
 from ..schedule import layer_of
@@ -63,13 +68,18 @@ def strided(box: Box, shape: tuple[int, ...]) -> bool:
 def fetch_boxes(union: Box, world: int) -> tuple[Box | None, ...]:
     """`union` cut into `world` contiguous ranges of its first dim longer than one (nearly
     equal; None where a rank gets no row)."""
-    dim = next((d for d, (start, end) in enumerate(union) if end - start > 1), 0)
+    dim = long_dim(union)
     start, end = union[dim]
     out = []
     for r in range(world):
         a, b = start + (end - start) * r // world, start + (end - start) * (r + 1) // world
         out.append(union[:dim] + ((a, b),) + union[dim + 1:] if a < b else None)
     return tuple(out)
+
+
+def long_dim(box: Box) -> int:
+    """The first dim of `box` longer than one (its rows, cut among the ranks), else 0."""
+    return next((d for d, (start, end) in enumerate(box) if end - start > 1), 0)
 
 
 def plan_shared(boxes_by_rank: list[list[tuple[str, Box]]], shape_of) -> dict[str, SharedTensor]:
@@ -97,6 +107,89 @@ def by_layer(shared: dict[str, SharedTensor]) -> list[list[SharedTensor]]:
     for tensor in shared.values():
         layers.setdefault(layer_of(tensor.name), []).append(tensor)
     return [layers[key] for key in sorted(layers, key=natural_key)]
+
+
+ALIGN = 8  # each part of a message starts at a multiple of it: a view of any dtype of the buffer, no copy
+TAG = 8  # the bytes of a round's tag (`round_tag`) that start each message
+
+
+def padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def message_bytes(tensors: list[SharedTensor], source: int, target: int, dtype_of) -> int:
+    """The bytes `source` sends `target` in a round of `tensors`: the tag, then each part padded."""
+    return TAG + sum(padded(box_numel(part) * dtype_of(t.name).itemsize)
+                     for t, _, part in pieces(tensors, source, target))
+
+
+def buffer_bytes(tensor: SharedTensor, world: int, dtype_of) -> list[int]:
+    """Per rank, the bytes of `tensor` it holds in a round: its fetch and the parts it sends
+    and receives (without the tags)."""
+    itemsize = dtype_of(tensor.name).itemsize
+    out = []
+    for rank in range(world):
+        fetch = 0 if tensor.fetch[rank] is None else box_numel(tensor.fetch[rank]) * itemsize
+        moved = sum(message_bytes([tensor], a, b, dtype_of) - TAG for other in range(world) if other != rank
+                    for a, b in ((rank, other), (other, rank)))
+        out.append(fetch + moved)
+    return out
+
+
+def cut(tensor: SharedTensor, k: int) -> list[SharedTensor]:
+    """`tensor` in k parts, the i-th fetching the i-th of k ranges of every rank's fetch rows."""
+    per_rank = [[None] * k if box is None else fetch_boxes(box, k) for box in tensor.fetch]
+    return [SharedTensor(tensor.name, tuple(p[i] for p in per_rank), tensor.boxes) for i in range(k)]
+
+
+def rounds(layer: list[SharedTensor], world: int, dtype_of, budget: int) -> list[list[SharedTensor]]:
+    """The layer's shared tensors in rounds, in order, whose buffers (fetch + send + receive,
+    tags included) fit `budget` on every rank; a tensor that does not fit alone is `cut` into
+    as many parts as it takes, a round each. The same on every rank (from the plan alone). A
+    budget smaller than one row's exchange is a PlanError (before any byte is fetched)."""
+    tags = 2 * (world - 1) * TAG
+    out, current, held = [], [], [tags] * world
+    for tensor in layer:
+        cost = buffer_bytes(tensor, world, dtype_of)
+        if max(h + c for h, c in zip(held, cost)) <= budget:
+            current.append(tensor)
+            held = [h + c for h, c in zip(held, cost)]
+            continue
+        if current:
+            out.append(current)
+        current, held = [tensor], [tags + c for c in cost]
+        if max(held) <= budget:
+            continue
+        current, held = [], [tags] * world
+        out += [[part] for part in cut_to_fit(tensor, world, dtype_of, budget, max(cost))]
+    return out + ([current] if current else [])
+
+
+def layer_rounds(shared: dict[str, SharedTensor], world: int, dtype_of,
+                 max_host_bytes: int | None) -> list[list[list[SharedTensor]]]:
+    """Each layer's `rounds` (`by_layer`'s order) under `max_host_bytes`; by default a layer is
+    one round (its buffers: 1/TP of its shared tensors fetched, and its parts sent and received,
+    are at most the layer's bytes, the default budget, but for the tags)."""
+    return [[layer] if max_host_bytes is None else rounds(layer, world, dtype_of, max_host_bytes)
+            for layer in by_layer(shared)]
+
+
+def cut_to_fit(tensor: SharedTensor, world: int, dtype_of, budget: int, cost: int) -> list[SharedTensor]:
+    """`tensor` (whose buffers take `cost` bytes on the busiest rank) cut into about the fewest
+    parts (`cut`) whose buffers and tags fit `budget` on every rank."""
+    tags = 2 * (world - 1) * TAG
+    rows = max(box[long_dim(box)][1] - box[long_dim(box)][0] for box in tensor.fetch if box is not None)
+    k = min(max(-(-cost // max(budget - tags, 1)), 2), rows)
+    while True:
+        held = max(max(buffer_bytes(part, world, dtype_of)) for part in cut(tensor, k)) + tags
+        if held <= budget:
+            return cut(tensor, k)
+        if k == rows:
+            break
+        k = min(rows, k + max(1, k // 8))  # the padding and uneven cuts may take a few more parts than cost / budget
+    raise PlanError(f"max_host_bytes={budget} is smaller than the TP workers' exchange of one row of {tensor.name} "
+                    f"({held} bytes: fetched, sent and received); raise it to at least that, or load with "
+                    "model_loader_extra_config {'cooperative': False}.")
 
 
 def gather_boxes(peers: Peers, boxes: list[tuple[str, Box]]) -> list[list[tuple[str, Box]]]:
@@ -139,54 +232,62 @@ def pieces(layer: list[SharedTensor], source: int, target: int):
                 yield tensor, box, part
 
 
-def exchange(peers: Peers, layer: list[SharedTensor], fetched: dict[str, torch.Tensor], dtype_of,
-             deliver) -> int:
-    """One all_to_all: each rank sends every other the parts of its boxes it fetched
-    (`fetched`: name -> this rank's fetch box); `deliver(name, box, part, values)` puts each
-    part of this rank's boxes (its own fetch's too) where its copies go. Returns the bytes
-    received from the others. Each message starts with the layer's tag (`layer_tag`): a
-    worker that reached another layer is an ExchangeError, never values put in the wrong place."""
+def exchange(peers: Peers, tensors: list[SharedTensor], fetched: dict[str, torch.Tensor], dtype_of,
+             deliver) -> tuple[int, int]:
+    """One all_to_all of a round (`rounds`) of a layer's shared tensors: each rank sends every
+    other the parts of its boxes it fetched (`fetched`: name -> this rank's fetch box);
+    `deliver(name, box, part, values)` puts each part of this rank's boxes (its own fetch's
+    too) where its copies go. Returns the tensor bytes received from the others and the bytes
+    of the round's buffers (fetch, send and receive). Each message starts with the round's tag
+    (`round_tag`): a worker that reached another layer is an ExchangeError, never values put
+    in the wrong place."""
     import torch.distributed as dist
 
-    me, tag = peers.rank, layer_tag(layer)
-    for tensor, box, part in pieces(layer, me, me):
+    me, tag, layer = peers.rank, round_tag(tensors), layer_of(tensors[0].name) or "(outside layers)"
+    for tensor, box, part in pieces(tensors, me, me):
         deliver(tensor.name, box, part, fetched[tensor.name][within(part, tensor.fetch[me])])
-    sends, send_sizes, recv_sizes = [], [], []
+    send_sizes = [0 if other == me else message_bytes(tensors, me, other, dtype_of) for other in range(peers.world)]
+    recv_sizes = [0 if other == me else message_bytes(tensors, other, me, dtype_of) for other in range(peers.world)]
+    send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+    offset = 0
     for other in range(peers.world):
-        out = [] if other == me else [tag] + [fetched[t.name][within(part, t.fetch[me])].reshape(-1).view(torch.uint8)
-                                              for t, _, part in pieces(layer, me, other)]
-        sends += out
-        send_sizes.append(sum(p.numel() for p in out))
-        recv_sizes.append(0 if other == me else tag.numel() + sum(box_numel(part) * dtype_of(t.name).itemsize
-                                                                  for t, _, part in pieces(layer, other, me)))
-    send = torch.cat([p.contiguous() for p in sends]) if sends else torch.empty(0, dtype=torch.uint8)
+        if other != me:
+            send[offset:offset + TAG] = tag
+            offset += TAG
+            for t, _, part in pieces(tensors, me, other):
+                offset += put(send, offset, fetched[t.name][within(part, t.fetch[me])])
     received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
     with bounded_collectives(peers.timeout):
         wait_all([dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=peers.group, async_op=True)],
-                 f"TP rank {me}: the exchange of layer {layer_of(layer[0].name) or '(outside layers)'!r} with the other "
-                 "TP workers (each fetches part of the row-parallel tensors; see the other workers' logs for why one "
-                 "stopped)")
-    offset = 0
+                 f"TP rank {me}: the exchange of layer {layer!r} with the other TP workers (each fetches part of the "
+                 "row-parallel tensors; see the other workers' logs for why one stopped)")
+    offset = got = 0
     for other in range(peers.world):
         if other == me:
             continue
-        if not torch.equal(received[offset:offset + tag.numel()], tag):
-            raise ExchangeError(f"TP rank {me}: TP rank {other} sent another layer than "
-                                f"{layer_of(layer[0].name) or '(outside layers)'!r} in the exchange of the row-parallel "
-                                "tensors: the workers' copies came in different orders. Load with "
-                                "model_loader_extra_config {'cooperative': False} and report it.")
-        offset += tag.numel()
-        for tensor, box, part in pieces(layer, other, me):
+        if not torch.equal(received[offset:offset + TAG], tag):
+            raise ExchangeError(f"TP rank {me}: TP rank {other} sent another layer than {layer!r} (or another round "
+                                "of it) in the exchange of the row-parallel tensors: the workers' copies came in "
+                                "different orders. Load with model_loader_extra_config {'cooperative': False} and "
+                                "report it.")
+        offset += TAG
+        for tensor, box, part in pieces(tensors, other, me):
             dtype = dtype_of(tensor.name)
             n = box_numel(part) * dtype.itemsize
-            chunk = received[offset:offset + n]
-            chunk = chunk if offset % dtype.itemsize == 0 else chunk.clone()  # a dtype's view needs its alignment
-            deliver(tensor.name, box, part, chunk.view(dtype).view(box_shape(part)))
-            offset += n
-    return received.numel() - tag.numel() * (peers.world - 1)
+            deliver(tensor.name, box, part, received[offset:offset + n].view(dtype).view(box_shape(part)))
+            offset, got = offset + padded(n), got + n
+    return got, sum(v.nbytes for v in fetched.values()) + send.numel() + received.numel()
 
 
-def layer_tag(layer: list[SharedTensor]) -> torch.Tensor:
-    """8 bytes naming the layer's shared tensors (a CRC of their names)."""
-    crc = zlib.crc32("\n".join(t.name for t in layer).encode())
+def put(buffer: torch.Tensor, offset: int, values: torch.Tensor) -> int:
+    """Copy `values` into the bytes of `buffer` at `offset` (a multiple of ALIGN), with no
+    copy in between; returns the bytes taken, padded."""
+    n = values.numel() * values.element_size()
+    buffer[offset:offset + n].view(values.dtype).view(values.shape).copy_(values)
+    return padded(n)
+
+
+def round_tag(tensors: list[SharedTensor]) -> torch.Tensor:
+    """8 bytes naming a round: a CRC of its tensors' names and fetch boxes."""
+    crc = zlib.crc32(json.dumps([(t.name, t.fetch) for t in tensors]).encode())
     return torch.tensor([crc], dtype=torch.int64).view(torch.uint8)

@@ -189,13 +189,19 @@ def tp_rank_world() -> tuple[int, int]:
         return 0, 1
 
 
-def tp_peers(timeout: float) -> Peers:
-    """The engine's TP group on CPU (gloo), over which the workers share a URL's fetches."""
+def tp_peers(config: LoaderConfig, checkpoint: StoredCheckpoint, world: int, group: Any = None) -> Peers | None:
+    """The TP workers to share a URL's fetches with (`tp_share`) over `group`, by default the
+    engine's TP group on CPU (gloo); None where each fetches its own boxes: one worker, local
+    files, or `cooperative: False`."""
     import torch.distributed as dist
-    from vllm.distributed import get_tp_group
 
-    group = get_tp_group().cpu_group
-    return Peers(group, dist.get_rank(group), dist.get_world_size(group), timeout)
+    if world == 1 or checkpoint.remote is None or config.cooperative is False:
+        return None
+    if group is None:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group().cpu_group
+    return Peers(group, dist.get_rank(group), dist.get_world_size(group), config.rank_timeout)
 
 
 def checkpoint_of(model_config: Any, config: LoaderConfig) -> StoredCheckpoint:
@@ -229,8 +235,7 @@ class Load:
         self.rank, self.world = tp_rank_world()
         self.checkpoint = checkpoint_of(model_config, config)
         self.reads = BoxReads(self.checkpoint, config.read, self.world, deferred)
-        if self.world > 1 and self.checkpoint.remote is not None and config.cooperative is not False:
-            self.reads.peers = tp_peers(config.rank_timeout)
+        self.reads.peers = tp_peers(config, self.checkpoint, self.world)
         self.reload = reload
         self.memory = MemorySampler()
         self.rchar = read_syscall_bytes()
