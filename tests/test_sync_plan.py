@@ -158,3 +158,54 @@ def test_a_source_rank_reads_no_other_ranks_layout():
 
     (few, small), (many, large) = trainer_reads(2), trainer_reads(6)
     assert (many - few) / (large - small) < 100, (few, many)  # a status per added rank, no layout
+
+
+def test_a_target_ranks_layouts_and_index_do_not_grow_with_the_fsdp_world():
+    """A server rank reads each trainer mesh's strided rules once (what every rank of the
+    mesh derives alike from its placements) instead of every trainer rank's boxes, and its
+    index expands only the boxes its plan reads: at FSDP 2 and 6 (the benchmark's tiny job,
+    8 and 16 ranks) its layout reads grow by a status per added rank, and the entries of
+    its index whose box no item of its reads stay as many. On main a target read and
+    indexed every trainer rank's boxes."""
+    from dataclasses import replace
+
+    bench = _bench()
+
+    def target_figures(fsdp: int) -> tuple[int, int, int]:
+        case = replace(bench.CASES["tiny"], fsdp=fsdp)
+        result = bench.run_case(case, 1)
+        store, world = result["store"], result["world"]
+        layout = max(sum(len(k) + len(store.values[k]) for k in store.keys_read[rank] if bench.stage_of(k) == "layout")
+                     for rank in range(fsdp * case.tp, world))
+        sync = result["samples"][world - 1]  # the last server rank, constructed alone
+        read = {(sync.pieces[item.entry.key].name, sync.pieces[item.entry.key].held.box) for item in sync.items}
+        unread = [key for key in sync.index.keys()
+                  if key not in sync.pieces or (sync.pieces[key].name, sync.pieces[key].held.box) not in read]
+        return layout, len(unread), world
+
+    (few, unread_few, small), (many, unread_many, large) = target_figures(2), target_figures(6)
+    assert (many - few) / (large - small) < 100, (few, many)  # a status per added rank, no boxes
+    assert unread_many == unread_few, (unread_few, unread_many)
+
+
+def test_strided_rules_plan_the_sync_every_ranks_boxes_plan():
+    """Exactness: the job planned from the trainers' strided rules (a target expanding only
+    the boxes it reads) agrees on the plan digest, every rank's requests with their steps,
+    with the job planned from every trainer rank's own boxes."""
+    from dataclasses import replace
+
+    bench = _bench()
+    case = replace(bench.CASES["tiny"], fsdp=3)
+
+    def digests(rules: bool) -> set:
+        job_rules = bench.job_rules
+        if not rules:
+            bench.job_rules = lambda layouts, case: None
+        try:
+            store = bench.run_case(case, 2)["store"]
+        finally:
+            bench.job_rules = job_rules
+        return {pickle.loads(v)[1] for k, v in store.values.items() if "/agreed/" in k}
+
+    ruled, boxes = digests(True), digests(False)
+    assert len(ruled) == 1 and ruled == boxes, (ruled, boxes)
