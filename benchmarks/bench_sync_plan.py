@@ -362,9 +362,9 @@ class shared_values:
                 return decoded[data]
 
         def shared_indexed(layouts, tiled=True, rules=None, ranks=None, wanted=None, own=None):
-            key = (tiled, own, tuple(map(id, (rules or {}).values())), None if ranks is None else tuple(ranks), None if wanted is None else tuple(
-                sorted((name, tuple(boxes)) for name, boxes in wanted.items()))) + tuple(
-                (rank, id(layout)) for rank, layout in sorted(layouts.items()))
+            asked = None if wanted is None else tuple(sorted((name, tuple(boxes)) for name, boxes in wanted.items()))
+            key = (tiled, own, tuple(map(id, (rules or {}).values())), None if ranks is None else tuple(ranks),
+                   asked) + tuple((rank, id(layout)) for rank, layout in sorted(layouts.items()))
             with lock:
                 if key not in indexed:
                     indexed[key] = self.indexed(layouts, tiled, rules, ranks, wanted, own)

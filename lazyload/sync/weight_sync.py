@@ -338,7 +338,7 @@ class WeightSync:
         if self.target is None:
             self.items: list = []
             return None
-        budget = self._plan_items()
+        budget = self._plan_items(first=bool(self._unread))
         if self._unread:
             self._index_for(self._read_boxes())
             budget = self._plan_items()
@@ -357,9 +357,11 @@ class WeightSync:
                     tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(unread.box, item.src_box)))
         return out
 
-    def _plan_items(self) -> int:
+    def _plan_items(self, first: bool = False) -> int:
         """This rank's items over the sources' index (`self.items`, with the load plan, its
-        destinations and the items sent cast or quantized), and its bytes per step."""
+        destinations and the items sent cast or quantized), and its bytes per step. `first`:
+        the items alone, to learn which boxes it reads (a preview plan: no initial values
+        or buffers computed)."""
         self._copies = copies_of(self.pieces)  # computed once: `_cut_at` and `choose_copies` ask it
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
             self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes,
@@ -375,8 +377,11 @@ class WeightSync:
         budget = self._options.max_host_bytes  # the sync's, per step (`routes`): items larger are cut, not refused
         with planned_as_full(self.target, layers, full_dtype(self.target, layers)):
             plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world,
-                             replace(self._options, max_host_bytes=None))
+                             replace(self._options, max_host_bytes=None), preview=first)
             scales = scale_names(self.target, plan.quantized)
+        if first:
+            self.items = [item for group in plan.groups for item in group.items]
+            return 0
         check_conversions(plan.whole if plan.device.type == "cpu" else {}, budget)
         self.load_plan = split_plan(plan, self._cut_at)
         self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
