@@ -64,12 +64,14 @@ def indexed(layouts: dict[int, list[SourceTensor]], tiled: bool = True, rules: d
     whose boxes are expanded all the same (a target that is a source too sends them)."""
     ranks = sorted(layouts) if ranks is None else list(ranks)
     position = {rank: i for i, rank in enumerate(ranks)}
-    entries, pieces, parts, meta, unread = [], {}, {}, {}, {}
+    entries, pieces, parts, meta, unread, dtypes = [], {}, {}, {}, {}, {}
 
     def add(key: str, rank: int, name: str, box: Box, offset: int = 0) -> int:
-        nbytes = math.prod(box_shape(box)) * meta[name].torch_dtype.itemsize
-        entries.append((key, TensorEntry(rank_file(rank), key, meta[name].torch_dtype, box_shape(box), offset,
-                                         offset + nbytes)))
+        if name not in dtypes:  # asked once per tensor: a target's index may hold thousands of its boxes
+            dtypes[name] = meta[name].torch_dtype
+        shape = box_shape(box)
+        nbytes = math.prod(shape) * dtypes[name].itemsize
+        entries.append((key, TensorEntry(rank_file(rank), key, dtypes[name], shape, offset, offset + nbytes)))
         parts.setdefault(name, []).append(Part(Source(key), box, position[rank]))
         return offset + nbytes
 
