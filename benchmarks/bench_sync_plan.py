@@ -5,8 +5,9 @@ the bytes and keys each rank writes and reads.
 Each rank is a thread running the real `WeightSync.__init__` (its layout exchange,
 `source_index`, `plan_load` of a meta model on server ranks, the requests, `choose_copies`,
 the routes and the plan's agreement); only the source's layout is synthetic: the boxes FSDP
-(and TP) would give each trainer rank, written as `SourceTensor`s (a process-free run has no
-DeviceMesh for real DTensors). Store traffic is counted for every rank of the job. The job's
+(and TP) would give each trainer rank, written as `SourceTensor`s, and the trainer mesh's
+strided rules derived from them (`job_rules`, as `layout.mesh_rules` derives them from real
+DTensors' placements; a process-free run has no DeviceMesh for real DTensors). Store traffic is counted for every rank of the job. The job's
 threads are not timed (waking each other, they would count the fake store's waits): the first
 and last trainer and server ranks are, each constructed again alone over the store the job
 left, timed (CPU seconds), then again under tracemalloc for its peak. Models at their
@@ -361,13 +362,13 @@ class shared_values:
                     decoded[data] = pickle.loads(data)
                 return decoded[data]
 
-        def shared_indexed(layouts, tiled=True, rules=None, ranks=None, wanted=None, own=None):
+        def shared_indexed(layouts, tiled=True, rules=None, ranks=None, wanted=None, own=None, prefer=None):
             asked = None if wanted is None else tuple(sorted((name, tuple(boxes)) for name, boxes in wanted.items()))
-            key = (tiled, own, tuple(map(id, (rules or {}).values())), None if ranks is None else tuple(ranks),
+            key = (tiled, own, prefer, tuple(map(id, (rules or {}).values())), None if ranks is None else tuple(ranks),
                    asked) + tuple((rank, id(layout)) for rank, layout in sorted(layouts.items()))
             with lock:
                 if key not in indexed:
-                    indexed[key] = self.indexed(layouts, tiled, rules, ranks, wanted, own)
+                    indexed[key] = self.indexed(layouts, tiled, rules, ranks, wanted, own, prefer)
                 return indexed[key]
 
         def source_index(layouts, tiled=True):
@@ -386,6 +387,7 @@ def routes_figures(sync, rank) -> tuple | None:
     if not sync.items:
         return None
     copies = _copies(sync.pieces)
+    copies.update({key: set(held) for key, (_, held) in sync._copies.items()})  # a ruled box's, from its rules
     by_step_sources, by_step_requests, by_step_holders = Counter(), Counter(), defaultdict(set)
     for step, by_source in sync.routes.receives.items():
         by_step_sources[step] = len(by_source)

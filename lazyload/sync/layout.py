@@ -107,6 +107,11 @@ class Strided:
     def rank(self, i: int) -> int:
         return self.first + i * self.stride
 
+    def steps(self) -> int:
+        """The steps holding a box (the ranks after them hold none)."""
+        lo, hi = self.base[self.dim]
+        return min(self.count, -(-(hi - lo) // self.step))
+
     def holds(self, rank: int) -> bool:
         """Whether `rank` is one of the rule's (its box may be empty)."""
         i, off = divmod(rank - self.first, self.stride)

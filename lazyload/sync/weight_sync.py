@@ -14,7 +14,7 @@ from torch import nn
 from ..agreement import Agreement
 from ..buffers import fill_meta_buffers
 from ..keywords import check_keywords
-from ..errors import ArgumentError, RankFailedError, SyncError
+from ..errors import ArgumentError, CheckpointError, RankFailedError, SyncError
 from ..executor import allocate_destinations, assign_loaded, make_parallel, swap_quantized_layers
 from ..mapping import KeyMap
 from ..mesh import ranks_of
@@ -284,8 +284,18 @@ class WeightSync:
         """The sources' index, a ruled tensor's boxes expanded where they overlap `wanted`
         (name -> boxes the target reads; None: all)."""
         layouts, rules, sources = self._sources
-        self.index, self.pieces, self._unread = indexed(layouts, True, rules, sources, wanted,
-                                                        self.rank if self.source is not None else None)
+        prefer = None
+        if self.target_mesh is not None and not isinstance(self.target, BoxTarget):  # the copy its plan takes
+            rank, world = ranks_of(self.target_mesh, 0, 1)
+            prefer = rank * len(sources) // max(world, 1)
+        own = self.rank if self.source is not None else None
+        try:
+            self.index, self.pieces, self._unread, self._rule_copies = indexed(layouts, True, rules, sources, wanted,
+                                                                               own, prefer)
+        except CheckpointError:  # boxes read that do not tile with the rest: every box, as the ranks hold them
+            if wanted is None:
+                raise
+            self.index, self.pieces, self._unread, self._rule_copies = indexed(layouts, True, rules, sources, None)
 
     def _source_now(self) -> dict:
         """The source's tensors now, each still the shard the plan was made for: the same
@@ -362,7 +372,8 @@ class WeightSync:
         destinations and the items sent cast or quantized), and its bytes per step. `first`:
         the items alone, to learn which boxes it reads (a preview plan: no initial values
         or buffers computed)."""
-        self._copies = copies_of(self.pieces)  # computed once: `_cut_at` and `choose_copies` ask it
+        # computed once: `_cut_at` and `choose_copies` ask it (a ruled box's copies from its rules)
+        self._copies = {**copies_of(self.pieces), **self._rule_copies}
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
             self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes,
                                                                    self._cut_at)
