@@ -209,3 +209,27 @@ def test_strided_rules_plan_the_sync_every_ranks_boxes_plan():
 
     ruled, boxes = digests(True), digests(False)
     assert len(ruled) == 1 and ruled == boxes, (ruled, boxes)
+
+
+def test_strided_rules_give_back_every_ranks_boxes():
+    """`layout.strided`: the rules of a tensor's boxes give back exactly the boxes each rank
+    holds (FSDP within TP on the same dim, FSDP across a rowwise TP split, replicated copies,
+    ranks left empty by FSDP's chunks, uneven cuts), and none where a rank holds several boxes."""
+    from dataclasses import replace
+
+    from lazyload.sync.layout import Held, RuledTensor, strided
+
+    bench = _bench()
+    shapes = {"colwise.q_proj.weight": (13, 4), "rowwise.o_proj.weight": (5, 6), "norm.weight": (7,)}
+    for fsdp, tp in ((3, 2), (8, 2), (4, 1)):
+        case = replace(bench.CASES["tiny"], fsdp=fsdp, tp=tp)
+        layouts = {rank: bench.trainer_layout(shapes, "torch.float32", case, rank) for rank in range(fsdp * tp)}
+        for i, name in enumerate(shapes):
+            held = {rank: layout[i].held for rank, layout in layouts.items()}
+            rules = strided(held)
+            tensor = RuledTensor(name, "torch.float32", shapes[name], rules)
+            assert {rank: tensor.held_by(rank) for rank in held} == held, (name, fsdp, tp, rules)
+            assert len(rules) <= 2 * tp, rules  # a rule per TP coordinate (and copy), not per FSDP rank
+    uneven = {0: (Held(((0, 3),), (0,)),), 1: (Held(((3, 4),), (0,)),), 2: (Held(((4, 9),), (0,)),)}
+    assert {r: RuledTensor("u", "torch.float32", (9,), strided(uneven)).held_by(r) for r in uneven} == uneven
+    assert strided({0: (Held(((0, 2),), (0,)), Held(((4, 6),), (2,))), 1: (Held(((2, 4),), (0,)),)}) is None
