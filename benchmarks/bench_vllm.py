@@ -20,7 +20,8 @@ From S3 (`--formats lazyload_s3,runai_streamer_s3`): the checkpoint uploaded to 
 server (its own process, as `bench_remote.py` starts it), behind a TCP proxy here that
 counts the bytes the store sent (all workers together: bodies and HTTP headers).
 `lazyload_s3`: `model` a local directory of the config files, `weights` the URL (default
-remote options; `lazyload_s3_gap0`: `merge_gap` 0, exact ranges); `runai_streamer_s3`:
+remote options: at TP > 1 the workers fetch the row-parallel tensors once between them and
+exchange the parts, `integrations.tp_share`; `lazyload_s3_gap0`: `merge_gap` 0); `runai_streamer_s3`:
 `model` the URL (vLLM pulls the config files through the streamer). These rows go in a table
 of their own.
 
@@ -225,17 +226,21 @@ def _child(fmt: str, tp: int, path: str, cache: str, expect_result: bool = True)
 
 
 S3_HEADER = ("| format | TP | LLM() init s | MiB served by S3, all workers | x the checkpoint | lazyload MiB fetched per "
-             "worker | fallbacks | peak RSS MiB per worker |\n|---|---|---|---|---|---|---|---|")
+             "worker | GETs per worker | MiB received from the other workers | fallbacks | peak RSS MiB per worker |\n"
+             "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def s3_row(fmt: str, tp: int, result: dict, checkpoint_bytes: int) -> str:
     workers = sorted(result["workers"], key=lambda w: (w["reports"] or [{"rank": 0}])[-1]["rank"])
     fetched = " / ".join(f"{w['reports'][-1]['remote']['bytes_served'] / 2**20:.0f}" if w["reports"] else "-"
                          for w in workers)
+    gets = " / ".join(f"{w['reports'][-1]['remote']['requests']}" if w["reports"] else "-" for w in workers)
+    received = " / ".join(f"{w['reports'][-1].get('bytes_received', 0) / 2**20:.0f}" if w["reports"] else "-"
+                          for w in workers)
     fallbacks = sum(len(w["reports"][-1]["fallbacks"]) for w in workers if w["reports"])
     hwm = " / ".join(f"{w['vm_hwm'] / 2**20:.0f}" for w in workers)
     return (f"| {fmt} | {tp} | {result['init_s']:.1f} | {result['served'] / 2**20:.0f} | "
-            f"{result['served'] / checkpoint_bytes:.2f} | {fetched} | "
+            f"{result['served'] / checkpoint_bytes:.2f} | {fetched} | {gets} | {received} | "
             f"{fallbacks if fmt.startswith('lazyload') else '-'} | {hwm} |")
 
 

@@ -313,6 +313,17 @@ def _message(rank: int, point: str, verdict: dict, job: Job = JOBS["load"]) -> s
     return f"rank {rank}: {job.name} failed on {len(named)} rank(s) before '{point}' ({what}){tail}; {job.then}"
 
 
+@contextlib.contextmanager
+def bounded_collectives(timeout: float) -> Iterator[None]:
+    """Every `wait_all` inside waits at most `timeout` seconds (a group with no agreement of
+    ours: an engine's TP workers sharing their fetches, `integrations.tp_share`)."""
+    token = _collective_timeout.set(timeout)
+    try:
+        yield
+    finally:
+        _collective_timeout.reset(token)
+
+
 def wait_all(works: list, what: str = "a collective") -> None:
     """Wait for torch.distributed works; inside `Agreement.collectives`, all of them within
     its timeout from now (a CollectiveError when one fails or does not finish in time)."""

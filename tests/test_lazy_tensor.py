@@ -146,8 +146,14 @@ def test_extra_config_keys():
     assert isinstance(config.remote, RemoteOptions)
     with pytest.raises(ArgumentError, match="did you mean 'reader'"):
         LoaderConfig.of({"readr": "pread"})
-    with pytest.raises(ArgumentError, match="rank_timeout.*does not apply"):
-        LoaderConfig.of({"rank_timeout": 5})
+    with pytest.raises(ArgumentError, match="mesh.*does not apply"):
+        LoaderConfig.of({"mesh": None})
+    config = LoaderConfig.of({"rank_timeout": 5, "cooperative": False})  # TP workers sharing a URL's fetches
+    assert (config.rank_timeout, config.cooperative) == (5, False)
+    with pytest.raises(ArgumentError, match="'rank_timeout' must be a positive number"):
+        LoaderConfig.of({"rank_timeout": 0})
+    with pytest.raises(ArgumentError, match="'cooperative' must be true or false"):
+        LoaderConfig.of({"cooperative": "no"})
     with pytest.raises(PlanError, match="unknown reader"):
         LoaderConfig.of({"reader": "fast"})
 

@@ -923,23 +923,31 @@ def _half_rows(full: dict, half: int) -> list:
     return boxes
 
 
-def _own_group(rank, world):
-    """An engine's workers (ranks 2-3, as BoxTargets) and an FSDP2 trainer (ranks 0-1) meet in
-    a process group of their own, as vLLM's workers and a trainer do: `ProcessGroupGloo` over
-    a store of its own, numbered otherwise (the engine first). Each worker receives exactly
-    its boxes of the trainer's weights, twice, an optimizer step between."""
+def _trainer_and_own_group(rank, world, prefix):
+    """(trainer, its optimizer, group, store): an FSDP2 trainer on ranks 0-1 (None on 2-3),
+    and a `ProcessGroupGloo` of their own over a store of its own (`prefix`), numbered
+    otherwise (the engine first), as vLLM's workers and a trainer make it."""
     from datetime import timedelta
 
-    import lazyload
-    from lazyload.sync.box_target import BoxTarget
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.distributed_c10d import _get_default_store
 
     roles = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "x"))
     trainer = _trainer(roles["x"]) if rank < 2 else None
     optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1) if trainer is not None else None
-    store = dist.PrefixStore("own-group", _get_default_store())
-    own = dist.ProcessGroupGloo(store, (rank + 2) % world, world, timedelta(seconds=60))
+    store = dist.PrefixStore(prefix, _get_default_store())
+    return trainer, optimizer, dist.ProcessGroupGloo(store, (rank + 2) % world, world, timedelta(seconds=60)), store
+
+
+def _own_group(rank, world):
+    """An engine's workers (ranks 2-3, as BoxTargets) and an FSDP2 trainer (ranks 0-1) meet in
+    a process group of their own, as vLLM's workers and a trainer do: `ProcessGroupGloo` over
+    a store of its own, numbered otherwise (the engine first). Each worker receives exactly
+    its boxes of the trainer's weights, twice, an optimizer step between."""
+    import lazyload
+    from lazyload.sync.box_target import BoxTarget
+
+    trainer, optimizer, own, store = _trainer_and_own_group(rank, world, "own-group")
     full = _shared_full(trainer)
     boxes = _half_rows(full, rank - 2) if rank >= 2 else None
     sync = lazyload.WeightSync(source=trainer, target=BoxTarget(boxes) if boxes else None, group=own, store=store,
@@ -954,6 +962,64 @@ def _own_group(rank, world):
             assert report.bytes_received == sum(math.prod(b - a for a, b in box) * 4 for _, box in boxes)
         if trainer is not None:
             _step(trainer, optimizer)
+
+
+def _own_group_channel(rank, world):
+    """`_own_group` into an engine that stores its projections quantized per channel in
+    compressed-tensors' FP8 layout (`BoxTarget(quantized=)`): each worker asks for its half
+    of each weight (column-parallel rows; row-parallel o_proj and down_proj: columns, every
+    row) and the scales of those rows, and receives the FP8 data and scales the library
+    writes from the trainer's float32 weights (`quant.channel`, compared with the library
+    in test_sync_channel.py), quantized by the trainer from whole rows (a row-parallel half
+    gets its row's scale): the 8-bit bytes alone travel, twice, an optimizer step between."""
+    import lazyload
+    from lazyload.quant.channel import quantize_rows
+    from lazyload.sync.box_target import BoxTarget
+
+    trainer, optimizer, own, store = _trainer_and_own_group(rank, world, "own-group-channel")
+    full = _shared_full(trainer)
+    boxes = _channel_boxes(full, rank - 2) if rank >= 2 else None
+    target = BoxTarget(boxes, quantized=torch.float8_e4m3fn) if boxes else None
+    sync = lazyload.WeightSync(source=trainer, target=target, group=own, store=store, rank_timeout=60)
+    for _ in range(2):
+        report = sync()
+        full = _shared_full(trainer)
+        if boxes:
+            quantized, plain = 0, 0
+            for name, box in boxes:
+                received = target.received(name, box)
+                rows, cols = (slice(a, b) for a, b in box) if len(box) == 2 else (slice(*box[0]), None)
+                if name.endswith("_proj.weight"):
+                    data, _ = quantize_rows(full[name][rows], torch.float8_e4m3fn)
+                    assert received.dtype == torch.float8_e4m3fn and torch.equal(received.view(torch.uint8),
+                                                                                  data[:, cols].view(torch.uint8)), name
+                    quantized += received.numel()
+                elif name.endswith("_proj.weight_scale"):
+                    _, scale = quantize_rows(full[name[:-len("_scale")]][rows], torch.float8_e4m3fn)
+                    assert torch.equal(received, scale), name
+                    quantized += received.nbytes
+                else:
+                    assert torch.equal(received, full[name][tuple(slice(a, b) for a, b in box)]), name
+                    plain += received.nbytes
+            assert report.quantized_on_wire == quantized and report.bytes_received == quantized + plain
+        if trainer is not None:
+            _step(trainer, optimizer)
+
+
+def _channel_boxes(full: dict, half: int) -> list:
+    """A TP-2 engine's boxes of a Llama stored quantized per channel: each projection's half
+    (rows; columns of o_proj and down_proj) with the scales of its rows, the rest as
+    `_half_rows` asks for them."""
+    boxes = []
+    for name, box in _half_rows(full, half):
+        if name.endswith("_proj.weight"):
+            rows, cols = full[name].shape
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                box = ((0, rows), (half * cols // 2, (half + 1) * cols // 2))
+            boxes += [(name, box), (name + "_scale", (box[0], (0, 1)))]
+        else:
+            boxes.append((name, box))
+    return boxes
 
 
 def _copies(rank, world):
@@ -1044,8 +1110,8 @@ def _run_case(case, rank, world):
 # cases that take the rank and the job's world, by name
 _WHOLE_JOB_CASES = {"uneven": _uneven, "renamed": _renamed_state_dict, "mismatched": _mismatched, "recast": _recast,
                     "replica-groups": _replica_groups, "digests-differ": _digests_differ, "store-size": _store_size,
-                    "own-group": _own_group, "copies": _copies, "budgets": _budgets, "nccl-retry": _nccl_retry,
-                    "blocks-cut": _blocks_cut}
+                    "own-group": _own_group, "own-group-channel": _own_group_channel, "copies": _copies,
+                    "budgets": _budgets, "nccl-retry": _nccl_retry, "blocks-cut": _blocks_cut}
 
 
 def test_sync(tmp_path):
@@ -1054,7 +1120,7 @@ def test_sync(tmp_path):
              *[("quantized", dtype, str(tmp_path)) for dtype in ("int8", "int8-rows", "fp8", "fp8-block")],
              *[("loaded-quantized", dtype, str(tmp_path)) for dtype in ("int8", "fp8-block")],
              "uneven", "renamed", "mismatched", "fault", "nccl-retry", "recast", "replica-groups", "store-size",
-             "digests-differ", "own-group", "copies", "budgets", "blocks-cut"]
+             "digests-differ", "own-group", "own-group-channel", "copies", "budgets", "blocks-cut"]
     spawn_cases(4, cases, tmp_path, _run_case)
 
 

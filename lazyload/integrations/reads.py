@@ -7,6 +7,12 @@ order under the byte budget, casting into the destinations (`totals.casts` count
 cast, by dtype path). `read` (an operation the geometry cannot record) reads a view whole
 at once and counts it as a fallback.
 
+With `peers` (an engine's TP workers reading a URL, `tp_share`), `run()` first gathers every
+worker's boxes; the tensors some worker's box cuts strided (row-parallel) are fetched one
+contiguous range of rows per worker and exchanged layer by layer; the rest is read as above.
+A reload with `peers` plans them in `expect` (`SharedReload`, from every worker's boxes of the
+last load) and exchanges a layer at its first copy of one of them.
+
 A reload (`deferred` False: vLLM processes each layer as soon as its copies are done, so each
 copy is read as it is made) gets the load's prefetch through `expect`: the boxes the last
 load's weight loaders copied, planned on this checkpoint and scheduled by layer as a load's
@@ -27,6 +33,7 @@ import torch
 from ..engine import announce, run_schedule
 from ..errors import PlanError
 from ..expr import box_numel, box_shape, box_within
+from ..index import natural_key
 from ..placer import Destination, TensorDest, with_whole
 from ..plan import plan_boxes
 from ..planner import byte_budget
@@ -34,6 +41,7 @@ from ..readers.choice import choose_reader, reader_name
 from ..schedule import Group, layer_of, schedule
 from ..stored import StoredCheckpoint
 from .lazy_tensor import Box, LazySource, LazyTensor
+from .tp_share import Peers, SharedTensor, by_layer, exchange, gather_boxes, plan_shared, within
 
 logger = logging.getLogger("lazyload")
 
@@ -70,6 +78,7 @@ class ReadTotals:
     bytes_repeated: int = 0  # of those, boxes asked for again (an engine copying the same box twice)
     boxes: int = 0
     prefetched_bytes: int = 0  # of the boxes read, bytes whose pages were announced a layer ahead (cold pages)
+    bytes_received: int = 0  # tensor bytes other TP workers fetched and sent this one (`tp_share`)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
     casts: dict[str, int] = field(default_factory=dict)  # "int8->float32" (via a loader's cast: "a->b->c"): stored bytes
     reader: str = ""
@@ -94,6 +103,8 @@ class BoxReads:
         self.totals = ReadTotals()
         self.asked: set[tuple[str, Box]] = set()
         self.prefetch: LayerPrefetch | None = None
+        self.peers: Peers | None = None  # TP workers to share strided fetches with (a URL's load, `tp_share`)
+        self.shared_reload: SharedReload | None = None
 
     def expect(self, boxes: list[tuple[str, Box]]) -> None:
         """Copies read as they are made (a reload) will ask for about these boxes (the last
@@ -101,11 +112,14 @@ class BoxReads:
         self.close()
         if reader_name(self.options.reader, torch.device("cpu"), self.checkpoint.remote) == "mmap":
             self.prefetch = LayerPrefetch(self, boxes)  # pread and remote readers announce nothing
+        if self.peers is not None:
+            self.shared_reload = SharedReload(self, boxes)
 
     def close(self) -> None:
         if self.prefetch is not None:
             self.prefetch.close()
             self.prefetch = None
+        self.shared_reload = None
 
     def tensor(self, name: str) -> LazyTensor:
         """The checkpoint tensor `name` as a lazy tensor whose copies land here."""
@@ -122,6 +136,9 @@ class BoxReads:
         copy = Copy(lazy.source.name, lazy.geometry.box, lazy.geometry.as_stored(dst), via)
         if self.deferred:
             self.pending.append(copy)
+        elif self.shared_reload is not None and (values := self.shared_reload.take(copy)) is not None:
+            copy.dst.copy_(values if via is None else values.to(via))
+            self._count_served(copy)
         else:
             if self.prefetch is not None:
                 self.totals.prefetched_bytes += self.prefetch.before(copy)
@@ -138,9 +155,49 @@ class BoxReads:
     def run(self) -> None:
         """Read every recorded copy (layer order, byte budget), then forget them."""
         copies, self.pending = self.pending, []
+        if self.peers is not None:
+            copies = self._share(copies)
         self._read(copies)
 
-    def _read(self, copies: list[Copy]) -> None:
+    def _share(self, copies: list[Copy]) -> list[Copy]:
+        """Fetch this worker's part of the tensors it shares with the other TP workers and
+        exchange the parts layer by layer (`tp_share`), before any other read (so that the
+        workers meet at each exchange after balanced work); returns the copies left to read."""
+        index = self.checkpoint.index
+        boxes = sorted({(c.name, c.box) for c in copies}, key=lambda pair: (natural_key(pair[0]), pair[1]))
+        shared = plan_shared(gather_boxes(self.peers, boxes), index.shape)
+        mine = [c for c in copies if c.name in shared]
+        by_box: dict[tuple[str, Box], list[Copy]] = {}
+        for c in mine:
+            by_box.setdefault((c.name, c.box), []).append(c)
+
+        def deliver(name: str, box: Box, part: Box, values: torch.Tensor) -> None:
+            for c in by_box[(name, box)]:
+                c.dst[within(part, box)].copy_(values if c.via is None else values.to(c.via))
+
+        for layer in by_layer(shared):
+            self._fetch_and_exchange(layer, deliver)
+        for c in mine:
+            self._count_served(c)
+        return [c for c in copies if c.name not in shared]
+
+    def _fetch_and_exchange(self, layer: list[SharedTensor], deliver) -> None:
+        """Fetch this worker's rows of the layer's shared tensors, then exchange them (`tp_share.exchange`)."""
+        index, me = self.checkpoint.index, self.peers.rank
+        fetched = {t.name: torch.empty(box_shape(t.fetch[me]), dtype=index.dtype(t.name))
+                   for t in layer if t.fetch[me] is not None}
+        self._read([Copy(t.name, t.fetch[me], fetched[t.name]) for t in layer if t.name in fetched], asked=False)
+        self.totals.bytes_received += exchange(self.peers, layer, fetched, index.dtype, deliver)
+
+    def _count_served(self, c: Copy) -> None:
+        """Count a copy the exchange filled as one read is counted (not its bytes: others fetched part)."""
+        self._count_cast(c)
+        self.totals.bytes_planned += box_numel(c.box) * self.checkpoint.index.dtype(c.name).itemsize
+        self.totals.boxes += 1
+
+    def _read(self, copies: list[Copy], asked: bool = True) -> None:
+        """Read `copies` (`asked` False: fetches for the TP workers to share, not this
+        worker's boxes: counted as read, not as planned)."""
         if not copies:
             return
         index = self.checkpoint.index
@@ -161,10 +218,12 @@ class BoxReads:
         for c in copies:
             if c.via is not None:
                 c.dst.copy_(staged[id(c)])
-            self._count_cast(c)
+            if asked:
+                self._count_cast(c)
         self.totals.bytes_read += reader.bytes_read
-        self.totals.bytes_planned += sum(item.nbytes for item in items)
-        self.totals.boxes += len(copies)
+        if asked:
+            self.totals.bytes_planned += sum(item.nbytes for item in items)
+            self.totals.boxes += len(copies)
         self.totals.reader = reader_name(self.options.reader, device, self.checkpoint.remote)
         self.totals.add_fields(reader.report_fields())
 
@@ -219,3 +278,39 @@ class LayerPrefetch:
         if self.reader is not None:
             self.reader.close()
 
+
+class SharedReload:
+    """A reload's shared tensors (`tp_share`), planned from every worker's boxes of the last
+    load (gathered at the start, so on every worker at once): at the first copy of a layer
+    that asks for one of them, the layer's rows are fetched and exchanged, and the values are
+    held until the next layer's exchange (the copies come in layer order); a copy they do
+    not cover is read alone."""
+
+    def __init__(self, reads: BoxReads, boxes: list[tuple[str, Box]]):
+        index = reads.checkpoint.index
+        names = set(index.names())
+        mine = sorted({(name, box) for name, box in boxes if name in names and box_within(box, index.shape(name))},
+                      key=lambda pair: (natural_key(pair[0]), pair[1]))
+        self.reads, self.rank = reads, reads.peers.rank
+        self.shared = plan_shared(gather_boxes(reads.peers, mine), index.shape)
+        self.layers = {layer_of(layer[0].name): layer for layer in by_layer(self.shared)}
+        self.values: dict[tuple[str, Box], torch.Tensor] = {}
+        self.exchanged: set[str] = set()
+
+    def take(self, copy: Copy) -> torch.Tensor | None:
+        """The values of `copy`'s box in its stored dtype, or None (read it alone)."""
+        tensor = self.shared.get(copy.name)
+        if tensor is None or copy.box not in tensor.boxes[self.rank]:
+            return None
+        layer = layer_of(copy.name)
+        if layer not in self.exchanged:
+            self.exchanged.add(layer)
+            self.values = {}
+            self.reads._fetch_and_exchange(self.layers[layer], self._keep)
+        return self.values.get((copy.name, copy.box))
+
+    def _keep(self, name: str, box: Box, part: Box, values: torch.Tensor) -> None:
+        held = self.values.get((name, box))
+        if held is None:
+            held = self.values[(name, box)] = torch.empty(box_shape(box), dtype=values.dtype)
+        held[within(part, box)].copy_(values)

@@ -16,6 +16,14 @@ format.
 `RemoteOptions`' fields, `iteration`); any other key is an ArgumentError naming the
 nearest one. Each worker logs a `WorkerReport` and keeps it in `REPORTS`.
 
+From a URL at TP > 1, the row-parallel tensors (each worker's box the column half of every
+row) are fetched once between the workers, at a load and a reload, each a contiguous range of rows, and
+exchanged over vLLM's TP group (`integrations.tp_share`): each worker fetches 1/TP of them in
+few GETs. `cooperative: False` turns it off (each worker fetches its own boxes);
+`rank_timeout` (seconds, 60 by default) bounds each collective of it, so that a worker that
+fails or dies is a LazyLoadError on the others, not a hang. Local files keep their own
+reads (the page cache is shared already).
+
 The checkpoint is read from vLLM's `model_weights` when set, else from `model`. An object
 store's URL (`s3://`, ...) vLLM takes in neither for a load format not its own (it pulls
 config files through Run:ai's streamer, then refuses the format), so the key `weights`
@@ -52,17 +60,17 @@ from ..stored import StoredCheckpoint
 from ..index import natural_key
 from .lazy_tensor import LazyTensor
 from .reads import BoxReads, ReadOptions
-from .vllm_update import LOADED_BOXES, register_transfer_engine
+from .tp_share import Peers
+from .vllm_update import LOADED_BOXES, LOADED_QUANTIZATION, register_transfer_engine
 
 FORMAT = "lazyload"
 
 # Keywords of load_into that do not apply inside vLLM, and why (named in the error).
 NOT_HERE = {
-    "rank_timeout": "vLLM's workers load independently (no lazyload agreement between them)",
     "device": "vLLM places the parameters", "dtype": "vLLM's dtype= sets the parameters' dtype",
     "plan": "vLLM's weight loaders split the tensors", "mesh": "vLLM's tensor_parallel_size sets the split",
     "quantize": "use vLLM's quantization=", "strict": "vLLM checks that every parameter was loaded",
-    "shards_only": "vLLM's weight loaders split the tensors", "cooperative": "not supported inside vLLM",
+    "shards_only": "vLLM's weight loaders split the tensors",
     "missing": "vLLM checks that every parameter was loaded", "key_map": "vLLM's weight loaders map the names",
 }
 
@@ -71,7 +79,7 @@ REPORTS: list["WorkerReport"] = []  # this process's reports, the latest last (t
 
 def _extra_config(reader: str = "auto", max_host_bytes: int | None = None, release_pages: bool = False,
                   trust_pickle: bool = False, remote: dict | None = None, iteration: int | None = None,
-                  weights: str | None = None) -> None:
+                  weights: str | None = None, cooperative: bool | None = None, rank_timeout: float = 60.0) -> None:
     """The keys `model_loader_extra_config` takes (this signature is their list)."""
 
 
@@ -82,6 +90,8 @@ class LoaderConfig:
     remote: RemoteOptions | None = None
     iteration: int | None = None
     weights: str | None = None  # the checkpoint's path or URL, when not `model` (see the module)
+    cooperative: bool | None = None  # False: TP workers do not share a URL's row-parallel fetches
+    rank_timeout: float = 60.0  # seconds each collective of that sharing may take
 
     @classmethod
     def of(cls, extra: Any) -> "LoaderConfig":
@@ -103,6 +113,13 @@ class LoaderConfig:
         if weights is not None and (not isinstance(weights, str) or not weights):
             raise ArgumentError(f"model_loader_extra_config 'weights' must be the checkpoint's path or URL "
                                 f"(e.g. 's3://bucket/model/'), got {weights!r}.")
+        if extra.get("cooperative") not in (None, True, False):
+            raise ArgumentError(f"model_loader_extra_config 'cooperative' must be true or false, got "
+                                f"{extra['cooperative']!r}.")
+        timeout = extra.get("rank_timeout", 60.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ArgumentError(f"model_loader_extra_config 'rank_timeout' must be a positive number of seconds, "
+                                f"got {timeout!r}.")
         read = ReadOptions(**{k: extra.pop(k) for k in ("reader", "max_host_bytes", "release_pages") if k in extra})
         return cls(read, remote=remote, **extra)
 
@@ -118,7 +135,9 @@ class WorkerReport:
     """What one worker's load (or reload) read: `bytes_read` tensor bytes (`bytes_planned`:
     the boxes its weight loaders copied; a fallback reads more; the pread reader may read
     across a small gap; `bytes_repeated` of them were boxes copied again: vLLM's layer-wise
-    reload replays some loads; `prefetched_bytes` of them were announced a layer ahead of their
+    reload replays some loads; `bytes_received` tensor bytes of its boxes that other TP
+    workers fetched and sent it, not counted in `bytes_read` (a URL at TP > 1, whose
+    `bytes_read` counts the rows it fetched for all instead); `prefetched_bytes` of them were announced a layer ahead of their
     reads, on cold pages, at a load and a reload alike), `header_bytes` of the checkpoint's headers, `read_syscall_bytes`
     what the worker process read through read()/pread() meanwhile (the kernel's count,
     not lazyload's: with reader "pread" about `bytes_read` + `header_bytes`), `fallbacks` (tensor, operation) read whole because a weight
@@ -134,6 +153,7 @@ class WorkerReport:
     boxes: int = 0
     bytes_read: int = 0
     prefetched_bytes: int = 0
+    bytes_received: int = 0
     bytes_planned: int = 0
     bytes_repeated: int = 0
     header_bytes: int = 0
@@ -153,7 +173,8 @@ class WorkerReport:
         return (f"lazyload {what} of {self.checkpoint}, TP rank {self.rank}/{self.world}: read {size(self.bytes_read)} "
                 f"({share:.0%} of {size(self.checkpoint_bytes)}; {self.boxes} boxes of {self.tensors} tensors, "
                 f"reader {self.reader}) + {size(self.header_bytes)} of headers in {self.seconds:.2f} s; "
-                f"{len(self.fallbacks)} fallbacks"
+                + (f"{size(self.bytes_received)} received from the other TP workers; " if self.bytes_received else "")
+                + f"{len(self.fallbacks)} fallbacks"
                 + (f", {size(self.bytes_repeated)} asked for again" if self.bytes_repeated else "")
                 + f"; peak RSS {size(self.peak_rss)}, anonymous {size(self.peak_anon)}"
                 + (f"; fallbacks: {self.fallbacks[:8]}" if self.fallbacks else ""))
@@ -168,10 +189,25 @@ def tp_rank_world() -> tuple[int, int]:
         return 0, 1
 
 
+def tp_peers(timeout: float) -> Peers:
+    """The engine's TP group on CPU (gloo), over which the workers share a URL's fetches."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group().cpu_group
+    return Peers(group, dist.get_rank(group), dist.get_world_size(group), timeout)
+
+
 def checkpoint_of(model_config: Any, config: LoaderConfig) -> StoredCheckpoint:
     """The checkpoint at vLLM's `model_weights` when set (see the module), else at `model`."""
     return StoredCheckpoint(model_config.model_weights or model_config.model, trust_pickle=config.trust_pickle,
                             remote=config.remote, iteration=config.iteration)
+
+
+def quantization_config(model_config: Any) -> dict:
+    """The checkpoint's `quantization_config` as a dict ({} when not quantized)."""
+    config = getattr(model_config.hf_config, "quantization_config", None) or {}
+    return config if isinstance(config, dict) else config.to_dict()
 
 
 def lazy_weights(reads: BoxReads) -> Generator[tuple[str, LazyTensor], None, None]:
@@ -188,11 +224,13 @@ def has_online_processing(model: nn.Module) -> bool:
 class Load:
     """One worker's load or reload: the checkpoint, its reads, the report."""
 
-    def __init__(self, model_config: Any, config: LoaderConfig, reload: bool):
+    def __init__(self, model_config: Any, config: LoaderConfig, reload: bool, deferred: bool = True):
         self.started = time.perf_counter()
         self.rank, self.world = tp_rank_world()
         self.checkpoint = checkpoint_of(model_config, config)
-        self.reads = BoxReads(self.checkpoint, config.read, self.world)
+        self.reads = BoxReads(self.checkpoint, config.read, self.world, deferred)
+        if self.world > 1 and self.checkpoint.remote is not None and config.cooperative is not False:
+            self.reads.peers = tp_peers(config.rank_timeout)
         self.reload = reload
         self.memory = MemorySampler()
         self.rchar = read_syscall_bytes()
@@ -202,6 +240,7 @@ class Load:
         report = WorkerReport(str(self.checkpoint.paths), self.rank, self.world, self.reload, tensors=len(index),
                               boxes=totals.boxes, bytes_read=totals.bytes_read, bytes_planned=totals.bytes_planned,
                               bytes_repeated=totals.bytes_repeated, prefetched_bytes=totals.prefetched_bytes,
+                              bytes_received=totals.bytes_received,
                               header_bytes=index.header_bytes_read, checkpoint_bytes=index.total_bytes,
                               seconds=time.perf_counter() - self.started, fallbacks=list(totals.fallbacks),
                               casts=dict(totals.casts),
@@ -251,13 +290,13 @@ def loader_class() -> type:
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             if self.config.weights:  # kept there for a reload without weights_path (see the module)
                 model_config.model_weights = self.config.weights
-            load = Load(model_config, self.config, reload=False)
-            deferred = not has_online_processing(model)
-            load.reads.deferred = deferred
+            load = Load(model_config, self.config, reload=False, deferred=not has_online_processing(model))
             with load.memory, torch.no_grad():
                 loaded = model.load_weights(lazy_weights(load.reads))
                 load.reads.run()
             LOADED_BOXES[:] = sorted(load.reads.asked, key=lambda pair: (natural_key(pair[0]), pair[1]))
+            LOADED_QUANTIZATION.clear()
+            LOADED_QUANTIZATION.update(quantization_config(model_config))
             self.last_report = load.report()
             if model_config.quantization is None and loaded is not None:
                 self.track_weights_loading(model, loaded, quantized=False)
@@ -265,8 +304,7 @@ def loader_class() -> type:
         def get_all_weights(self, model_config: Any, model: nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
             """The checkpoint's tensors for vLLM's reload (`reload_weights`): each copy is read
             as it is made (vLLM processes each layer once its copies are done)."""
-            load = Load(model_config, self.config, reload=True)
-            load.reads.deferred = False
+            load = Load(model_config, self.config, reload=True, deferred=False)
             load.reads.expect(LOADED_BOXES)  # the load's boxes: their pages announced a layer ahead when cold
             try:
                 with load.memory:

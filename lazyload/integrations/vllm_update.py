@@ -1,7 +1,10 @@
 """The RL weight update into vLLM workers: each worker receives from the trainer only the
 boxes its weight loaders took when it loaded (load_format="lazyload" records them), then
 vLLM's own in-place reload copies them into its parameters, fusing and processing as after
-a load (re-quantizing a quantized model; on a GPU the parameters keep their storage).
+a load (re-quantizing a quantized model; on a GPU the parameters keep their storage). An
+engine serving a compressed-tensors checkpoint quantized per channel (FP8_DYNAMIC, W8A8)
+receives its weights quantized by the trainer in that stored layout, as the library writes
+them (`quant.channel`): the 8-bit data and the scales of its rows, nothing else.
 
 On the trainer ranks: `group, store = update_group(host, port, rank, world)` and
 `WeightSync(source=model, group=group, store=store)`, called at each step. On the engine,
@@ -31,6 +34,7 @@ import torch
 from ..errors import ArgumentError, LazyLoadError, SyncError
 from ..expr import Box
 from ..index import natural_key
+from ..quant.channel import channel_dtype
 from ..sync.box_target import BoxTarget
 from ..sync.weight_sync import WeightSync
 from .lazy_tensor import LazySource, LazyTensor
@@ -39,6 +43,9 @@ STORE_PREFIX = "lazyload-update"
 # the (tensor, box) pairs this worker's weight loaders took at its last lazyload load (the
 # loader, `integrations.vllm`, records them): what the worker asks the trainer for
 LOADED_BOXES: list[tuple[str, Box]] = []
+# the `quantization_config` of that load's checkpoint ({} when not quantized): a worker whose
+# checkpoint stores compressed-tensors' per-channel 8-bit weights asks for them so (`quant.channel`)
+LOADED_QUANTIZATION: dict[str, Any] = {}
 
 
 def update_group(host: str, port: int, rank: int, world: int, rank_timeout: float = 60.0) -> tuple[Any, Any]:
@@ -76,7 +83,8 @@ def received_weights(sync: WeightSync, sink: Received) -> Iterator[tuple[str, La
     """The received tensors as (name, lazy tensor), in layer order, for `reload_weights`."""
     names = sorted({name for name, _ in sync.target.boxes}, key=natural_key)
     for name in names:
-        yield name, LazyTensor(LazySource(name, tuple(sync.index.shape(name)), sync.index.dtype(name), sink))
+        shape, dtype = sync.target.stored[name]  # a quantized weight's 8-bit data and scales, as the engine holds them
+        yield name, LazyTensor(LazySource(name, shape, dtype, sink))
 
 
 def worker_boxes() -> list[tuple[str, Box]]:
@@ -96,7 +104,8 @@ class WorkerUpdate:
     def __init__(self, host: str, port: int, world: int, rank: int, rank_timeout: float = 60.0):
         group, store = update_group(host, port, rank, world, rank_timeout)
         self.rank = rank
-        self.sync = WeightSync(target=BoxTarget(worker_boxes()), group=group, store=store, rank_timeout=rank_timeout)
+        target = BoxTarget(worker_boxes(), quantized=channel_dtype(LOADED_QUANTIZATION))
+        self.sync = WeightSync(target=target, group=group, store=store, rank_timeout=rank_timeout)
 
     def joined(self) -> dict:
         return {"rank": self.rank, "boxes": len(self.sync.target.boxes), "plan_digest": self.sync.plan_digest}

@@ -27,7 +27,7 @@ from ..agreement import CollectiveError
 from .layout import local_piece
 from .routes import Request, Routes, packed_offsets, slot
 from .source_index import Piece
-from .wire import QuantizedWire
+from .wire import ChannelWire, QuantizedWire
 
 
 @dataclass
@@ -106,7 +106,13 @@ def _step(routes: Routes, ends: Ends, moved: Moved, step: int) -> None:
     for position in routes.local.get(step, ()):
         item = ends.items[position]
         piece = ends.pieces[item.entry.key]
-        _place(ends, moved, item, local_piece(ends.tensors[piece.name], piece.held, item.src_box))
+        wire = ends.wires.get(position)
+        if isinstance(wire, ChannelWire):  # quantized from its whole rows, as a source rank would send it
+            _local_channel(ends, wire, item, local_piece(ends.tensors[piece.name], piece.held,
+                                                         wire.source_box(item.src_box)))
+            moved.placed(item.target)
+        else:
+            _place(ends, moved, item, local_piece(ends.tensors[piece.name], piece.held, item.src_box))
         moved.local += item.nbytes
     try:
         wait_polling(works, ends, f"step {step} of the weight sync's sends and receives")
@@ -141,6 +147,15 @@ def _received(ends: Ends, moved: Moved, position: int, buffer: torch.Tensor, off
     return wire.nbytes(item.src_box)
 
 
+def _local_channel(ends: Ends, wire: ChannelWire, item: Any, rows: torch.Tensor) -> None:
+    """A box this rank holds itself, of a weight stored quantized per channel: packed and
+    placed through a message of its own, the same bytes a source rank would send."""
+    buffer = message_buffer(wire.nbytes(item.src_box), ends)
+    with torch.no_grad():
+        wire.pack(buffer, 0, item.src_box, rows)
+        wire.place(buffer, 0, item.src_box, ends.dests[item.target], item.dst_box)
+
+
 def _wire(ends: Ends, position: int) -> torch.dtype | QuantizedWire:
     """How item `position` of this target travels: cast or quantized by its source, or as stored."""
     return ends.wires.get(position) or ends.items[position].entry.dtype
@@ -155,7 +170,8 @@ def _pack(requests: tuple[Request, ...], ends: Ends) -> torch.Tensor:
     buffer = message_buffer(nbytes, ends)
     for request, offset, (dtype, _) in zip(requests, offsets, specs):
         piece = ends.pieces[request.key]
-        values = local_piece(ends.tensors[piece.name], piece.held, request.box)
+        read = dtype.source_box(request.box) if isinstance(dtype, QuantizedWire) else request.box
+        values = local_piece(ends.tensors[piece.name], piece.held, read)
         if isinstance(dtype, QuantizedWire):
             with torch.no_grad():
                 dtype.pack(buffer, offset, request.box, values)

@@ -55,7 +55,8 @@ class SyncReport:
       version); any other target tensor may be partly written (a torn mix of both).
       `partial` is `written` (its earlier name).
     - `quantized_on_wire`: of `bytes_sent` and `bytes_received`, those of boxes quantized
-      by their source (the 8-bit data and scales of a target built with `quantize=`); the
+      by their source (the 8-bit data and scales of a target built with `quantize=`, or of
+      a `BoxTarget(quantized=)`'s weights stored quantized per channel); the
       rest travelled in full precision (cast, or as the source holds it), a quantized
       target's boxes among them quantized on arrival (a conversion's sources, boxes whose
       source cannot quantize them as the target would)."""
@@ -159,7 +160,10 @@ class WeightSync:
       loaded with `load_into(quantize=...)` is synced with the same `quantize=`: each received
       slice is quantized into its layers' own data and scales, as `load_into` would.
       Or a `BoxTarget`: the boxes of each tensor an engine's own weight loaders copy (a vLLM
-      worker, `integrations.vllm_update`), received into host tensors it reads from.
+      worker, `integrations.vllm_update`), received into host tensors it reads from;
+      `BoxTarget(boxes, quantized=torch.float8_e4m3fn)` receives the weights it asks for
+      with their `weight_scale` as compressed-tensors stores them per channel, quantized
+      by the trainer (`quant/channel.py`).
     - `target_mesh`: the server ranks' DeviceMesh (1-D, tensor parallel; a pipeline stage's
       model, holding only its layers as `load_into` takes it, with its stage's TP mesh:
       each stage receives only its layers' slices); `quantize`,
@@ -375,8 +379,9 @@ class WeightSync:
         # computed once: `_cut_at` and `choose_copies` ask it (a ruled box's copies from its rules)
         self._copies = {**copies_of(self.pieces), **self._rule_copies}
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
-            self.items, self._box_dests, budget = self.target.plan(self.index, self._options.max_host_bytes,
-                                                                   self._cut_at)
+            self.items, self._box_dests, budget, self._wires = self.target.plan(self.index,
+                                                                                self._options.max_host_bytes,
+                                                                                self._cut_at)
             return budget
         if self.target_mesh is None:
             raise ArgumentError("WeightSync(target=...) needs target_mesh=, the server ranks' DeviceMesh (1-D, "

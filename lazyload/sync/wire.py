@@ -20,6 +20,7 @@ import torch
 
 from ..expr import Box, Whole, box_numel, box_shape, full_box
 from ..placer import TensorDest
+from ..quant.channel import quantize_rows
 from ..quant.onload import Grid, QuantizedDest, scale_shape
 
 SCALE = torch.float32  # the scales' dtype on the wire, as the target holds them
@@ -69,12 +70,35 @@ class QuantizedWire:
         dest.data[tuple(slice(a, b) for a, b in dst_box)].copy_(data)
         dest.scale[tuple(slice(a, b) for a, b in self._scale_box(dst_box))].copy_(scale)
 
+    def source_box(self, box: Box) -> Box:
+        """What the source reads to pack `box`: the box itself (its groups are whole)."""
+        return box
+
     def _scale_box(self, box: Box) -> Box:
         """The scales of `box` (whole groups) in its tensor's scale grid (`scale_shape`)."""
         axis, last = self.axis % len(box), len(box) - 1
         return tuple((a // self.group, -(-b // self.group)) if d == axis
                      else (a // self.rows, -(-b // self.rows)) if d == last - 1 and self.rows > 1 else (a, b)
                      for d, (a, b) in enumerate(box))
+
+
+@dataclass(frozen=True)
+class ChannelWire(QuantizedWire):
+    """A box of a weight stored quantized per output row in compressed-tensors' layout
+    (`quant.channel`): its 8-bit data and a float32 scale per row, each row's scale taken
+    over the whole row (`group`: the row's length), as the library writes it. The source
+    reads the box's whole rows (`source_box`; its piece holds them, `BoxTarget` checks) and
+    quantizes the box's columns: a row-parallel worker's half gets the row's own scale."""
+
+    def source_box(self, box: Box) -> Box:
+        return box[:-1] + ((0, self.group),)
+
+    def pack(self, buffer: torch.Tensor, offset: int, box: Box, rows: torch.Tensor) -> None:
+        """`rows`: the full-precision rows of `box` (`source_box`), quantized into the message."""
+        data, scale = self.slots(buffer, offset, box)
+        values, scales = quantize_rows(rows, self.dtype)
+        data.copy_(values[..., box[-1][0]:box[-1][1]])
+        scale.copy_(scales)
 
 
 def quantize_on_wire(plan, items: list) -> dict[int, QuantizedWire]:

@@ -102,14 +102,15 @@ def replicated(name: str, config: dict, tp: int) -> bool:
     return (".k_proj." in name or ".v_proj." in name) and config["num_key_value_heads"] < tp
 
 
-def share(directory: Path, tp: int, whole=replicated) -> int:
-    """The tensor bytes each of `tp` ranks holds, from the headers and the rule `whole` (above)."""
+def share(directory: Path, tp: int, whole=replicated, counted=lambda name: True) -> int:
+    """The tensor bytes each of `tp` ranks holds, from the headers and the rule `whole`
+    (above), of the tensors `counted` names."""
     config = json.loads((directory / "config.json").read_text())
     total = 0
     for path in shard_files(directory):
         _, header = read_header(path)
         for name, entry in header.items():
-            if name == "__metadata__":
+            if name == "__metadata__" or not counted(name):
                 continue
             nbytes = entry["data_offsets"][1] - entry["data_offsets"][0]
             total += nbytes if whole(name, config, tp) else nbytes // tp
@@ -204,10 +205,23 @@ def rl_update() -> dict:
     trainer ranks starting from A, two updates, a third in which trainer rank 1 dies, then
     each step's saved weights loaded afresh."""
     a, _ = checkpoints("llama")
-    out = ROOT / "rl-steps"
+    return run_rl_update(a, ROOT / "rl-steps")
+
+
+@lru_cache(maxsize=None)
+def rl_update_quantized() -> dict:
+    """rl_update_run.py into a TP-2 engine serving compressed-tensors' FP8_DYNAMIC of Llama's
+    checkpoint A (`prequantized`), the trainers starting from A in float32; each step's fresh
+    load is of the FP8 checkpoint compressed-tensors writes from the trainer's weights."""
+    a, _ = checkpoints("llama")
+    return run_rl_update(prequantized("FP8_DYNAMIC"), ROOT / "rl-steps-fp8", "--trainer-model", str(a),
+                         "--scheme", "FP8_DYNAMIC")
+
+
+def run_rl_update(model: Path, out: Path, *options: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(HERE / "rl_update_run.py"), str(a), str(out), "--tp", "2",
-               "--timeout", str(RL_TIMEOUT)]
+    command = [sys.executable, str(HERE / "rl_update_run.py"), str(model), str(out), "--tp", "2",
+               "--timeout", str(RL_TIMEOUT), *options]
     returncode, output = run_process(command)
     results = [line for line in output.splitlines() if line.startswith("RESULT ")]
     assert returncode == 0 and results, f"{' '.join(command)} failed ({returncode}):\n{output[-6000:]}"
@@ -221,6 +235,7 @@ def test_rl_update_equals_a_fresh_load():
     result = rl_update()
     assert [j["rank"] for j in result["joined"]] == [2, 3]
     assert len({j["plan_digest"] for j in result["joined"]}) == 1
+    assert result["reloaded_model"] == {"tokens": result["tokens"][0], "digests": result["digests"][0]}
     for step, fresh in enumerate(result["fresh"], start=1):
         assert result["digests"][step] == fresh["digests"], step
         assert result["tokens"][step] == fresh["tokens"], step
@@ -250,6 +265,32 @@ def test_rl_update_trainer_dies():
     assert result["after_failure"] == {"tokens": result["tokens"][-1], "digests": result["digests"][-1]}
 
 
+def test_rl_update_into_a_quantized_engine():
+    """A TP-2 engine serving a compressed-tensors FP8_DYNAMIC checkpoint, updated from float32
+    FSDP2 trainers: after each of two updates (an optimizer step between) every worker's
+    parameters are bit-equal to a fresh load (vLLM's reload_weights) of the FP8 checkpoint
+    compressed-tensors writes from the trainer's weights, and the tokens are that load's.
+    Each worker received exactly its share of that checkpoint, as a lazyload load reads it
+    (`replicated_quantized`): its FP8 boxes and their rows' float32 scales quantized by the
+    trainers (`quantized_on_wire`), the rest as stored; the trainers sent no more."""
+    directory = prequantized("FP8_DYNAMIC")
+    result = rl_update_quantized()
+    assert len({j["plan_digest"] for j in result["joined"]}) == 1
+    # the fresh loads are reloads: reloading the engine's own checkpoint gives LLM()'s load of it, bit for bit
+    assert result["reloaded_model"] == {"tokens": result["tokens"][0], "digests": result["digests"][0]}
+    for step, fresh in enumerate(result["fresh"], start=1):
+        assert result["digests"][step] == fresh["digests"], step
+        assert result["tokens"][step] == fresh["tokens"], step
+        assert result["digests"][step] != result["digests"][step - 1], step  # not vacuous: the weights moved
+    quantized = share(directory, 2, replicated_quantized, counted=lambda name: "_proj." in name)
+    assert 0 < quantized < share(directory, 2, replicated_quantized)
+    for update in result["updates"]:
+        assert [w["bytes_received"] for w in update] == [share(directory, 2, replicated_quantized)] * 2
+        assert [w["quantized_on_wire"] for w in update] == [quantized] * 2
+        assert all(w["fallbacks"] == [] and w["bytes_sent"] == 0 for w in update)
+    assert sum(sent for _, _, sent in result["trainers"]) == 2 * share(directory, 2, replicated_quantized)
+
+
 def test_the_readme_rl_update_script_runs(tmp_path):
     """README's RL update script as written (through vLLM's weight-transfer engine
     'lazyload'), at TP 2: two updates, each changing the engine's tokens; each trainer rank
@@ -275,11 +316,12 @@ def test_the_readme_rl_update_script_runs(tmp_path):
 # --- An s3:// checkpoint (moto's S3 server on 127.0.0.1) ---
 
 BUCKET = "models"
-# TP 2 asks for exact ranges (merge_gap 0): the default 1 MiB merges the half rows of a
-# row-parallel shard (256 bytes apart here) into a GET of nearly the whole tensor; TP 1
-# reads every tensor whole, under the default options. TP 1 reloads without weights_path
-# (the URL of its load again), TP 2 from checkpoint B's URL.
-S3_CASES = {1: ({}, "="), 2: ({"merge_gap": 0}, f"s3://{BUCKET}/b/")}
+# Both under the default options (merge_gap 1 MiB). At TP 2 the row-parallel tensors (o_proj,
+# down_proj: each worker copies the column half of every row, which fetched as is would be a
+# GET per half row or, merged, nearly the whole tensor) are fetched once, half the rows by each
+# worker, and exchanged over vLLM's TP group (`tp_share`), at the load and at the reload. TP 1
+# reloads without weights_path (the URL of its load again), TP 2 from checkpoint B's URL.
+S3_CASES = {1: ({}, "="), 2: ({}, f"s3://{BUCKET}/b/")}
 
 
 def config_only(directory: Path) -> Path:
@@ -336,9 +378,27 @@ def test_s3_each_worker_fetches_its_share(tp):
         for report, (_, _, directory) in zip(worker, expected):
             assert report["reader"] == "remote" and report["fallbacks"] == [] and report["world"] == tp
             served = report["remote"]["bytes_served"]
-            assert served == report["bytes_read"] == report["bytes_planned"] and report["remote"]["retries"] == 0
+            assert served == report["bytes_read"] and report["remote"]["retries"] == 0
             assert report["bytes_planned"] - report["bytes_repeated"] == share(directory, tp)
-            assert served <= (0.55 if tp == 2 else 1) * report["checkpoint_bytes"]  # headers apart
+            assert report["bytes_received"] == (row_parallel_bytes(directory) // 4 if tp == 2 else 0)
+            # at TP 2 half the rows of each row-parallel tensor: as many bytes as its share, in few GETs
+            assert served == share(directory, tp) <= (0.55 if tp == 2 else 1) * report["checkpoint_bytes"]
+            assert report["remote"]["requests"] <= 2 * len(checkpoint_names(directory)), report["remote"]
+
+
+def checkpoint_names(directory: Path) -> list[str]:
+    return [name for path in shard_files(directory) for name in read_header(path)[1] if name != "__metadata__"]
+
+
+def row_parallel_bytes(directory: Path) -> int:
+    """The bytes of the checkpoint's row-parallel tensors (each TP-2 worker receives a quarter
+    of each: the half of its half that the other fetched)."""
+    total = 0
+    for path in shard_files(directory):
+        for name, entry in read_header(path)[1].items():
+            if name.endswith(".weight") and any(r in name for r in ROW_PARALLEL):
+                total += entry["data_offsets"][1] - entry["data_offsets"][0]
+    return total
 
 
 # --- The OpenAI-compatible server ---

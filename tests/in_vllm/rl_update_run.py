@@ -4,9 +4,15 @@ own, FSDP2) start from the same checkpoint, and after each optimizer step send e
 its boxes (`lazyload.integrations.vllm_update`). Two updates; then trainer rank 1 dies in
 the third. After each update the engine's tokens and a digest of every worker's parameters
 are taken; finally each step's weights, saved by the trainers, are loaded into the engine
-afresh (`reload_weights`) and the same taken again. One JSON line `RESULT {...}`.
+afresh (`reload_weights`) and the same taken again, and so is MODEL's (against the load's).
+One JSON line `RESULT {...}`.
 
     python tests/in_vllm/rl_update_run.py MODEL OUT --tp 2 --timeout 20
+    python tests/in_vllm/rl_update_run.py MODEL-FP8 OUT --trainer-model MODEL --scheme FP8_DYNAMIC
+
+A quantized engine (MODEL-FP8, compressed-tensors' FP8_DYNAMIC of MODEL) is updated from the
+trainers' float32 weights, and each step's fresh load is of the checkpoint compressed-tensors
+writes from them.
 
 Run by case_vllm.py (in a process of its own: vLLM's workers and the trainers go with it).
 """
@@ -16,8 +22,10 @@ import argparse
 import json
 import os
 import socket
+import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/quant_checkpoints.py
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -91,6 +99,12 @@ def trainer(rank: int, model_dir: str, out: str, ports: tuple[int, int], world: 
     dist.destroy_process_group()
 
 
+def step_checkpoint(out: str, step: int, scheme: str | None) -> str:
+    """Where a step's weights are saved for the engine's fresh load: as the trainer holds
+    them, or quantized by compressed-tensors in `scheme`."""
+    return os.path.join(out, f"step{step}" + (f"-{scheme}" if scheme else ""))
+
+
 def parameters_digest(worker) -> str:
     """A digest of every parameter of this worker's model (collective_rpc runs it there)."""
     import hashlib
@@ -110,7 +124,11 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=20.0)
+    parser.add_argument("--trainer-model", help="the trainers' checkpoint (full precision) when MODEL is quantized")
+    parser.add_argument("--scheme", help="MODEL's compressed-tensors preset (FP8_DYNAMIC): each step's fresh load is "
+                                         "of the trainer's weights quantized so by compressed-tensors")
     args = parser.parse_args()
+    trainer_model = args.trainer_model or args.model
 
     import torch.multiprocessing as mp
     from vllm import LLM
@@ -127,7 +145,7 @@ def main() -> None:
     world, ports = TRAINERS + args.tp, (free_port(), free_port())
     context = mp.get_context("spawn")
     go, done = context.Queue(), context.Queue()
-    trainers = [context.Process(target=trainer, args=(r, args.model, args.out, ports, world, args.timeout, go, done))
+    trainers = [context.Process(target=trainer, args=(r, trainer_model, args.out, ports, world, args.timeout, go, done))
                 for r in range(TRAINERS)]
     for process in trainers:
         process.start()
@@ -155,8 +173,17 @@ def main() -> None:
         result["after_failure"] = {"tokens": generate(llm), "digests": llm.collective_rpc(parameters_digest)}
         result["fresh"] = []
         for step in range(1, UPDATES + 1):
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": os.path.join(args.out, f"step{step}")})
+            if args.scheme:  # here, not in a trainer: compressed-tensors compresses over a process group it finds
+                from quant_checkpoints import write_ct_packed_checkpoint
+
+                write_ct_packed_checkpoint(os.path.join(args.out, f"step{step}"),
+                                           step_checkpoint(args.out, step, args.scheme), args.scheme)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": step_checkpoint(args.out, step, args.scheme)})
             result["fresh"].append({"tokens": generate(llm), "digests": llm.collective_rpc(parameters_digest)})
+        # MODEL reloaded likewise: against `LLM()`'s load of it (the first digests), that such a
+        # reload is a fresh load
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": args.model})
+        result["reloaded_model"] = {"tokens": generate(llm), "digests": llm.collective_rpc(parameters_digest)}
     finally:
         for _ in trainers:
             go.put(None)
