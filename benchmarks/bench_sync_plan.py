@@ -5,8 +5,9 @@ the bytes and keys each rank writes and reads.
 Each rank is a thread running the real `WeightSync.__init__` (its layout exchange,
 `source_index`, `plan_load` of a meta model on server ranks, the requests, `choose_copies`,
 the routes and the plan's agreement); only the source's layout is synthetic: the boxes FSDP
-(and TP) would give each trainer rank, written as `SourceTensor`s (a process-free run has no
-DeviceMesh for real DTensors). Store traffic is counted for every rank of the job. The job's
+(and TP) would give each trainer rank, written as `SourceTensor`s, and the trainer mesh's
+strided rules derived from them (`job_rules`, as `layout.mesh_rules` derives them from real
+DTensors' placements; a process-free run has no DeviceMesh for real DTensors). Store traffic is counted for every rank of the job. The job's
 threads are not timed (waking each other, they would count the fake store's waits): the first
 and last trainer and server ranks are, each constructed again alone over the store the job
 left, timed (CPU seconds), then again under tracemalloc for its peak. Models at their
@@ -98,14 +99,21 @@ def trainer_layout(shapes: dict, dtype: str, case: Case, rank: int) -> list:
     out = []
     for name, shape in shapes.items():
         box = [(0, n) for n in shape]
-        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if case.tp > 1 and len(shape) >= 2 and leaf in COLWISE + ROWWISE:
-            dim = 0 if leaf in COLWISE else 1
+        dim = _style(name, shape, case)
+        if dim is not None:
             box[dim] = _chunk(0, shape[dim], case.tp, t)
         box[0] = _chunk(*box[0], case.fsdp, dp)
         held = (Held(tuple(box), (0,) * len(shape)),) if box[0][1] > box[0][0] else ()
         out.append(SourceTensor(name, dtype, tuple(shape), held))
     return out
+
+
+def _style(name: str, shape: tuple, case: Case) -> int | None:
+    """The dim TP splits a trainer's tensor on (colwise 0, rowwise 1), None: replicated over TP."""
+    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+    if case.tp > 1 and len(shape) >= 2 and leaf in COLWISE + ROWWISE:
+        return 0 if leaf in COLWISE else 1
+    return None
 
 
 class CountingStore:
@@ -214,18 +222,34 @@ class FakeMesh:
         return self.world
 
 
-def simulated_sync(layouts: dict):
-    """WeightSync whose source layout is the synthetic one of its rank."""
+def job_rules(layouts: dict, case: Case):
+    """Every trainer rank's boxes as its mesh's strided rules (`layout.Rules`, what each rank
+    of a real mesh derives from its DTensors' placements, `layout.mesh_rules`): derived once
+    per distinct shape and parallel style, as `mesh_rules` does per distinct placements."""
+    from lazyload.sync.layout import RuledTensor, Rules, strided
+
+    ranks, derived, tensors = sorted(layouts), {}, []
+    for i, tensor in enumerate(layouts[ranks[0]]):
+        kind = (tensor.shape, _style(tensor.name, tensor.shape, case))
+        if kind not in derived:
+            derived[kind] = strided({rank: layouts[rank][i].held for rank in ranks})
+        tensors.append(RuledTensor(tensor.name, tensor.dtype, tensor.shape, derived[kind]))
+    return Rules(tuple(ranks), tuple(tensors))
+
+
+def simulated_sync(layouts: dict, rules=None):
+    """WeightSync whose source layout is the synthetic one of its rank (with the job's
+    strided rules, `job_rules`)."""
     from lazyload.sync.weight_sync import WeightSync
 
     class SimulatedSync(WeightSync):
         def _layout(self, gather):
             self._source_cuda = False
             layout = layouts.get(self.rank)
-            self._planned_layout = {s.name: s for s in layout or ()}
-            if layout is not None:
-                gather.put("layout", layout)
-            return layout is not None, None  # max_host_bytes: the default
+            if layout is None:
+                self._planned_layout = {}
+                return False, None, None
+            return True, None, self._publish(gather, layout, rules)  # max_host_bytes: the default
 
     return SimulatedSync
 
@@ -247,7 +271,7 @@ def run_case(case: Case, layers: int) -> dict:
     trainers = case.fsdp * case.tp
     world = trainers + case.replicas * case.world
     layouts = {r: trainer_layout(shapes, "torch.bfloat16", case, r) for r in range(trainers)}
-    cls = simulated_sync(layouts)
+    cls = simulated_sync(layouts, job_rules(layouts, case))
     store, results, errors = CountingStore(), {}, []
     construction = weight_sync.construction
     weight_sync.construction = lambda ranks: ("lazyload/sync/bench/0", 0)  # one process stands for every rank
@@ -287,14 +311,14 @@ def run_case(case: Case, layers: int) -> dict:
         # own process would not scan them at each collection
         gc.collect()
         gc.freeze()
-        seconds, peaks = {}, {}
+        seconds, peaks, samples = {}, {}, {}
         for rank in sorted({0, trainers - 1, trainers, world - 1}):  # alone, the store left as the job left it
             store.local.rank = ("again", rank)
             started = time.process_time()
             construct(cls, rank, world, store, model, case)
             seconds[rank] = time.process_time() - started
             tracemalloc.start()
-            construct(cls, rank, world, store, model, case)
+            samples[rank] = construct(cls, rank, world, store, model, case)
             peaks[rank] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
     finally:
@@ -312,7 +336,8 @@ def run_case(case: Case, layers: int) -> dict:
                                                              for r in range(world)),
             "pieces": sum(len(h.held) for layout in layouts.values() for h in layout),
             "messages": max(f[0] for f in figures), "holders": max(f[1] for f in figures),
-            "requests": max(f[2] for f in figures), "steps": max(f[3] for f in figures), "store": store}
+            "requests": max(f[2] for f in figures), "steps": max(f[3] for f in figures), "store": store,
+            "samples": samples}
 
 
 class shared_values:
@@ -325,7 +350,8 @@ class shared_values:
     def __init__(self, weight_sync):
         import lazyload.sync.gather as gather
 
-        self.gather, self.weight_sync, self.index = gather, weight_sync, weight_sync.source_index
+        self.gather, self.weight_sync = gather, weight_sync
+        self.index, self.indexed = weight_sync.source_index, weight_sync.indexed
         decoded, indexed, lock = {}, {}, threading.Lock()
 
         def loads(data):
@@ -336,18 +362,23 @@ class shared_values:
                     decoded[data] = pickle.loads(data)
                 return decoded[data]
 
-        def source_index(layouts, tiled=True):
-            key = (tiled,) + tuple((rank, id(layout)) for rank, layout in sorted(layouts.items()))
+        def shared_indexed(layouts, tiled=True, rules=None, ranks=None, wanted=None, own=None, prefer=None):
+            asked = None if wanted is None else tuple(sorted((name, tuple(boxes)) for name, boxes in wanted.items()))
+            key = (tiled, own, prefer, tuple(map(id, (rules or {}).values())), None if ranks is None else tuple(ranks),
+                   asked) + tuple((rank, id(layout)) for rank, layout in sorted(layouts.items()))
             with lock:
                 if key not in indexed:
-                    indexed[key] = self.index(layouts, tiled)
+                    indexed[key] = self.indexed(layouts, tiled, rules, ranks, wanted, own, prefer)
                 return indexed[key]
 
+        def source_index(layouts, tiled=True):
+            return shared_indexed(layouts, tiled)[:2]
+
         gather.pickle = type("SharedPickle", (), {"dumps": staticmethod(pickle.dumps), "loads": staticmethod(loads)})
-        weight_sync.source_index = source_index
+        weight_sync.source_index, weight_sync.indexed = source_index, shared_indexed
 
     def restore(self):
-        self.gather.pickle, self.weight_sync.source_index = pickle, self.index
+        self.gather.pickle, self.weight_sync.source_index, self.weight_sync.indexed = pickle, self.index, self.indexed
 
 
 def routes_figures(sync, rank) -> tuple | None:
@@ -356,6 +387,7 @@ def routes_figures(sync, rank) -> tuple | None:
     if not sync.items:
         return None
     copies = _copies(sync.pieces)
+    copies.update({key: set(held) for key, (_, held) in sync._copies.items()})  # a ruled box's, from its rules
     by_step_sources, by_step_requests, by_step_holders = Counter(), Counter(), defaultdict(set)
     for step, by_source in sync.routes.receives.items():
         by_step_sources[step] = len(by_source)

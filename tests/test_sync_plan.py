@@ -160,3 +160,78 @@ def test_a_source_rank_reads_no_other_ranks_layout():
 
     (few, small), (many, large) = trainer_reads(2), trainer_reads(6)
     assert (many - few) / (large - small) < 100, (few, many)  # a status per added rank, no layout
+
+
+def test_a_target_ranks_layouts_and_index_do_not_grow_with_the_fsdp_world():
+    """A server rank reads each trainer mesh's strided rules once (what every rank of the
+    mesh derives alike from its placements) instead of every trainer rank's boxes, and its
+    index expands only the boxes its plan reads: at FSDP 2 and 6 (the benchmark's tiny job,
+    8 and 16 ranks) its layout reads grow by a status per added rank, and the entries of
+    its index whose box no item of its reads stay as many. On main a target read and
+    indexed every trainer rank's boxes."""
+    from dataclasses import replace
+
+    bench = _bench()
+
+    def target_figures(fsdp: int) -> tuple[int, int, int]:
+        case = replace(bench.CASES["tiny"], fsdp=fsdp)
+        result = bench.run_case(case, 1)
+        store, world = result["store"], result["world"]
+        layout = max(sum(len(k) + len(store.values[k]) for k in store.keys_read[rank] if bench.stage_of(k) == "layout")
+                     for rank in range(fsdp * case.tp, world))
+        sync = result["samples"][world - 1]  # the last server rank, constructed alone
+        read = {(sync.pieces[item.entry.key].name, sync.pieces[item.entry.key].held.box) for item in sync.items}
+        unread = [key for key in sync.index.keys()
+                  if key not in sync.pieces or (sync.pieces[key].name, sync.pieces[key].held.box) not in read]
+        return layout, len(unread), world
+
+    (few, unread_few, small), (many, unread_many, large) = target_figures(2), target_figures(6)
+    assert (many - few) / (large - small) < 100, (few, many)  # a status per added rank, no boxes
+    assert unread_many == unread_few, (unread_few, unread_many)
+
+
+def test_strided_rules_plan_the_sync_every_ranks_boxes_plan():
+    """Exactness: the job planned from the trainers' strided rules (a target expanding only
+    the boxes it reads) agrees on the plan digest, every rank's requests with their steps,
+    with the job planned from every trainer rank's own boxes."""
+    from dataclasses import replace
+
+    bench = _bench()
+    case = replace(bench.CASES["tiny"], fsdp=3)
+
+    def digests(rules: bool) -> set:
+        job_rules = bench.job_rules
+        if not rules:
+            bench.job_rules = lambda layouts, case: None
+        try:
+            store = bench.run_case(case, 2)["store"]
+        finally:
+            bench.job_rules = job_rules
+        return {pickle.loads(v)[1] for k, v in store.values.items() if "/agreed/" in k}
+
+    ruled, boxes = digests(True), digests(False)
+    assert len(ruled) == 1 and ruled == boxes, (ruled, boxes)
+
+
+def test_strided_rules_give_back_every_ranks_boxes():
+    """`layout.strided`: the rules of a tensor's boxes give back exactly the boxes each rank
+    holds (FSDP within TP on the same dim, FSDP across a rowwise TP split, replicated copies,
+    ranks left empty by FSDP's chunks, uneven cuts), and none where a rank holds several boxes."""
+    from dataclasses import replace
+
+    from lazyload.sync.layout import Held, RuledTensor, strided
+
+    bench = _bench()
+    shapes = {"colwise.q_proj.weight": (13, 4), "rowwise.o_proj.weight": (5, 6), "norm.weight": (7,)}
+    for fsdp, tp in ((3, 2), (8, 2), (4, 1)):
+        case = replace(bench.CASES["tiny"], fsdp=fsdp, tp=tp)
+        layouts = {rank: bench.trainer_layout(shapes, "torch.float32", case, rank) for rank in range(fsdp * tp)}
+        for i, name in enumerate(shapes):
+            held = {rank: layout[i].held for rank, layout in layouts.items()}
+            rules = strided(held)
+            tensor = RuledTensor(name, "torch.float32", shapes[name], rules)
+            assert {rank: tensor.held_by(rank) for rank in held} == held, (name, fsdp, tp, rules)
+            assert len(rules) <= 2 * tp, rules  # a rule per TP coordinate (and copy), not per FSDP rank
+    uneven = {0: (Held(((0, 3),), (0,)),), 1: (Held(((3, 4),), (0,)),), 2: (Held(((4, 9),), (0,)),)}
+    assert {r: RuledTensor("u", "torch.float32", (9,), strided(uneven)).held_by(r) for r in uneven} == uneven
+    assert strided({0: (Held(((0, 2),), (0,)), Held(((4, 6),), (2,))), 1: (Held(((2, 4),), (0,)),)}) is None

@@ -1,6 +1,7 @@
 """Live weight sync: a load whose source is other ranks' memory (`WeightSync`).
 
-    layout (each source rank's boxes) -> index (a checkpoint of those boxes) -> plan_load on the target
+    layout (each source rank's boxes; a mesh's as strided rules) -> index (a checkpoint of those boxes,
+    a target's expanded only where it reads) -> plan_load on the target
     -> copies (which holder of a replicated box sends it) -> routes (per source/target pair, per step)
     -> transfer (point-to-point, every sync; boxes of a quantized target quantized before sending: wire)
 

@@ -53,11 +53,17 @@ class Gather:
                                   "rank.", failed)
         return {r: v[1] for r, v in values.items()}
 
-    def put(self, stage: str, value: Any) -> None:
+    def put(self, stage: str, value: Any, name: str | None = None) -> None:
         """A value of this rank at `stage`, read only by the ranks that need it (`read`),
         published before this rank's `run` of the stage (so that its `run` value, once
-        read, says it is there)."""
-        self.store.set(self._key(stage, f"{self.rank}.put"), pickle.dumps(value))
+        read, says it is there). `name`: a value several ranks share, under its name
+        (`read_named`; one rank puts it)."""
+        self.store.set(self._key(stage, name or f"{self.rank}.put"), pickle.dumps(value))
+
+    def read_named(self, stage: str, name: str) -> Any | None:
+        """The value put under `name` at `stage` (after its `run`), None where none was."""
+        key = self._key(stage, name)
+        return pickle.loads(self.store.get(key)) if self._has(key) else None
 
     def read(self, stage: str, ranks: list[int]) -> dict[int, Any]:
         """The values `ranks` `put` at `stage` (after a `run` of that stage that read them ok)."""
@@ -118,8 +124,10 @@ class Gather:
         summaries = self.run(stage, publish)
         return summaries, self.told(stage, [rank for rank in askers if summaries.get(rank) is not None])
 
-    def close(self, stages: tuple[str, ...], asked: str | None = None, put: tuple[str, ...] = ()) -> None:
-        """This rank read every value of `stages` (and of `put`, the stages values were `put` at);
+    def close(self, stages: tuple[str, ...], asked: str | None = None, put: tuple[str, ...] = (),
+              named: tuple[tuple[str, str], ...] = ()) -> None:
+        """This rank read every value of `stages` (and of `put`, the stages values were `put` at,
+        and the (stage, name) values `named`);
         the last rank to say so deletes them, so
         that a long job constructing many WeightSyncs does not grow the store (no rank waits:
         whoever counts last knows every other rank has read already)."""
@@ -131,7 +139,8 @@ class Gather:
         if self.store.add(f"{self.prefix}/read", 1) < len(self.ranks):
             return
         for key in [self._key(stage, r) for stage in stages for r in self.ranks] + [
-                self._key(stage, f"{r}.put") for stage in put for r in self.ranks] + [f"{self.prefix}/read"]:
+                self._key(stage, f"{r}.put") for stage in put for r in self.ranks] + [
+                self._key(stage, name) for stage, name in named] + [f"{self.prefix}/read"]:
             self.store.delete_key(key)
 
     def _key(self, stage: str, rank: int | str) -> str:

@@ -11,15 +11,24 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ArgumentError
-from ..expr import Source, box_shape
+from ..expr import Box, Source, box_shape
 from ..formats.logical import Layout, Part
 from ..formats.megatron_dist import layer_key, transformers_names
 from ..headers import TensorEntry
 from ..index import CheckpointIndex
-from .layout import Held, SourceTensor
+from .layout import Held, RuledTensor, SourceTensor, Strided
 
 
 _MEGATRON = "the sync's Megatron-Core source"
+
+
+@dataclass(frozen=True)
+class Unread:
+    """A stored key of a target's sync index standing for boxes of a ruled tensor it does
+    not read (`indexed`): the tensor and the box."""
+
+    name: str
+    box: Box
 
 
 @dataclass(frozen=True)
@@ -39,28 +48,122 @@ def source_index(layouts: dict[int, list[SourceTensor]], tiled: bool = True) -> 
     """The index of every source rank's boxes (`layouts`: global rank -> its tensors), and
     stored key -> the piece it names. `tiled=False`: the stored keys alone, no logical
     tensors (a source rank's own boxes, which need not tile a tensor)."""
-    ranks = sorted(layouts)
-    entries, pieces, parts, meta = [], {}, {}, {}
-    for position, rank in enumerate(ranks):
-        offset = 0
-        for tensor in layouts[rank]:
-            _check_same(meta.setdefault(tensor.name, tensor), tensor, rank)
-            for i, held in enumerate(tensor.held):
-                key, shape = f"{tensor.name}@{rank}.{i}", box_shape(held.box)
-                nbytes = math.prod(shape) * tensor.torch_dtype.itemsize
-                entries.append((key, TensorEntry(rank_file(rank), key, tensor.torch_dtype, shape, offset,
-                                                 offset + nbytes)))
-                offset += nbytes
-                pieces[key] = Piece(rank, tensor.name, held)
-                parts.setdefault(tensor.name, []).append(Part(Source(key), held.box, position))
-    layouts_of = {name: Layout(name, meta[name].shape, meta[name].torch_dtype, tuple(p), len(ranks))
-                  for name, p in parts.items()}
-    heads = next((t.megatron for t in meta.values() if t.megatron is not None), None)
+    index, pieces, _, _ = indexed(layouts, tiled)
+    return index, pieces
+
+
+def indexed(layouts: dict[int, list[SourceTensor]], tiled: bool = True, rules: dict[str, RuledTensor] | None = None,
+            ranks: list[int] | None = None, wanted: dict[str, list[Box]] | None = None, own: int | None = None,
+            prefer: int | None = None) -> tuple[CheckpointIndex, dict[str, Piece], dict[str, Unread], dict]:
+    """`source_index`, with tensors described by strided rules (`rules`: name -> the tensor as
+    every rank holding it holds it) beside the ranks' own boxes; `ranks`: every source rank
+    (default: those of `layouts`). `wanted`: name -> the boxes of it a target reads; a ruled
+    tensor's boxes overlapping none are not expanded, each run of them one stored key
+    standing for them all (`Unread`, returned apart), so that the index grows with the
+    boxes a target reads, not with the source ranks. None: every box. `own`: a source rank
+    whose boxes are expanded all the same (a target that is a source too sends them).
+    `prefer`: the source position whose copies the target's plan takes (`Layout.expr`): of a
+    box several rules hold alike only that copy is indexed (and `own`'s), the others
+    returned as copies (`copies.copies_of`'s form) for `copies.py` to choose from."""
+    ranks = sorted(layouts) if ranks is None else list(ranks)
+    built = _Built(ranks)
+    for rank in sorted(layouts):
+        built.boxes_of(rank, layouts[rank])
+    for k, tensor in enumerate((rules or {}).values()):
+        built.ruled(tensor, k << 40, None if wanted is None else wanted.get(tensor.name, []), own,
+                    None if wanted is None else prefer)
+    layouts_of = {name: Layout(name, built.meta[name].shape, built.meta[name].torch_dtype,
+                               tuple(sorted(p, key=lambda part: part.rank)), len(ranks))
+                  for name, p in built.parts.items()}  # by source rank (which copy a plan prefers)
+    heads = next((t.megatron for t in built.meta.values() if getattr(t, "megatron", None) is not None), None)
     if heads is not None and tiled:  # a Megatron-Core source: its names read as the torch_dist reader reads them
         layouts_of = transformers_names({layer_key(n, _MEGATRON): layout for n, layout in layouts_of.items()}, heads,
                                         _MEGATRON)
-    return CheckpointIndex.of([rank_file(r) for r in ranks], entries, layouts_of if tiled else None,
-                              description="the sync's source ranks"), pieces
+    return CheckpointIndex.of([rank_file(r) for r in ranks], built.entries, layouts_of if tiled else None,
+                              description="the sync's source ranks"), built.pieces, built.unread, built.copies
+
+
+class _Built:
+    """The entries, pieces and logical tensors' parts of a sync index as `indexed` adds them."""
+
+    def __init__(self, ranks: list[int]):
+        self.position = {rank: i for i, rank in enumerate(ranks)}
+        self.entries: list = []
+        self.pieces: dict[str, Piece] = {}
+        self.parts: dict[str, list[Part]] = {}
+        self.meta: dict = {}
+        self.unread: dict[str, Unread] = {}
+        self.copies: dict[str, tuple[str, dict[int, str]]] = {}
+        self._dtypes: dict = {}  # asked once per tensor: a target's index may hold thousands of its boxes
+
+    def add(self, key: str, rank: int, name: str, box: Box, offset: int = 0) -> int:
+        if name not in self._dtypes:
+            self._dtypes[name] = self.meta[name].torch_dtype
+        shape = box_shape(box)
+        nbytes = math.prod(shape) * self._dtypes[name].itemsize
+        self.entries.append((key, TensorEntry(rank_file(rank), key, self._dtypes[name], shape, offset,
+                                              offset + nbytes)))
+        self.parts.setdefault(name, []).append(Part(Source(key), box, self.position[rank]))
+        return offset + nbytes
+
+    def boxes_of(self, rank: int, tensors: list[SourceTensor]) -> None:
+        """A source rank's own boxes."""
+        offset = 0
+        for tensor in tensors:
+            _check_same(self.meta.setdefault(tensor.name, tensor), tensor, rank)
+            for i, held in enumerate(tensor.held):
+                key = f"{tensor.name}@{rank}.{i}"
+                offset = self.add(key, rank, tensor.name, held.box, offset)
+                self.pieces[key] = Piece(rank, tensor.name, held)
+
+    def ruled(self, tensor: RuledTensor, at: int, wanted: list[Box] | None, own: int | None,
+              prefer: int | None) -> None:
+        """A ruled tensor's boxes (at offset `at` of each rank's "file": in the order its own
+        has them), as `indexed` says."""
+        alike: dict[tuple, list[Strided]] = {}  # rules of the same boxes (copies: a tensor FSDP leaves replicated)
+        for rule in tensor.rules:
+            _check_same(self.meta.setdefault(tensor.name, tensor), tensor, rule.first)
+            alike.setdefault((rule.base, rule.dim, rule.step, rule.count), []).append(rule)
+        for runs in alike.values():
+            chosen = _chosen(runs, wanted, own)
+            for i in chosen:
+                if len(runs) > 1:  # each copy's key, for `copies.py` (only the nearest is indexed)
+                    held = {run.rank(i): f"{tensor.name}@{run.rank(i)}.0" for run in runs}
+                    self.copies.update(dict.fromkeys(held.values(), (min(held.values()), held)))
+            position = self.position
+            nearest = {} if prefer is None else {
+                i: min(runs, key=lambda run: (abs(position[run.rank(i)] - prefer), position[run.rank(i)]))
+                for i in chosen}
+            for rule in runs:
+                self.rule(rule, tensor.name, chosen, at, lambda i: nearest.get(i, rule) is rule or rule.rank(i) == own)
+
+    def rule(self, rule: Strided, name: str, chosen: list[int], at: int, indexes) -> None:
+        """A rule's boxes at the steps `chosen` that `indexes(i)` (else a copy's is), each run
+        of the others one `Unread` key."""
+        start, last = 0, rule.steps()
+        for i in [*chosen, last]:
+            if start < i:  # steps start..i-1 not read: one key for them
+                box = rule.base[:rule.dim] + ((rule.box(start)[rule.dim][0], rule.box(i - 1)[rule.dim][1]),) + \
+                    rule.base[rule.dim + 1:]
+                key = f"{name}@unread.{len(self.unread)}"
+                self.add(key, rule.rank(start), name, box, at)
+                self.unread[key] = Unread(name, box)
+            if i < last and indexes(i):
+                key, box = f"{name}@{rule.rank(i)}.0", rule.box(i)
+                self.add(key, rule.rank(i), name, box, at)
+                self.pieces[key] = Piece(rule.rank(i), name, Held(box, (0,) * len(box)))
+            start = i + 1
+
+
+def _chosen(runs: list[Strided], wanted: list[Box] | None, own: int | None) -> list[int]:
+    """The steps of rules of the same boxes (copies) to index: those overlapping `wanted`
+    (None: all), and `own`'s."""
+    last = runs[0].steps()
+    if wanted is None:
+        return list(range(last))
+    steps = runs[0].overlapping(wanted) | {(own - run.first) // run.stride for run in runs
+                                            if own is not None and run.holds(own)}
+    return sorted(i for i in steps if i < last)
 
 
 def _check_same(first: SourceTensor, other: SourceTensor, rank: int) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 from ..agreement import Agreement
 from ..buffers import fill_meta_buffers
 from ..keywords import check_keywords
-from ..errors import ArgumentError, RankFailedError, SyncError
+from ..errors import ArgumentError, CheckpointError, RankFailedError, SyncError
 from ..executor import allocate_destinations, assign_loaded, make_parallel, swap_quantized_layers
 from ..mapping import KeyMap
 from ..mesh import ranks_of
@@ -28,10 +28,10 @@ from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized
 from ..stored import StoredCheckpoint
 from .copies import choose_copies, copies_of
 from .gather import Gather, construction
-from .layout import SourceTensor, local_of, source_layout, source_tensors
+from .layout import Rules, RuledTensor, SourceTensor, local_of, mesh_rules, source_layout, source_tensors
 from .routes import (Request, Routes, Summary, addressed, default_slots, largest_requests, own_steps, pair_digest,
                      requests_of, routes_for, source_slots)
-from .source_index import source_index
+from .source_index import indexed, source_index
 from .box_target import BoxTarget
 from .peers import NcclLink, Peers
 from .split import split_plan
@@ -132,6 +132,11 @@ def _check_same_plan(rank: int, digests: dict[int, str]) -> None:
                               "the same lazyload version; no byte moved.", other)
 
 
+def _rules_key(digest: str) -> str:
+    """Where a mesh's strided rules are put, by their digest (one value for all its ranks)."""
+    return f"rules.{digest}"
+
+
 def _described(tensor: SourceTensor | None) -> str:
     """A source tensor's dtype, shape and the boxes this rank holds, for a message."""
     if tensor is None:
@@ -194,12 +199,17 @@ class WeightSync:
         gather = Gather(store, self.rank, self.ranks, rank_timeout, prefix)
         self._prefix = gather.prefix
         held = gather.run("layout", lambda: self._layout(gather))
-        self._max_host_bytes = {r: b for r, (_, b) in held.items()}  # every rank's: they bound the steps
-        # a target plans from every source rank's boxes; a source alone needs only its own (the
-        # requests it reads name its own pieces), so it reads no other rank's layout
-        sources = [r for r, (has, _) in held.items() if has] if self.target is not None else (
-            [self.rank] if self.source is not None else [])
-        self.index, self.pieces = source_index(gather.read("layout", sources), tiled=self.target is not None)
+        self._max_host_bytes = {r: b for r, (_, b, _) in held.items()}  # every rank's: they bound the steps
+        # a target plans from every source rank's boxes (a mesh's as its strided rules); a source
+        # alone needs only its own (the requests it reads name its own pieces), so it reads no
+        # other rank's layout
+        self._unread: dict = {}
+        if self.target is not None:
+            self._sources = self._source_layouts(gather, held)
+            self._index_for({})  # a ruled tensor's boxes unexpanded until the target's plan says which it reads
+        else:
+            self.index, self.pieces = source_index(gather.read("layout", [self.rank] if self.source is not None
+                                                               else []), tiled=False)
         gather.run("asked", lambda: self._ask(gather))  # each target tells each source it asks
         askers = gather.asked_by("asked")
         if askers and self._max_host_bytes[self.rank] is not None:  # its budget shared among them
@@ -207,7 +217,8 @@ class WeightSync:
         summaries, asked = gather.exchange("planned", lambda: self._stepped(gather), list(askers))
         self.routes: Routes = routes_for(self.rank, self._wanted, asked, summaries)
         _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
-        gather.close(("layout", "asked", "planned", "agreed"), asked="asked", put=("layout",))
+        gather.close(("layout", "asked", "planned", "agreed"), asked="asked", put=("layout",),
+                     named=tuple(("layout", _rules_key(d)) for d in {d for _, _, d in held.values() if d}))
         self.plan_seconds = time.perf_counter() - started
         self._store, self._syncs, self._dests, self._slots, self._assigned = store, 0, None, None, False
         self._abandoned: list = []
@@ -223,10 +234,11 @@ class WeightSync:
         self._link = (NcclLink(self.peers, store, self._prefix, rank_timeout)
                       if self.peers.backend == "nccl" else None)
 
-    def _layout(self, gather: Gather) -> tuple[bool, int | None]:
+    def _layout(self, gather: Gather) -> tuple[bool, int | None, str | None]:
         """This rank's source boxes, `put` for the target ranks to read (kept to check at each
         sync that the source still holds the shards the plan was made for): whether it has
-        any (a source here), and its `max_host_bytes`."""
+        any (a source here), its `max_host_bytes`, and the digest of its mesh's strided rules
+        (`layout.Rules`), where every rank of the mesh derives the same from the placements."""
         budget = self._options.max_host_bytes
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
             raise ArgumentError(f"WeightSync: max_host_bytes must be a positive integer (bytes per step), got "
@@ -234,13 +246,60 @@ class WeightSync:
         self._source_cuda = False
         if self.source is None:
             self._planned_layout: dict = {}
-            return False, budget
+            return False, budget, None
         tensors = source_tensors(self.source)
         self._source_cuda = any(local_of(t).is_cuda for t in tensors.values())
-        layout = source_layout(tensors)
+        return True, budget, self._publish(gather, source_layout(tensors), mesh_rules(tensors))
+
+    def _publish(self, gather: Gather, layout: list[SourceTensor], rules: Rules | None) -> str | None:
+        """`put` this rank's boxes, and its mesh's rules (by the mesh's first rank, once) where
+        they give this rank the boxes it holds; their digest, or None."""
         self._planned_layout = {s.name: s for s in layout}
         gather.put("layout", layout)
-        return True, budget
+        if rules is None or self.rank not in rules.ranks or any(
+                t.held_by(self.rank) != self._planned_layout[t.name].held for t in rules.tensors):
+            return None  # a mesh numbered otherwise than the sync's group: each rank's own boxes
+        digest = rules.digest()
+        if self.rank == min(rules.ranks):
+            gather.put("layout", rules, _rules_key(digest))
+        return digest
+
+    def _source_layouts(self, gather: Gather, held: dict) -> tuple[dict, dict, list[int]]:
+        """(the boxes of the source ranks not described by rules, ruled tensors by name, every
+        source rank): a mesh's rules read once, where every rank they name published them
+        (else each rank's own boxes)."""
+        sources = [r for r, (has, _, _) in held.items() if has]
+        claims: dict[str, set[int]] = {}
+        for rank in sources:
+            if held[rank][2] is not None:
+                claims.setdefault(held[rank][2], set()).add(rank)
+        rules: dict[str, RuledTensor] = {}
+        ruled: set[int] = set()
+        for digest, ranks in claims.items():
+            body = gather.read_named("layout", _rules_key(digest))
+            if body is None or set(body.ranks) != ranks:
+                continue
+            ruled |= ranks
+            for t in body.tensors:
+                rules[t.name] = replace(t, rules=rules[t.name].rules + t.rules) if t.name in rules else t
+        return gather.read("layout", [r for r in sources if r not in ruled]), rules, sources
+
+    def _index_for(self, wanted: dict | None) -> None:
+        """The sources' index, a ruled tensor's boxes expanded where they overlap `wanted`
+        (name -> boxes the target reads; None: all)."""
+        layouts, rules, sources = self._sources
+        prefer = None
+        if self.target_mesh is not None and not isinstance(self.target, BoxTarget):  # the copy its plan takes
+            rank, world = ranks_of(self.target_mesh, 0, 1)
+            prefer = rank * len(sources) // max(world, 1)
+        own = self.rank if self.source is not None else None
+        try:
+            self.index, self.pieces, self._unread, self._rule_copies = indexed(layouts, True, rules, sources, wanted,
+                                                                               own, prefer)
+        except CheckpointError:  # boxes read that do not tile with the rest: every box, as the ranks hold them
+            if wanted is None:
+                raise
+            self.index, self.pieces, self._unread, self._rule_copies = indexed(layouts, True, rules, sources, None)
 
     def _source_now(self) -> dict:
         """The source's tensors now, each still the shard the plan was made for: the same
@@ -283,19 +342,48 @@ class WeightSync:
         return pairs, Summary.of(self._wanted)
 
     def _plan_target(self) -> list[Request] | None:
-        """This rank's load plan of the target from the sources' index, and its requests."""
+        """This rank's load plan of the target from the sources' index, and its requests. A
+        ruled tensor's boxes are expanded only where this plan reads: planned once over
+        its rules unexpanded, then again over the boxes that plan read (and over every box,
+        should the second read one left unexpanded)."""
         self.load_plan: LoadPlan | None = None
         self._box_dests: dict | None = None
         self._wires: dict = {}  # item position -> cast or quantized on the wire
+        self._scratch: list = []  # host scratch of blocks the trainer's shards cut (`wire.host_scratch`)
         if self.target is None:
             self.items: list = []
             return None
-        self._copies = copies_of(self.pieces)  # computed once: `_cut_at` and `choose_copies` ask it
+        budget = self._plan_items(first=bool(self._unread))
+        if self._unread:
+            self._index_for(self._read_boxes())
+            budget = self._plan_items()
+            if any(item.entry.key in self._unread for item in self.items):
+                self._index_for(None)
+                budget = self._plan_items()
+        return requests_of(self.items, self.pieces, budget, self._wires, self._scratch)
+
+    def _read_boxes(self) -> dict[str, list]:
+        """Name -> the boxes of it this rank's items read from keys left unexpanded."""
+        out: dict[str, list] = {}
+        for item in self.items:
+            unread = self._unread.get(item.entry.key)
+            if unread is not None:
+                out.setdefault(unread.name, []).append(
+                    tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(unread.box, item.src_box)))
+        return out
+
+    def _plan_items(self, first: bool = False) -> int:
+        """This rank's items over the sources' index (`self.items`, with the load plan, its
+        destinations and the items sent cast or quantized), and its bytes per step. `first`:
+        the items alone, to learn which boxes it reads (a preview plan: no initial values
+        or buffers computed)."""
+        # computed once: `_cut_at` and `choose_copies` ask it (a ruled box's copies from its rules)
+        self._copies = {**copies_of(self.pieces), **self._rule_copies}
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
             self.items, self._box_dests, budget, self._wires = self.target.plan(self.index,
                                                                                 self._options.max_host_bytes,
                                                                                 self._cut_at)
-            return requests_of(self.items, self.pieces, budget, self._wires)
+            return budget
         if self.target_mesh is None:
             raise ArgumentError("WeightSync(target=...) needs target_mesh=, the server ranks' DeviceMesh (1-D, "
                                 "tensor parallel), e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)) over "
@@ -306,22 +394,26 @@ class WeightSync:
         budget = self._options.max_host_bytes  # the sync's, per step (`routes`): items larger are cut, not refused
         with planned_as_full(self.target, layers, full_dtype(self.target, layers)):
             plan = plan_load(StoredCheckpoint.of_index(self.index), self.target, rank, world,
-                             replace(self._options, max_host_bytes=None))
+                             replace(self._options, max_host_bytes=None), preview=first)
             scales = scale_names(self.target, plan.quantized)
+        if first:
+            self.items = [item for group in plan.groups for item in group.items]
+            return 0
         check_conversions(plan.whole if plan.device.type == "cpu" else {}, budget)
         self.load_plan = split_plan(plan, self._cut_at)
         self._in_place = in_place_dests(self.load_plan, layers, scales.__getitem__) if layers else None
         self.items = [item for group in self.load_plan.groups for item in group.items]
         self._wires = {**cast_on_wire(self.load_plan, self.items), **quantize_on_wire(self.load_plan, self.items)}
-        scratch = host_scratch(self.load_plan, self.items)  # blocks cut by the trainer's shards, assembled here
-        return requests_of(self.items, self.pieces, budget or self.load_plan.budget + most_scratch(scratch),
-                           self._wires, scratch)
+        self._scratch = host_scratch(self.load_plan, self.items)  # blocks cut by the trainer's shards, assembled here
+        return budget or self.load_plan.budget + most_scratch(self._scratch)
 
     def _cut_at(self, item) -> int | None:
         """The bytes an item of this target may hold in one step: this rank's budget, and
         unless it holds a copy itself, the budget of every source rank that may send it (the
         copy is chosen later, `copies.py`). None: no limit (the defaults hold any item)."""
         key = item.entry.key
+        if key in self._unread:  # a first plan's, only to learn the boxes it reads
+            return None
         holders = set(self._copies[key][1]) if key in self._copies else {self.pieces[key].rank}
         budgets = [self._max_host_bytes[r] for r in {self.rank} | (set() if self.rank in holders else holders)]
         return min((b for b in budgets if b is not None), default=None)

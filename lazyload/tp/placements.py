@@ -75,14 +75,15 @@ def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
     return tuple(zip(starts.tolist(), stops.tolist()))
 
 
-def dtensor_placement(name: str, tensor: Any) -> Placement:
-    """This rank's share of a DTensor as explicit spans: each sharding placement (Shard,
-    _StridedShard, on any mesh dim, in mesh order as distribute_tensor applies them) is
-    applied to the index range of the dim it splits."""
+def dtensor_placement(name: str, tensor: Any, coord: tuple[int, ...] | None = None) -> Placement:
+    """This rank's share of a DTensor as explicit spans (or the share of the mesh
+    coordinate `coord`): each sharding placement (Shard, _StridedShard, on any mesh dim, in
+    mesh order as distribute_tensor applies them) is applied to the index range of the dim
+    it splits."""
     from torch.distributed.tensor import Replicate
 
     mesh, placements, shape = tensor.device_mesh, tensor.placements, tuple(tensor.shape)
-    coord = mesh.get_coordinate()
+    coord = mesh.get_coordinate() if coord is None else coord
     if coord is None:
         raise PlanError(f"{name}: this rank is not in the parameter's device mesh {mesh}; load on the mesh's ranks.")
     indices: list[list[int] | None] = [None] * len(shape)  # None: the whole dim, unsplit
