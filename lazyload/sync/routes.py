@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +23,20 @@ from ..expr import Box, box_shape
 from ..schedule import layer_of
 from .source_index import Piece
 from .wire import QuantizedWire, Scratch, wire_bytes
+
+
+class _once:
+    """A property computed on first use and kept in the instance's __dict__ (which then
+    answers without calling it again); functools.cached_property takes a lock each first use."""
+
+    def __init__(self, compute):
+        self.compute, self.name, self.__doc__ = compute, compute.__name__, compute.__doc__
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.compute(obj)
+        return value
 
 
 @dataclass(frozen=True)
@@ -44,9 +58,20 @@ class Request:
         """Of its dtype on the wire: the stored key's, or `wire`'s (quantized: its alignment)."""
         return (self.wire or self.dtype).itemsize
 
-    @property
+    @_once  # computed once, not pickled: a server rank of a large job sizes thousands in each pass
     def nbytes(self) -> int:
         return wire_bytes(self.wire or self.dtype, self.box)
+
+    def __getstate__(self) -> dict:
+        return {name: self.__dict__[name] for name in self.__dataclass_fields__}
+
+    def at(self, step: int) -> "Request":
+        """This request at `step` (its size kept, not computed again)."""
+        if step == self.step:
+            return self
+        moved = object.__new__(Request)
+        moved.__dict__.update(self.__dict__, step=step)
+        return moved
 
 
 def requests_of(items: list, pieces: dict[str, Piece], budget: int,
@@ -63,21 +88,26 @@ def requests_of(items: list, pieces: dict[str, Piece], budget: int,
         starts.setdefault(s.first, []).append(s)
     alive: dict[str, Scratch] = {}  # scratch alive at this item, and alive in this window
     in_window: dict[str, Scratch] = {}
+    scratch_bytes, wires = 0, wires or {}  # _bytes(in_window), summed again only when it changes
     for position, item in enumerate(items):
         for s in starts.get(position, ()):
             alive[s.target] = in_window[s.target] = s
-        wire = (wires or {}).get(position)
-        request = Request(0, pieces[item.entry.key].rank, item.entry.key, item.src_box, item.entry.dtype, wire)
+            scratch_bytes = _bytes(in_window)
+        key = item.entry.key
+        request = Request(window, pieces[key].rank, key, item.src_box, item.entry.dtype, wires.get(position))
         source, nbytes = request.source, request.nbytes
         grow = packed_growth(ends.get(source, 0), nbytes, request.itemsize)
-        if held and held + grow + _bytes(in_window) > budget:
+        if held and held + grow + scratch_bytes > budget:
             window, held, ends, grow, in_window = window + 1, 0, {}, nbytes, dict(alive)
-        if in_window and nbytes + _bytes(in_window) > budget:
+            scratch_bytes = _bytes(in_window)
+            request = request.at(window)
+        if in_window and nbytes + scratch_bytes > budget:
             raise _scratch_error(item, nbytes, budget, in_window)
         held += grow
         ends[source] = ends.get(source, 0) + grow
-        out.append(replace(request, step=window))
-        alive = {t: s for t, s in alive.items() if s.last != position}
+        out.append(request)
+        if alive:
+            alive = {t: s for t, s in alive.items() if s.last != position}
     return out
 
 
@@ -182,7 +212,7 @@ def own_steps(target: int, requests: list[Request], slots: dict[int, Slot]) -> l
                         waiting.append(i)
                         continue
                     ends[r.source] = end + grow
-                out[i] = replace(r, step=step)
+                out[i] = r.at(step)
             left, step = waiting, step + 1
         first = last
     return out

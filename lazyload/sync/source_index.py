@@ -140,7 +140,7 @@ class _Built:
     def rule(self, rule: Strided, name: str, chosen: list[int], at: int, indexes) -> None:
         """A rule's boxes at the steps `chosen` that `indexes(i)` (else a copy's is), each run
         of the others one `Unread` key."""
-        start, last = 0, rule.steps()
+        start, last, at_start = 0, rule.steps(), (0,) * len(rule.base)
         for i in [*chosen, last]:
             if start < i:  # steps start..i-1 not read: one key for them
                 box = rule.base[:rule.dim] + ((rule.box(start)[rule.dim][0], rule.box(i - 1)[rule.dim][1]),) + \
@@ -149,9 +149,10 @@ class _Built:
                 self.add(key, rule.rank(start), name, box, at)
                 self.unread[key] = Unread(name, box)
             if i < last and indexes(i):
-                key, box = f"{name}@{rule.rank(i)}.0", rule.box(i)
-                self.add(key, rule.rank(i), name, box, at)
-                self.pieces[key] = Piece(rule.rank(i), name, Held(box, (0,) * len(box)))
+                rank, box = rule.rank(i), rule.box(i)
+                key = f"{name}@{rank}.0"
+                self.add(key, rank, name, box, at)
+                self.pieces[key] = Piece(rank, name, Held(box, at_start))
             start = i + 1
 
 
