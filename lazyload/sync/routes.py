@@ -63,7 +63,9 @@ class Request:
         return wire_bytes(self.wire or self.dtype, self.box)
 
     def __getstate__(self) -> dict:
-        return {name: self.__dict__[name] for name in self.__dataclass_fields__}
+        state = self.__dict__.copy()
+        state.pop("nbytes", None)  # last in the dict: the fields' pickle as without it
+        return state
 
     def at(self, step: int) -> "Request":
         """This request at `step` (its size kept, not computed again)."""
@@ -160,10 +162,14 @@ def default_slots(target: int, requests: list[Request]) -> dict[int, Slot]:
     sends, summed over its targets, as a load's)."""
     largest = largest_requests(target, requests)  # then the largest layer, where larger
     layers: dict[tuple[int, str], int] = {}  # (source, layer) -> bytes
+    named: dict[str, str] = {}  # tensor -> its layer, matched once (a tensor has a box per FSDP rank)
     for r in requests:
         if r.source == target:
             continue
-        layer = layer_of(r.key.rpartition("@")[0])
+        name = r.key.rpartition("@")[0]
+        layer = named.get(name)
+        if layer is None:
+            layer = named[name] = layer_of(name)
         if layer:  # outside numbered layers (embeddings, head): only the largest request counts
             layers[r.source, layer] = layers.get((r.source, layer), 0) + r.nbytes
     for (source, _), nbytes in layers.items():
@@ -287,9 +293,30 @@ def pair_digest(requests: list[Request]) -> str:
     """The digest of one target rank's requests of one source rank (or of all its requests)."""
     digest = hashlib.sha256()
     for r in requests:
-        wire = f"\0{r.wire}" if r.wire is not None else ""  # both ends agree on the bytes sent
-        digest.update(f"{r.step}\0{r.source}\0{r.key}\0{r.box}{wire}\n".encode())
+        digest.update(_line(r))
     return digest.hexdigest()[:16]
+
+
+def _line(r: Request) -> bytes:
+    """What the digests hash of a request."""
+    wire = f"\0{r.wire}" if r.wire is not None else ""  # both ends agree on the bytes sent
+    return f"{r.step}\0{r.source}\0{r.key}\0{r.box}{wire}\n".encode()
+
+
+def published(target: int, requests: list[Request]) -> tuple[dict[int, tuple[str, list[Request]]], Summary]:
+    """What a target rank publishes of its requests with their steps: those of each source
+    rank over the wire (`addressed`) with their `pair_digest`, and its `Summary`; each
+    request's line hashed into both at once (made once, not per digest)."""
+    whole, pairs = hashlib.sha256(), {}
+    for r in requests:
+        line = _line(r)
+        whole.update(line)
+        if r.source != target:
+            digest, asked = pairs.get(r.source) or pairs.setdefault(r.source, (hashlib.sha256(), []))
+            digest.update(line)
+            asked.append(r)
+    return ({source: (digest.hexdigest()[:16], asked) for source, (digest, asked) in pairs.items()},
+            Summary(whole.hexdigest()[:16], max((r.step for r in requests), default=-1) + 1))
 
 
 def sync_digest(summaries: dict[int, Summary | None]) -> str:

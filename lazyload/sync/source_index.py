@@ -126,6 +126,9 @@ class _Built:
             alike.setdefault((rule.base, rule.dim, rule.step, rule.count), []).append(rule)
         for runs in alike.values():
             chosen = _chosen(runs, wanted, own)
+            if len(runs) == 1:  # no copies (an expert FSDP alone shards): each box chosen is indexed
+                self.rule(runs[0], tensor.name, chosen, at, None)
+                continue
             for i in chosen:
                 if len(runs) > 1:  # each copy's key, for `copies.py` (only the nearest is indexed)
                     held = {run.rank(i): f"{tensor.name}@{run.rank(i)}.0" for run in runs}
@@ -138,8 +141,8 @@ class _Built:
                 self.rule(rule, tensor.name, chosen, at, lambda i: nearest.get(i, rule) is rule or rule.rank(i) == own)
 
     def rule(self, rule: Strided, name: str, chosen: list[int], at: int, indexes) -> None:
-        """A rule's boxes at the steps `chosen` that `indexes(i)` (else a copy's is), each run
-        of the others one `Unread` key."""
+        """A rule's boxes at the steps `chosen` that `indexes(i)` (else a copy's is; None:
+        all), each run of the others one `Unread` key."""
         start, last, at_start = 0, rule.steps(), (0,) * len(rule.base)
         for i in [*chosen, last]:
             if start < i:  # steps start..i-1 not read: one key for them
@@ -148,7 +151,7 @@ class _Built:
                 key = f"{name}@unread.{len(self.unread)}"
                 self.add(key, rule.rank(start), name, box, at)
                 self.unread[key] = Unread(name, box)
-            if i < last and indexes(i):
+            if i < last and (indexes is None or indexes(i)):
                 rank, box = rule.rank(i), rule.box(i)
                 key = f"{name}@{rank}.0"
                 self.add(key, rank, name, box, at)
