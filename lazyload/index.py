@@ -162,5 +162,13 @@ class CheckpointIndex(MappingABC):
         if not self._layouts:
             return self
         index = copy.copy(self)
-        index._exprs = {name: layout.expr(rank, world) for name, layout in self._layouts.items()}
+        index._exprs = {name: layout.expr(rank, world) if _has_copies(layout) else self._exprs[name]
+                        for name, layout in self._layouts.items()}  # without copies: the same tiling
         return index
+
+
+def _has_copies(layout) -> bool:
+    """Whether a logical tensor has a box stored more than once (where `for_rank` chooses);
+    a Megatron split (`Derived`, no parts) is one expression for every rank."""
+    parts = getattr(layout, "parts", ())
+    return len({part.box for part in parts}) < len(parts)

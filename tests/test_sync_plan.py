@@ -235,3 +235,36 @@ def test_strided_rules_give_back_every_ranks_boxes():
     uneven = {0: (Held(((0, 3),), (0,)),), 1: (Held(((3, 4),), (0,)),), 2: (Held(((4, 9),), (0,)),)}
     assert {r: RuledTensor("u", "torch.float32", (9,), strided(uneven)).held_by(r) for r in uneven} == uneven
     assert strided({0: (Held(((0, 2),), (0,)), Held(((4, 6),), (2,))), 1: (Held(((2, 4),), (0,)),)}) is None
+
+
+def test_a_target_sizes_each_request_once(monkeypatch):
+    """A server rank of a large job has thousands of requests (DeepSeek-V3's expert-parallel
+    ranks: one per box of each of 256 FSDP ranks): its planning passes (windows, the largest
+    request of each source, the default slots, the steps, the wire) size each request once,
+    not once per pass; the request a source reads is the same value, its size not pickled."""
+    import lazyload.sync.routes as routes
+    from lazyload.sync.routes import Request, Slot, default_slots, largest_requests, own_steps
+
+    sized = []
+
+    def counted(kind, box):
+        sized.append(box)
+        return wire_bytes(kind, box)
+
+    wire_bytes = routes.wire_bytes
+    monkeypatch.setattr(routes, "wire_bytes", counted)
+
+    class Item:  # a read item as `requests_of` reads it: its stored key's entry and its box
+        def __init__(self, key, box):
+            self.entry, self.src_box, self.target = type("Entry", (), {"key": key, "dtype": torch.float32}), box, key
+
+    pieces = {f"model.layers.0.w@{r}.0": type("Piece", (), {"rank": r})() for r in range(8)}
+    items = [Item(key, ((i, i + 4), (0, 8))) for i, key in enumerate(k for k in sorted(pieces) for _ in range(4))]
+    requests = routes.requests_of(items, pieces, budget=4 * 8 * 4 * 6)
+    largest_requests(9, requests)
+    slots = default_slots(9, requests)
+    stepped = own_steps(9, requests, {**slots, 0: Slot(4 * 8 * 4 * 2)})
+    assert len(sized) == len(items), (len(sized), len(items))
+    assert sorted({r.step for r in requests}) == [0, 1, 2, 3, 4, 5] and max(r.step for r in stepped) > 5
+    sent = pickle.loads(pickle.dumps(stepped[-1]))
+    assert sent == stepped[-1] and "nbytes" not in vars(sent) and sent.nbytes == stepped[-1].nbytes == 128

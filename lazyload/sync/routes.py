@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +23,20 @@ from ..expr import Box, box_shape
 from ..schedule import layer_of
 from .source_index import Piece
 from .wire import QuantizedWire, Scratch, wire_bytes
+
+
+class _once:
+    """A property computed on first use and kept in the instance's __dict__ (which then
+    answers without calling it again); functools.cached_property takes a lock each first use."""
+
+    def __init__(self, compute):
+        self.compute, self.name, self.__doc__ = compute, compute.__name__, compute.__doc__
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.compute(obj)
+        return value
 
 
 @dataclass(frozen=True)
@@ -44,9 +58,22 @@ class Request:
         """Of its dtype on the wire: the stored key's, or `wire`'s (quantized: its alignment)."""
         return (self.wire or self.dtype).itemsize
 
-    @property
+    @_once  # computed once, not pickled: a server rank of a large job sizes thousands in each pass
     def nbytes(self) -> int:
         return wire_bytes(self.wire or self.dtype, self.box)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("nbytes", None)  # last in the dict: the fields' pickle as without it
+        return state
+
+    def at(self, step: int) -> "Request":
+        """This request at `step` (its size kept, not computed again)."""
+        if step == self.step:
+            return self
+        moved = object.__new__(Request)
+        moved.__dict__.update(self.__dict__, step=step)
+        return moved
 
 
 def requests_of(items: list, pieces: dict[str, Piece], budget: int,
@@ -63,21 +90,26 @@ def requests_of(items: list, pieces: dict[str, Piece], budget: int,
         starts.setdefault(s.first, []).append(s)
     alive: dict[str, Scratch] = {}  # scratch alive at this item, and alive in this window
     in_window: dict[str, Scratch] = {}
+    scratch_bytes, wires = 0, wires or {}  # _bytes(in_window), summed again only when it changes
     for position, item in enumerate(items):
         for s in starts.get(position, ()):
             alive[s.target] = in_window[s.target] = s
-        wire = (wires or {}).get(position)
-        request = Request(0, pieces[item.entry.key].rank, item.entry.key, item.src_box, item.entry.dtype, wire)
+            scratch_bytes = _bytes(in_window)
+        key = item.entry.key
+        request = Request(window, pieces[key].rank, key, item.src_box, item.entry.dtype, wires.get(position))
         source, nbytes = request.source, request.nbytes
         grow = packed_growth(ends.get(source, 0), nbytes, request.itemsize)
-        if held and held + grow + _bytes(in_window) > budget:
+        if held and held + grow + scratch_bytes > budget:
             window, held, ends, grow, in_window = window + 1, 0, {}, nbytes, dict(alive)
-        if in_window and nbytes + _bytes(in_window) > budget:
+            scratch_bytes = _bytes(in_window)
+            request = request.at(window)
+        if in_window and nbytes + scratch_bytes > budget:
             raise _scratch_error(item, nbytes, budget, in_window)
         held += grow
         ends[source] = ends.get(source, 0) + grow
-        out.append(replace(request, step=window))
-        alive = {t: s for t, s in alive.items() if s.last != position}
+        out.append(request)
+        if alive:
+            alive = {t: s for t, s in alive.items() if s.last != position}
     return out
 
 
@@ -130,10 +162,14 @@ def default_slots(target: int, requests: list[Request]) -> dict[int, Slot]:
     sends, summed over its targets, as a load's)."""
     largest = largest_requests(target, requests)  # then the largest layer, where larger
     layers: dict[tuple[int, str], int] = {}  # (source, layer) -> bytes
+    named: dict[str, str] = {}  # tensor -> its layer, matched once (a tensor has a box per FSDP rank)
     for r in requests:
         if r.source == target:
             continue
-        layer = layer_of(r.key.rpartition("@")[0])
+        name = r.key.rpartition("@")[0]
+        layer = named.get(name)
+        if layer is None:
+            layer = named[name] = layer_of(name)
         if layer:  # outside numbered layers (embeddings, head): only the largest request counts
             layers[r.source, layer] = layers.get((r.source, layer), 0) + r.nbytes
     for (source, _), nbytes in layers.items():
@@ -182,7 +218,7 @@ def own_steps(target: int, requests: list[Request], slots: dict[int, Slot]) -> l
                         waiting.append(i)
                         continue
                     ends[r.source] = end + grow
-                out[i] = replace(r, step=step)
+                out[i] = r.at(step)
             left, step = waiting, step + 1
         first = last
     return out
@@ -257,9 +293,30 @@ def pair_digest(requests: list[Request]) -> str:
     """The digest of one target rank's requests of one source rank (or of all its requests)."""
     digest = hashlib.sha256()
     for r in requests:
-        wire = f"\0{r.wire}" if r.wire is not None else ""  # both ends agree on the bytes sent
-        digest.update(f"{r.step}\0{r.source}\0{r.key}\0{r.box}{wire}\n".encode())
+        digest.update(_line(r))
     return digest.hexdigest()[:16]
+
+
+def _line(r: Request) -> bytes:
+    """What the digests hash of a request."""
+    wire = f"\0{r.wire}" if r.wire is not None else ""  # both ends agree on the bytes sent
+    return f"{r.step}\0{r.source}\0{r.key}\0{r.box}{wire}\n".encode()
+
+
+def published(target: int, requests: list[Request]) -> tuple[dict[int, tuple[str, list[Request]]], Summary]:
+    """What a target rank publishes of its requests with their steps: those of each source
+    rank over the wire (`addressed`) with their `pair_digest`, and its `Summary`; each
+    request's line hashed into both at once (made once, not per digest)."""
+    whole, pairs = hashlib.sha256(), {}
+    for r in requests:
+        line = _line(r)
+        whole.update(line)
+        if r.source != target:
+            digest, asked = pairs.get(r.source) or pairs.setdefault(r.source, (hashlib.sha256(), []))
+            digest.update(line)
+            asked.append(r)
+    return ({source: (digest.hexdigest()[:16], asked) for source, (digest, asked) in pairs.items()},
+            Summary(whole.hexdigest()[:16], max((r.step for r in requests), default=-1) + 1))
 
 
 def sync_digest(summaries: dict[int, Summary | None]) -> str:

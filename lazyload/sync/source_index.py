@@ -126,6 +126,9 @@ class _Built:
             alike.setdefault((rule.base, rule.dim, rule.step, rule.count), []).append(rule)
         for runs in alike.values():
             chosen = _chosen(runs, wanted, own)
+            if len(runs) == 1:  # no copies (an expert FSDP alone shards): each box chosen is indexed
+                self.rule(runs[0], tensor.name, chosen, at, None)
+                continue
             for i in chosen:
                 if len(runs) > 1:  # each copy's key, for `copies.py` (only the nearest is indexed)
                     held = {run.rank(i): f"{tensor.name}@{run.rank(i)}.0" for run in runs}
@@ -138,9 +141,9 @@ class _Built:
                 self.rule(rule, tensor.name, chosen, at, lambda i: nearest.get(i, rule) is rule or rule.rank(i) == own)
 
     def rule(self, rule: Strided, name: str, chosen: list[int], at: int, indexes) -> None:
-        """A rule's boxes at the steps `chosen` that `indexes(i)` (else a copy's is), each run
-        of the others one `Unread` key."""
-        start, last = 0, rule.steps()
+        """A rule's boxes at the steps `chosen` that `indexes(i)` (else a copy's is; None:
+        all), each run of the others one `Unread` key."""
+        start, last, at_start = 0, rule.steps(), (0,) * len(rule.base)
         for i in [*chosen, last]:
             if start < i:  # steps start..i-1 not read: one key for them
                 box = rule.base[:rule.dim] + ((rule.box(start)[rule.dim][0], rule.box(i - 1)[rule.dim][1]),) + \
@@ -148,10 +151,11 @@ class _Built:
                 key = f"{name}@unread.{len(self.unread)}"
                 self.add(key, rule.rank(start), name, box, at)
                 self.unread[key] = Unread(name, box)
-            if i < last and indexes(i):
-                key, box = f"{name}@{rule.rank(i)}.0", rule.box(i)
-                self.add(key, rule.rank(i), name, box, at)
-                self.pieces[key] = Piece(rule.rank(i), name, Held(box, (0,) * len(box)))
+            if i < last and (indexes is None or indexes(i)):
+                rank, box = rule.rank(i), rule.box(i)
+                key = f"{name}@{rank}.0"
+                self.add(key, rank, name, box, at)
+                self.pieces[key] = Piece(rank, name, Held(box, at_start))
             start = i + 1
 
 

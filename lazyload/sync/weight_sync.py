@@ -29,8 +29,8 @@ from ..stored import StoredCheckpoint
 from .copies import choose_copies, copies_of
 from .gather import Gather, construction
 from .layout import Rules, RuledTensor, SourceTensor, local_of, mesh_rules, source_layout, source_tensors
-from .routes import (Request, Routes, Summary, addressed, default_slots, largest_requests, own_steps, pair_digest,
-                     requests_of, routes_for, source_slots)
+from .routes import (Request, Routes, Summary, default_slots, largest_requests, own_steps, published, requests_of,
+                     routes_for, source_slots)
 from .source_index import indexed, source_index
 from .box_target import BoxTarget
 from .peers import NcclLink, Peers
@@ -200,6 +200,7 @@ class WeightSync:
         self._prefix = gather.prefix
         held = gather.run("layout", lambda: self._layout(gather))
         self._max_host_bytes = {r: b for r, (_, b, _) in held.items()}  # every rank's: they bound the steps
+        self._budgeted = any(b is not None for b in self._max_host_bytes.values())
         # a target plans from every source rank's boxes (a mesh's as its strided rules); a source
         # alone needs only its own (the requests it reads name its own pieces), so it reads no
         # other rank's layout
@@ -338,8 +339,7 @@ class WeightSync:
         slots = default_slots(self.rank, self._wanted)
         slots.update(gather.told("slots", [s for s in slots if self._max_host_bytes.get(s) is not None]))
         self._wanted = own_steps(self.rank, self._wanted, slots)
-        pairs = {source: (pair_digest(q), q) for source, q in addressed(self.rank, self._wanted).items()}
-        return pairs, Summary.of(self._wanted)
+        return published(self.rank, self._wanted)
 
     def _plan_target(self) -> list[Request] | None:
         """This rank's load plan of the target from the sources' index, and its requests. A
@@ -412,8 +412,8 @@ class WeightSync:
         unless it holds a copy itself, the budget of every source rank that may send it (the
         copy is chosen later, `copies.py`). None: no limit (the defaults hold any item)."""
         key = item.entry.key
-        if key in self._unread:  # a first plan's, only to learn the boxes it reads
-            return None
+        if key in self._unread or not self._budgeted:  # a first plan's, only to learn the boxes it reads; or
+            return None  # no rank set a budget (each item of a large target asks)
         holders = set(self._copies[key][1]) if key in self._copies else {self.pieces[key].rank}
         budgets = [self._max_host_bytes[r] for r in {self.rank} | (set() if self.rank in holders else holders)]
         return min((b for b in budgets if b is not None), default=None)
