@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 
 import torch
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lazyload
-from tp_torchrun import NEW_TOKENS, PROMPT, greedy, say, write_example_checkpoint
+from tp_torchrun import NEW_TOKENS, PROMPT, exit_without_teardown, greedy, say, write_example_checkpoint
 
 WRITTEN_FOR = 4
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -82,4 +81,4 @@ def reshard_and_load(checkpoint: str | None, written: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # as tp_torchrun.py: gloo's threads may abort a teardown after success

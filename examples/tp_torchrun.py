@@ -128,13 +128,17 @@ def main() -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("LAZYLOAD_PROGRESS", "0")
-    code = main()  # the process group is destroyed; an exception exits through Python as usual
-    # Exit at once, without interpreter teardown: torch keeps the gloo process group and its
-    # threads alive past destroy_process_group (DTensor's caches hold the device mesh), and
-    # gloo threads alive during teardown occasionally abort a run that succeeded.
+def exit_without_teardown(code: int) -> None:
+    """Exit at once, without interpreter teardown: torch keeps the gloo process group and its
+    threads alive past destroy_process_group (DTensor's caches hold the device mesh), and gloo
+    threads alive during teardown occasionally abort a run that succeeded ("terminate called
+    without an active exception")."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("LAZYLOAD_PROGRESS", "0")
+    exit_without_teardown(main())  # the process group is destroyed; an exception exits through Python as usual
