@@ -102,6 +102,8 @@ class Piece:
 
 
 class Expr:
+    __slots__ = ()  # a leaf (`Source`, one per stored key) needs no __dict__; nodes keep theirs
+
     def shape(self, shape_of: ShapeOf) -> tuple[int, ...]:
         raise NotImplementedError
 
@@ -126,7 +128,7 @@ class Expr:
         raise NotImplementedError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Source(Expr):
     key: str
 
