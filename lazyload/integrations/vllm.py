@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..agreement import RANK_TIMEOUT
 from ..errors import ArgumentError
 from ..keywords import check_keywords
 from ..remote import RemoteOptions
@@ -79,7 +80,8 @@ REPORTS: list["WorkerReport"] = []  # this process's reports, the latest last (t
 
 def _extra_config(reader: str = "auto", max_host_bytes: int | None = None, release_pages: bool = False,
                   trust_pickle: bool = False, remote: dict | None = None, iteration: int | None = None,
-                  weights: str | None = None, cooperative: bool | None = None, rank_timeout: float = 60.0) -> None:
+                  weights: str | None = None, cooperative: bool | None = None,
+                  rank_timeout: float = RANK_TIMEOUT) -> None:
     """The keys `model_loader_extra_config` takes (this signature is their list)."""
 
 
@@ -91,7 +93,7 @@ class LoaderConfig:
     iteration: int | None = None
     weights: str | None = None  # the checkpoint's path or URL, when not `model` (see the module)
     cooperative: bool | None = None  # False: TP workers do not share a URL's row-parallel fetches
-    rank_timeout: float = 60.0  # seconds each collective of that sharing may take
+    rank_timeout: float = RANK_TIMEOUT  # seconds each collective of that sharing may take
 
     @classmethod
     def of(cls, extra: Any) -> "LoaderConfig":
@@ -116,7 +118,7 @@ class LoaderConfig:
         if extra.get("cooperative") not in (None, True, False):
             raise ArgumentError(f"model_loader_extra_config 'cooperative' must be true or false, got "
                                 f"{extra['cooperative']!r}.")
-        timeout = extra.get("rank_timeout", 60.0)
+        timeout = extra.get("rank_timeout", RANK_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ArgumentError(f"model_loader_extra_config 'rank_timeout' must be a positive number of seconds, "
                                 f"got {timeout!r}.")
