@@ -139,7 +139,9 @@ class WorkerReport:
     across a small gap; `bytes_repeated` of them were boxes copied again: vLLM's layer-wise
     reload replays some loads; `bytes_received` tensor bytes of its boxes that other TP
     workers fetched and sent it, not counted in `bytes_read` (a URL at TP > 1, whose
-    `bytes_read` counts the rows it fetched for all instead); `prefetched_bytes` of them were announced a layer ahead of their
+    `bytes_read` counts the rows it fetched for all instead; `exchange_peak_bytes` the most
+    bytes one round of that exchange held: its buffers, at a reload with the layer's values
+    kept beside them, within `max_host_bytes` when set); `prefetched_bytes` of them were announced a layer ahead of their
     reads, on cold pages, at a load and a reload alike), `header_bytes` of the checkpoint's headers, `read_syscall_bytes`
     what the worker process read through read()/pread() meanwhile (the kernel's count,
     not lazyload's: with reader "pread" about `bytes_read` + `header_bytes`), `fallbacks` (tensor, operation) read whole because a weight
@@ -156,6 +158,7 @@ class WorkerReport:
     bytes_read: int = 0
     prefetched_bytes: int = 0
     bytes_received: int = 0
+    exchange_peak_bytes: int = 0
     bytes_planned: int = 0
     bytes_repeated: int = 0
     header_bytes: int = 0
@@ -175,7 +178,8 @@ class WorkerReport:
         return (f"lazyload {what} of {self.checkpoint}, TP rank {self.rank}/{self.world}: read {size(self.bytes_read)} "
                 f"({share:.0%} of {size(self.checkpoint_bytes)}; {self.boxes} boxes of {self.tensors} tensors, "
                 f"reader {self.reader}) + {size(self.header_bytes)} of headers in {self.seconds:.2f} s; "
-                + (f"{size(self.bytes_received)} received from the other TP workers; " if self.bytes_received else "")
+                + (f"{size(self.bytes_received)} received from the other TP workers (exchange peak "
+                   f"{size(self.exchange_peak_bytes)}); " if self.bytes_received else "")
                 + f"{len(self.fallbacks)} fallbacks"
                 + (f", {size(self.bytes_repeated)} asked for again" if self.bytes_repeated else "")
                 + f"; peak RSS {size(self.peak_rss)}, anonymous {size(self.peak_anon)}"
@@ -247,7 +251,7 @@ class Load:
         report = WorkerReport(str(self.checkpoint.paths), self.rank, self.world, self.reload, tensors=len(index),
                               boxes=totals.boxes, bytes_read=totals.bytes_read, bytes_planned=totals.bytes_planned,
                               bytes_repeated=totals.bytes_repeated, prefetched_bytes=totals.prefetched_bytes,
-                              bytes_received=totals.bytes_received,
+                              bytes_received=totals.bytes_received, exchange_peak_bytes=totals.exchange_peak_bytes,
                               header_bytes=index.header_bytes_read, checkpoint_bytes=index.total_bytes,
                               seconds=time.perf_counter() - self.started, fallbacks=list(totals.fallbacks),
                               casts=dict(totals.casts),

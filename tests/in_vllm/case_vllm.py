@@ -383,9 +383,12 @@ def test_s3_each_worker_fetches_its_share(tp):
             assert served == report["bytes_read"] and report["remote"]["retries"] == 0
             assert report["bytes_planned"] - report["bytes_repeated"] == share(directory, tp)
             assert report["bytes_received"] == (row_parallel_bytes(directory) // 4 if tp == 2 else 0)
+            assert (report["exchange_peak_bytes"] > 0) == (tp == 2)
             # at TP 2 half the rows of each row-parallel tensor: as many bytes as its share, in few GETs
             assert served == share(directory, tp) <= (0.55 if tp == 2 else 1) * report["checkpoint_bytes"]
             assert report["remote"]["requests"] <= 2 * len(checkpoint_names(directory)), report["remote"]
+        if tp == 2:  # a reload keeps each layer's values beside its exchange (a load copies them into the parameters)
+            assert worker[1]["exchange_peak_bytes"] > worker[0]["exchange_peak_bytes"], worker
 
 
 def checkpoint_names(directory: Path) -> list[str]:
