@@ -320,10 +320,10 @@ class SharedReload:
         if layer not in self.exchanged:
             self.exchanged.add(layer)
             self.values = {}
-            self.reads._fetch_and_exchange(self.layers[layer], self._keep, self.kept_bytes)
+            self.reads._fetch_and_exchange(self.layers[layer], self._keep, self.held_bytes)
         return self.values.get((copy.name, copy.box))
 
-    def kept_bytes(self) -> int:
+    def held_bytes(self) -> int:
         return sum(values.nbytes for values in self.values.values())
 
     def _keep(self, name: str, box: Box, part: Box, values: torch.Tensor) -> None:
