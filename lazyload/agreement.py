@@ -38,6 +38,7 @@ from .errors import ExchangeError, LazyLoadError, RankFailedError
 logger = logging.getLogger("lazyload")
 _loads = itertools.count()
 FANOUT = 16  # children per rank of the agreement's tree
+RANK_TIMEOUT = 60.0  # default seconds a rank waits for another (`rank_timeout` of a load, a sync, vLLM's workers)
 GRACE = 10.0  # seconds more that a rank waits for the verdict, and the store's host for its readers
 NAMED = 32  # failed ranks whose errors a verdict carries (the others counted)
 # Where ranks agree: input checked and planned, before the model changes (or any byte is

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .agreement import agreement
+from .agreement import RANK_TIMEOUT, agreement
 from .digest import load_facts
 from .errors import LazyLoadError
 from .executor import execute
@@ -62,7 +62,7 @@ class LazyCheckpoint(StoredCheckpoint):
                   progress: bool | None = None, plan: dict[str, Any] | str | None = None, reader: str = "auto",
                   max_host_bytes: int | None = None, release_pages: bool = False,
                   shards_only: bool = False, quantize: str | Quantization | None = None,
-                  rank_timeout: float = 60.0, mesh: Any = None, cooperative: bool | None = None,
+                  rank_timeout: float = RANK_TIMEOUT, mesh: Any = None, cooperative: bool | None = None,
                   **unknown: Any) -> LoadReport:
         """Fill `model` with this rank's share of the checkpoint; returns a LoadReport.
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .agreement import RANK_TIMEOUT
 from .buffers import cast_buffers, meta_buffers_to_recompute
 from .devices import target_device, use_device
 from .dtypes import dtype_named
@@ -66,7 +67,7 @@ class LoadOptions:
     release_pages: bool = False
     shards_only: bool = False
     quantize: str | Quantization | None = None
-    rank_timeout: float = 60.0
+    rank_timeout: float = RANK_TIMEOUT
     mesh: Any = None  # a torch DeviceMesh, 1-D (tp) or ("dp", "tp"); rank and world are then its tp dim's
     cooperative: bool | None = None  # replicas (a mesh's dp dim) split their reads; default on
     pieces_cut_groups: bool = False  # a weight sync: source pieces may cut a scale group (assembled on arrival)

@@ -3,7 +3,8 @@
 range server, each rank's weight loaders record vLLM's boxes (row-parallel: the column half
 of every row; column-parallel: half the rows), each rank fetches about half of each
 row-parallel tensor in a handful of GETs under the default merge gap, and both get exact
-values. Under a small max_host_bytes the exchange runs in rounds whose buffers fit it; with
+values. Under a small max_host_bytes the exchange runs in rounds whose buffers fit it (at a
+reload, beside the layer's values each worker keeps until its copies); with
 `cooperative: False` (the loader's config) each rank fetches its own boxes. Then rank 1 dies
 in the middle of the exchange (or, in a job of its own, stalls alive before it): rank 0
 raises a LazyLoadError within rank_timeout instead of hanging."""
@@ -93,27 +94,51 @@ def _check_shared(rank: int, reads, dsts) -> None:
 
 
 BUDGET = 40_000  # a float32 row-parallel tensor's buffers take 192 KiB per rank in one round (fetch, send, receive)
+RELOAD_BUDGET = 150_000  # a reload also keeps a layer's values: 96 KiB per rank of a float32 layer
 
 
 def _within_budget(rank: int, world: int, url: str) -> None:
     """Under a small max_host_bytes each layer is exchanged in several rounds, each tensor cut
-    by rows, and the buffers one round holds stay within it; values and bytes as in one round."""
+    by rows, and what one round holds stays within it: its buffers, and at a reload this
+    worker's box of the layer's row-parallel tensor, kept whole from the layer's first round
+    until its copy (counted in the peak); values and bytes as in one round."""
     import lazyload.integrations.reads as reads_module
 
     exchange, rounds = reads_module.exchange, []
 
     def counted(*args, **kwargs):
-        rounds.append(args[1])
-        return exchange(*args, **kwargs)
+        received, buffers = exchange(*args, **kwargs)
+        rounds.append((args[1], buffers))
+        return received, buffers
     reads_module.exchange = counted
     try:
-        for reads, dsts in _load_and_reload(rank, world, url, {"max_host_bytes": BUDGET}):
-            _check_shared(rank, reads, dsts)
-            assert 0 < reads.totals.exchange_peak_bytes <= BUDGET
+        load, loaded = _load(rank, world, url, extra={"max_host_bytes": BUDGET})
+        load.run()
+        _check_shared(rank, load, loaded)
+        at_load, rounds = rounds, []
+        reload, reloaded = _load(rank, world, url, sorted(load.asked), {"max_host_bytes": RELOAD_BUDGET})
+        _check_shared(rank, reload, reloaded)
     finally:
         reads_module.exchange = exchange
-    assert len(rounds) >= 2 * 2 * LAYERS, len(rounds)  # a load and a reload, more than a round per layer
-    assert all(len(tensors) == 1 for tensors in rounds)  # every row-parallel tensor cut (one per layer here)
+    assert 0 < load.totals.exchange_peak_bytes == max(buffers for _, buffers in at_load) <= BUDGET
+    want = tensors()
+    peak = max(buffers + want[ts[0].name][:, :256].nbytes for ts, buffers in rounds)  # its box: half the columns
+    assert reload.totals.exchange_peak_bytes == peak <= RELOAD_BUDGET, (reload.totals.exchange_peak_bytes, peak)
+    assert min(len(at_load), len(rounds)) >= 2 * LAYERS, (len(at_load), len(rounds))  # more than a round per layer
+    assert all(len(ts) == 1 for ts, _ in at_load + rounds)  # every row-parallel tensor cut (one per layer here)
+
+
+def _reload_budget_below_its_values(rank: int, world: int, url: str) -> None:
+    """A max_host_bytes that holds the load's rounds but not, at a reload, a layer's values
+    beside one row's exchange is a PlanError on every worker before any fetch."""
+    import lazyload
+
+    load, _ = _load(rank, world, url, extra={"max_host_bytes": BUDGET})
+    load.run()
+    with pytest.raises(lazyload.PlanError, match=r"max_host_bytes=40000 cannot hold, at a reload, a TP worker's "
+                                                 r"values of the row-parallel tensors of layer 'model.layers.0' up "
+                                                 r"to model.layers.0.self_attn.o_proj.weight \(98304 bytes"):
+        _load(rank, world, url, sorted(load.asked), {"max_host_bytes": BUDGET})
 
 
 def _budget_below_a_row(rank: int, world: int, url: str) -> None:
@@ -247,8 +272,8 @@ def _job(tmp_path, cases: tuple) -> None:
 
 
 def test_tp_workers_fetch_row_parallel_tensors_once_and_share(tmp_path):
-    _job(tmp_path, (_shares, _within_budget, _budget_below_a_row, _not_cooperative, _mixed_dtypes, _other_layers,
-                    _dies))
+    _job(tmp_path, (_shares, _within_budget, _budget_below_a_row, _reload_budget_below_its_values, _not_cooperative,
+                    _mixed_dtypes, _other_layers, _dies))
 
 
 def test_a_stalled_tp_worker_is_an_error_on_the_others_not_a_hang(tmp_path):
@@ -268,10 +293,15 @@ def _round_bytes(tensor, rank: int, itemsize: int) -> int:
     return itemsize * (fetch + sum(moved(rank, o) + moved(o, rank) for o in others))
 
 
-def test_rounds_fit_the_budget_and_cover_every_fetched_row_once():
+@pytest.mark.parametrize("keep, budgets", [(False, (2_000, 5_000, 20_000)), (True, (7_000, 10_000, 20_000))])
+def test_rounds_fit_the_budget_and_cover_every_fetched_row_once(keep, budgets):
     """A layer of tensors of several sizes and dtypes at TP 3: each round's buffers (fetch,
     send, receive, tags) fit the budget on every rank, small tensors share a round, a big one is
-    cut, and the rounds fetch each rank's rows of every tensor exactly once, in order."""
+    cut, and the rounds fetch each rank's rows of every tensor exactly once, in order. At a
+    reload (`keep`) each rank's boxes of the tensors begun so far (kept whole until their
+    copies) fit beside each round's buffers too; a budget that cannot hold them beside one
+    row's exchange is a PlanError."""
+    import lazyload
     from lazyload.integrations.tp_share import TAG, plan_shared, rounds
 
     world = 3
@@ -279,10 +309,12 @@ def test_rounds_fit_the_budget_and_cover_every_fetched_row_once():
     dtypes = {"model.layers.0.a": torch.float32, "model.layers.0.b": torch.bfloat16, "model.layers.0.c": torch.float32}
     boxes = [[(name, ((0, rows), (4 * r, 4 * r + 4))) for name, (rows, _) in shapes.items()] for r in range(world)]
     layer = list(plan_shared(boxes, shapes.__getitem__).values())
-    for budget in (2_000, 5_000, 20_000):
-        out = rounds(layer, world, dtypes.__getitem__, budget)
+    for budget in budgets:
+        out, begun = rounds(layer, world, dtypes.__getitem__, budget, keep), set()
         for tensors in out:
-            held = [2 * (world - 1) * TAG + sum(_round_bytes(t, rank, dtypes[t.name].itemsize) for t in tensors)
+            begun |= {t.name for t in tensors}
+            kept = sum(shapes[name][0] * 4 * dtypes[name].itemsize for name in begun) if keep else 0  # a rank's box
+            held = [2 * (world - 1) * TAG + kept + sum(_round_bytes(t, rank, dtypes[t.name].itemsize) for t in tensors)
                     for rank in range(world)]
             assert max(held) <= budget, (budget, held)
         assert [t.name for t in out[0]][:2] == ["model.layers.0.a", "model.layers.0.b"]  # small ones in one round
@@ -293,4 +325,8 @@ def test_rounds_fit_the_budget_and_cover_every_fetched_row_once():
                 assert rows[0][0] == whole.fetch[rank][0][0] and rows[-1][1] == whole.fetch[rank][0][1]
                 assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))  # contiguous, no row twice
         cuts = len([t for tensors in out for t in tensors if t.name.endswith(".c")])
-        assert cuts == 1 if budget == 20_000 else cuts > 2  # c's buffers: 11 kB on a rank
+        assert cuts == 1 if budget == 20_000 else cuts > 2  # c's buffers: 11 kB on a rank (its box: 4.8 kB)
+    if keep:  # 5 kB holds the load's rounds, not c's box beside a row of it
+        with pytest.raises(lazyload.PlanError, match="max_host_bytes=5000 cannot hold, at a reload, a TP worker's "
+                                                     r"values .* up to model.layers.0.c \(4960 bytes"):
+            rounds(layer, world, dtypes.__getitem__, 5_000, keep)

@@ -79,7 +79,9 @@ class ReadTotals:
     boxes: int = 0
     prefetched_bytes: int = 0  # of the boxes read, bytes whose pages were announced a layer ahead (cold pages)
     bytes_received: int = 0  # tensor bytes other TP workers fetched and sent this one (`tp_share`)
-    exchange_peak_bytes: int = 0  # the most bytes one exchange round's buffers held: fetch, send, receive
+    # the most bytes one exchange round held: its fetch, send and receive buffers, at a reload with this
+    # worker's values of the layer kept beside them (`SharedReload`)
+    exchange_peak_bytes: int = 0
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (tensor, operation)
     casts: dict[str, int] = field(default_factory=dict)  # "int8->float32" (via a loader's cast: "a->b->c"): stored bytes
     reader: str = ""
@@ -182,13 +184,14 @@ class BoxReads:
             self._count_served(c)
         return [c for c in copies if c.name not in shared]
 
-    def _rounds(self, shared: dict[str, SharedTensor]) -> list[list[list[SharedTensor]]]:
-        """Each layer's exchange rounds under the byte budget (`tp_share.rounds`)."""
-        return layer_rounds(shared, self.peers.world, self.checkpoint.index.dtype, self.options.max_host_bytes)
+    def _rounds(self, shared: dict[str, SharedTensor], keep: bool = False) -> list[list[list[SharedTensor]]]:
+        """Each layer's exchange rounds under the byte budget (`tp_share.rounds`; `keep`: a reload's)."""
+        return layer_rounds(shared, self.peers.world, self.checkpoint.index.dtype, self.options.max_host_bytes, keep)
 
-    def _fetch_and_exchange(self, layer: list[list[SharedTensor]], deliver) -> None:
+    def _fetch_and_exchange(self, layer: list[list[SharedTensor]], deliver, kept=lambda: 0) -> None:
         """Round by round, fetch this worker's rows of the round's shared tensors, then exchange
-        them (`tp_share.exchange`); a round's buffers are gone before the next is fetched."""
+        them (`tp_share.exchange`); a round's buffers are gone before the next is fetched.
+        `kept()`: the bytes `deliver` keeps beside them (a reload's values), counted in the peak."""
         index, me = self.checkpoint.index, self.peers.rank
         for tensors in layer:
             fetched = {t.name: torch.empty(box_shape(t.fetch[me]), dtype=index.dtype(t.name))
@@ -196,7 +199,7 @@ class BoxReads:
             self._read([Copy(t.name, t.fetch[me], fetched[t.name]) for t in tensors if t.name in fetched], asked=False)
             received, held = exchange(self.peers, tensors, fetched, index.dtype, deliver)
             self.totals.bytes_received += received
-            self.totals.exchange_peak_bytes = max(self.totals.exchange_peak_bytes, held)
+            self.totals.exchange_peak_bytes = max(self.totals.exchange_peak_bytes, held + kept())
             del fetched  # before the next round allocates its own
 
     def _count_served(self, c: Copy) -> None:
@@ -294,7 +297,8 @@ class SharedReload:
     load (gathered at the start, so on every worker at once): at the first copy of a layer
     that asks for one of them, the layer's rows are fetched and exchanged, and the values are
     held until the next layer's exchange (the copies come in layer order); a copy they do
-    not cover is read alone."""
+    not cover is read alone. Each of this worker's boxes is held whole from its tensor's first
+    round on, beside the later rounds' buffers: the rounds leave room for them (`keep`)."""
 
     def __init__(self, reads: BoxReads, boxes: list[tuple[str, Box]]):
         index = reads.checkpoint.index
@@ -303,7 +307,7 @@ class SharedReload:
                       key=lambda pair: (natural_key(pair[0]), pair[1]))
         self.reads, self.rank = reads, reads.peers.rank
         self.shared = plan_shared(gather_boxes(reads.peers, mine), index.shape)
-        self.layers = {layer_of(layer[0][0].name): layer for layer in reads._rounds(self.shared)}
+        self.layers = {layer_of(layer[0][0].name): layer for layer in reads._rounds(self.shared, keep=True)}
         self.values: dict[tuple[str, Box], torch.Tensor] = {}
         self.exchanged: set[str] = set()
 
@@ -316,8 +320,11 @@ class SharedReload:
         if layer not in self.exchanged:
             self.exchanged.add(layer)
             self.values = {}
-            self.reads._fetch_and_exchange(self.layers[layer], self._keep)
+            self.reads._fetch_and_exchange(self.layers[layer], self._keep, self.held_bytes)
         return self.values.get((copy.name, copy.box))
+
+    def held_bytes(self) -> int:
+        return sum(values.nbytes for values in self.values.values())
 
     def _keep(self, name: str, box: Box, part: Box, values: torch.Tensor) -> None:
         held = self.values.get((name, box))

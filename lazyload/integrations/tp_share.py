@@ -15,7 +15,10 @@ or stalls makes the others raise a LazyLoadError (CollectiveError) within it, ne
 A layer's fetch, send and receive buffers (at TP 2 as many bytes as the layer's shared
 tensors, fewer at a larger TP) stay within `max_host_bytes` when it is set: a layer whose
 buffers would not fit it is exchanged in rounds (`rounds`), each a few of its tensors or 1/k
-of every worker's rows of one tensor, each round's buffers released before the next.
+of every worker's rows of one tensor, each round's buffers released before the next. At a
+reload each worker also keeps its boxes' values of the layer until vLLM copies them
+(`SharedReload`): the rounds leave room for them, and a budget that cannot hold them beside
+one row's exchange is a PlanError before any fetch.
 
 Local files keep their own reads: the page cache is already shared between the workers."""
 from __future__ import annotations
@@ -136,57 +139,78 @@ def buffer_bytes(tensor: SharedTensor, world: int, dtype_of) -> list[int]:
     return out
 
 
+def kept_bytes(tensor: SharedTensor, world: int, dtype_of) -> list[int]:
+    """Per rank, the bytes of its boxes of `tensor`: the values a reload keeps from the
+    tensor's first round until vLLM copies them (`SharedReload`)."""
+    itemsize = dtype_of(tensor.name).itemsize
+    return [sum(box_numel(box) for box in tensor.boxes[rank]) * itemsize for rank in range(world)]
+
+
 def cut(tensor: SharedTensor, k: int) -> list[SharedTensor]:
     """`tensor` in k parts, the i-th fetching the i-th of k ranges of every rank's fetch rows."""
     per_rank = [[None] * k if box is None else fetch_boxes(box, k) for box in tensor.fetch]
     return [SharedTensor(tensor.name, tuple(p[i] for p in per_rank), tensor.boxes) for i in range(k)]
 
 
-def rounds(layer: list[SharedTensor], world: int, dtype_of, budget: int) -> list[list[SharedTensor]]:
+def rounds(layer: list[SharedTensor], world: int, dtype_of, budget: int,
+           keep: bool = False) -> list[list[SharedTensor]]:
     """The layer's shared tensors in rounds, in order, whose buffers (fetch + send + receive,
     tags included) fit `budget` on every rank; a tensor that does not fit alone is `cut` into
-    as many parts as it takes, a round each. The same on every rank (from the plan alone). A
-    budget smaller than one row's exchange is a PlanError (before any byte is fetched)."""
+    as many parts as it takes, a round each. With `keep` (a reload) each rank's values of the
+    layer's tensors so far (`kept_bytes`, from a tensor's first round to the layer's end) fit
+    beside each round's buffers too. The same on every rank (from the plan alone). A budget
+    smaller than one row's exchange (and the values kept) is a PlanError (before any byte is
+    fetched)."""
     tags = 2 * (world - 1) * TAG
-    out, current, held = [], [], [tags] * world
+    out, current, held, kept = [], [], [tags] * world, [0] * world
     for tensor in layer:
         cost = buffer_bytes(tensor, world, dtype_of)
-        if max(h + c for h, c in zip(held, cost)) <= budget:
+        if keep:
+            kept = [k + v for k, v in zip(kept, kept_bytes(tensor, world, dtype_of))]
+        if max(k + h + c for k, h, c in zip(kept, held, cost)) <= budget:
             current.append(tensor)
             held = [h + c for h, c in zip(held, cost)]
             continue
         if current:
             out.append(current)
         current, held = [tensor], [tags + c for c in cost]
-        if max(held) <= budget:
+        if max(k + h for k, h in zip(kept, held)) <= budget:
             continue
         current, held = [], [tags] * world
-        out += [[part] for part in cut_to_fit(tensor, world, dtype_of, budget, max(cost))]
+        out += [[part] for part in cut_to_fit(tensor, world, dtype_of, budget, max(cost), max(kept))]
     return out + ([current] if current else [])
 
 
-def layer_rounds(shared: dict[str, SharedTensor], world: int, dtype_of,
-                 max_host_bytes: int | None) -> list[list[list[SharedTensor]]]:
-    """Each layer's `rounds` (`by_layer`'s order) under `max_host_bytes`; by default a layer is
-    one round (its buffers: 1/TP of its shared tensors fetched, and its parts sent and received,
-    are at most the layer's bytes, the default budget, but for the tags)."""
-    return [[layer] if max_host_bytes is None else rounds(layer, world, dtype_of, max_host_bytes)
+def layer_rounds(shared: dict[str, SharedTensor], world: int, dtype_of, max_host_bytes: int | None,
+                 keep: bool = False) -> list[list[list[SharedTensor]]]:
+    """Each layer's `rounds` (`by_layer`'s order) under `max_host_bytes` (`keep`: a reload's);
+    by default a layer is one round (its buffers: 1/TP of its shared tensors fetched, and its
+    parts sent and received, are at most the layer's bytes, the default budget, but for the tags)."""
+    return [[layer] if max_host_bytes is None else rounds(layer, world, dtype_of, max_host_bytes, keep)
             for layer in by_layer(shared)]
 
 
-def cut_to_fit(tensor: SharedTensor, world: int, dtype_of, budget: int, cost: int) -> list[SharedTensor]:
+def cut_to_fit(tensor: SharedTensor, world: int, dtype_of, budget: int, cost: int,
+               kept: int = 0) -> list[SharedTensor]:
     """`tensor` (whose buffers take `cost` bytes on the busiest rank) cut into about the fewest
-    parts (`cut`) whose buffers and tags fit `budget` on every rank."""
-    tags = 2 * (world - 1) * TAG
+    parts (`cut`) whose buffers and tags fit `budget` on every rank, beside `kept` bytes of a
+    reload's values."""
+    tags, room = 2 * (world - 1) * TAG, budget - kept
     rows = max(box[long_dim(box)][1] - box[long_dim(box)][0] for box in tensor.fetch if box is not None)
-    k = min(max(-(-cost // max(budget - tags, 1)), 2), rows)
+    k = min(max(-(-cost // max(room - tags, 1)), 2), rows)
     while True:
         held = max(max(buffer_bytes(part, world, dtype_of)) for part in cut(tensor, k)) + tags
-        if held <= budget:
+        if held <= room:
             return cut(tensor, k)
         if k == rows:
             break
         k = min(rows, k + max(1, k // 8))  # the padding and uneven cuts may take a few more parts than cost / budget
+    if kept:
+        raise PlanError(f"max_host_bytes={budget} cannot hold, at a reload, a TP worker's values of the row-parallel "
+                        f"tensors of layer {layer_of(tensor.name)!r} up to {tensor.name} ({kept} bytes, kept until "
+                        f"vLLM copies them) beside the exchange of one row of it ({held} bytes: fetched, sent and "
+                        f"received); raise it to at least {kept + held}, or load with model_loader_extra_config "
+                        "{'cooperative': False}.")
     raise PlanError(f"max_host_bytes={budget} is smaller than the TP workers' exchange of one row of {tensor.name} "
                     f"({held} bytes: fetched, sent and received); raise it to at least that, or load with "
                     "model_loader_extra_config {'cooperative': False}.")

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..agreement import RANK_TIMEOUT
 from ..errors import ArgumentError
 from ..keywords import check_keywords
 from ..remote import RemoteOptions
@@ -79,7 +80,8 @@ REPORTS: list["WorkerReport"] = []  # this process's reports, the latest last (t
 
 def _extra_config(reader: str = "auto", max_host_bytes: int | None = None, release_pages: bool = False,
                   trust_pickle: bool = False, remote: dict | None = None, iteration: int | None = None,
-                  weights: str | None = None, cooperative: bool | None = None, rank_timeout: float = 60.0) -> None:
+                  weights: str | None = None, cooperative: bool | None = None,
+                  rank_timeout: float = RANK_TIMEOUT) -> None:
     """The keys `model_loader_extra_config` takes (this signature is their list)."""
 
 
@@ -91,7 +93,7 @@ class LoaderConfig:
     iteration: int | None = None
     weights: str | None = None  # the checkpoint's path or URL, when not `model` (see the module)
     cooperative: bool | None = None  # False: TP workers do not share a URL's row-parallel fetches
-    rank_timeout: float = 60.0  # seconds each collective of that sharing may take
+    rank_timeout: float = RANK_TIMEOUT  # seconds each collective of that sharing may take
 
     @classmethod
     def of(cls, extra: Any) -> "LoaderConfig":
@@ -116,7 +118,7 @@ class LoaderConfig:
         if extra.get("cooperative") not in (None, True, False):
             raise ArgumentError(f"model_loader_extra_config 'cooperative' must be true or false, got "
                                 f"{extra['cooperative']!r}.")
-        timeout = extra.get("rank_timeout", 60.0)
+        timeout = extra.get("rank_timeout", RANK_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ArgumentError(f"model_loader_extra_config 'rank_timeout' must be a positive number of seconds, "
                                 f"got {timeout!r}.")
@@ -137,7 +139,9 @@ class WorkerReport:
     across a small gap; `bytes_repeated` of them were boxes copied again: vLLM's layer-wise
     reload replays some loads; `bytes_received` tensor bytes of its boxes that other TP
     workers fetched and sent it, not counted in `bytes_read` (a URL at TP > 1, whose
-    `bytes_read` counts the rows it fetched for all instead); `prefetched_bytes` of them were announced a layer ahead of their
+    `bytes_read` counts the rows it fetched for all instead; `exchange_peak_bytes` the most
+    bytes one round of that exchange held: its buffers, at a reload with the layer's values
+    kept beside them, within `max_host_bytes` when set); `prefetched_bytes` of them were announced a layer ahead of their
     reads, on cold pages, at a load and a reload alike), `header_bytes` of the checkpoint's headers, `read_syscall_bytes`
     what the worker process read through read()/pread() meanwhile (the kernel's count,
     not lazyload's: with reader "pread" about `bytes_read` + `header_bytes`), `fallbacks` (tensor, operation) read whole because a weight
@@ -154,6 +158,7 @@ class WorkerReport:
     bytes_read: int = 0
     prefetched_bytes: int = 0
     bytes_received: int = 0
+    exchange_peak_bytes: int = 0
     bytes_planned: int = 0
     bytes_repeated: int = 0
     header_bytes: int = 0
@@ -173,7 +178,8 @@ class WorkerReport:
         return (f"lazyload {what} of {self.checkpoint}, TP rank {self.rank}/{self.world}: read {size(self.bytes_read)} "
                 f"({share:.0%} of {size(self.checkpoint_bytes)}; {self.boxes} boxes of {self.tensors} tensors, "
                 f"reader {self.reader}) + {size(self.header_bytes)} of headers in {self.seconds:.2f} s; "
-                + (f"{size(self.bytes_received)} received from the other TP workers; " if self.bytes_received else "")
+                + (f"{size(self.bytes_received)} received from the other TP workers (exchange peak "
+                   f"{size(self.exchange_peak_bytes)}); " if self.bytes_received else "")
                 + f"{len(self.fallbacks)} fallbacks"
                 + (f", {size(self.bytes_repeated)} asked for again" if self.bytes_repeated else "")
                 + f"; peak RSS {size(self.peak_rss)}, anonymous {size(self.peak_anon)}"
@@ -245,7 +251,7 @@ class Load:
         report = WorkerReport(str(self.checkpoint.paths), self.rank, self.world, self.reload, tensors=len(index),
                               boxes=totals.boxes, bytes_read=totals.bytes_read, bytes_planned=totals.bytes_planned,
                               bytes_repeated=totals.bytes_repeated, prefetched_bytes=totals.prefetched_bytes,
-                              bytes_received=totals.bytes_received,
+                              bytes_received=totals.bytes_received, exchange_peak_bytes=totals.exchange_peak_bytes,
                               header_bytes=index.header_bytes_read, checkpoint_bytes=index.total_bytes,
                               seconds=time.perf_counter() - self.started, fallbacks=list(totals.fallbacks),
                               casts=dict(totals.casts),

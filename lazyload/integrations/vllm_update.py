@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..agreement import RANK_TIMEOUT
 from ..errors import ArgumentError, LazyLoadError, SyncError
 from ..expr import Box
 from ..index import natural_key
@@ -48,7 +49,7 @@ LOADED_BOXES: list[tuple[str, Box]] = []
 LOADED_QUANTIZATION: dict[str, Any] = {}
 
 
-def update_group(host: str, port: int, rank: int, world: int, rank_timeout: float = 60.0) -> tuple[Any, Any]:
+def update_group(host: str, port: int, rank: int, world: int, rank_timeout: float = RANK_TIMEOUT) -> tuple[Any, Any]:
     """(group, store) of one update group: rank 0 (a trainer rank) serves the TCPStore at
     `host:port`, every other rank connects; pass both to `WeightSync(group=, store=)`."""
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
@@ -101,7 +102,7 @@ class WorkerUpdate:
     boxes of its last lazyload load; `run` receives them all, then hands them to `reload`
     (vLLM's in-place reload, given an iterator of lazy tensors)."""
 
-    def __init__(self, host: str, port: int, world: int, rank: int, rank_timeout: float = 60.0):
+    def __init__(self, host: str, port: int, world: int, rank: int, rank_timeout: float = RANK_TIMEOUT):
         group, store = update_group(host, port, rank, world, rank_timeout)
         self.rank = rank
         target = BoxTarget(worker_boxes(), quantized=channel_dtype(LOADED_QUANTIZATION))
@@ -124,7 +125,8 @@ class WeightUpdateExtension:
     returned as `{"error": ...}`, not raised: vLLM 0.32's collective_rpc raises at the first
     failed reply and leaves the other workers' replies to answer the next call."""
 
-    def lazyload_join(self, host: str, port: int, world: int, first_rank: int, rank_timeout: float = 60.0) -> dict:
+    def lazyload_join(self, host: str, port: int, world: int, first_rank: int,
+                      rank_timeout: float = RANK_TIMEOUT) -> dict:
         """Join the update group as rank `first_rank` + this worker's rank (the trainers
         construct their WeightSync meanwhile); returns what this worker will receive."""
         def join() -> dict:
@@ -154,7 +156,8 @@ def _replied(call) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def join_engine(llm: Any, host: str, port: int, world: int, first_rank: int, rank_timeout: float = 60.0) -> list[dict]:
+def join_engine(llm: Any, host: str, port: int, world: int, first_rank: int,
+                rank_timeout: float = RANK_TIMEOUT) -> list[dict]:
     """Every worker of `llm` joins the update group (ranks `first_rank`...); each worker's
     reply, or a SyncError naming every worker that failed."""
     return _checked(llm.collective_rpc("lazyload_join", args=(host, port, world, first_rank, rank_timeout)), "join")
@@ -191,7 +194,7 @@ def transfer_engine_class() -> type:
         port: int
         world: int
         first_rank: int
-        rank_timeout: float = 60.0
+        rank_timeout: float = RANK_TIMEOUT
 
     @dataclasses.dataclass
     class LazyLoadUpdateInfo(WeightTransferUpdateInfo):

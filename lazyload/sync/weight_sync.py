@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..agreement import Agreement
+from ..agreement import RANK_TIMEOUT, Agreement
 from ..buffers import fill_meta_buffers
 from ..keywords import check_keywords
 from ..errors import ArgumentError, CheckpointError, RankFailedError, SyncError
@@ -182,7 +182,7 @@ class WeightSync:
     fails on every rank before any byte moves."""
 
     def __init__(self, source: Any = None, target: Any = None, *, target_mesh: Any = None,
-                 group: Any = None, store: Any = None, rank_timeout: float = 60.0, quantize: Any = None,
+                 group: Any = None, store: Any = None, rank_timeout: float = RANK_TIMEOUT, quantize: Any = None,
                  key_map: KeyMap | None = None, dtype: Any = None, plan: Any = None, device: Any = None,
                  max_host_bytes: int | None = None, **unknown: Any):
         check_keywords("WeightSync", unknown, WeightSync.__init__)

@@ -228,18 +228,26 @@ def run_rl_update(model: Path, out: Path, *options: str) -> dict:
     return json.loads(results[-1][len("RESULT "):])
 
 
+def _assert_each_update_is_a_fresh_load(result: dict) -> None:
+    """Every worker planned the same update; after each update the engine's digests and tokens
+    are those of a fresh load (vLLM's reload_weights) of that step's weights, and differ from
+    the step before."""
+    assert len({j["plan_digest"] for j in result["joined"]}) == 1
+    # the fresh loads are reloads: reloading the engine's own checkpoint gives LLM()'s load of it, bit for bit
+    assert result["reloaded_model"] == {"tokens": result["tokens"][0], "digests": result["digests"][0]}
+    for step, fresh in enumerate(result["fresh"], start=1):
+        assert result["digests"][step] == fresh["digests"], step
+        assert result["tokens"][step] == fresh["tokens"], step
+        assert result["digests"][step] != result["digests"][step - 1], step  # not vacuous: the weights moved
+
+
 def test_rl_update_equals_a_fresh_load():
     """After each update (an optimizer step between), every worker's parameters are bit-equal
     to a fresh load of the trainer's weights of that step (vLLM's reload_weights from them),
     and the engine's tokens are that load's; each update changed the model."""
     result = rl_update()
     assert [j["rank"] for j in result["joined"]] == [2, 3]
-    assert len({j["plan_digest"] for j in result["joined"]}) == 1
-    assert result["reloaded_model"] == {"tokens": result["tokens"][0], "digests": result["digests"][0]}
-    for step, fresh in enumerate(result["fresh"], start=1):
-        assert result["digests"][step] == fresh["digests"], step
-        assert result["tokens"][step] == fresh["tokens"], step
-        assert result["digests"][step] != result["digests"][step - 1], step  # not vacuous: the weights moved
+    _assert_each_update_is_a_fresh_load(result)
 
 
 def test_rl_update_sends_each_worker_its_share():
@@ -275,13 +283,7 @@ def test_rl_update_into_a_quantized_engine():
     trainers (`quantized_on_wire`), the rest as stored; the trainers sent no more."""
     directory = prequantized("FP8_DYNAMIC")
     result = rl_update_quantized()
-    assert len({j["plan_digest"] for j in result["joined"]}) == 1
-    # the fresh loads are reloads: reloading the engine's own checkpoint gives LLM()'s load of it, bit for bit
-    assert result["reloaded_model"] == {"tokens": result["tokens"][0], "digests": result["digests"][0]}
-    for step, fresh in enumerate(result["fresh"], start=1):
-        assert result["digests"][step] == fresh["digests"], step
-        assert result["tokens"][step] == fresh["tokens"], step
-        assert result["digests"][step] != result["digests"][step - 1], step  # not vacuous: the weights moved
+    _assert_each_update_is_a_fresh_load(result)
     quantized = share(directory, 2, replicated_quantized, counted=lambda name: "_proj." in name)
     assert 0 < quantized < share(directory, 2, replicated_quantized)
     for update in result["updates"]:
@@ -381,9 +383,12 @@ def test_s3_each_worker_fetches_its_share(tp):
             assert served == report["bytes_read"] and report["remote"]["retries"] == 0
             assert report["bytes_planned"] - report["bytes_repeated"] == share(directory, tp)
             assert report["bytes_received"] == (row_parallel_bytes(directory) // 4 if tp == 2 else 0)
+            assert (report["exchange_peak_bytes"] > 0) == (tp == 2)
             # at TP 2 half the rows of each row-parallel tensor: as many bytes as its share, in few GETs
             assert served == share(directory, tp) <= (0.55 if tp == 2 else 1) * report["checkpoint_bytes"]
             assert report["remote"]["requests"] <= 2 * len(checkpoint_names(directory)), report["remote"]
+        if tp == 2:  # a reload keeps each layer's values beside its exchange (a load copies them into the parameters)
+            assert worker[1]["exchange_peak_bytes"] > worker[0]["exchange_peak_bytes"], worker
 
 
 def checkpoint_names(directory: Path) -> list[str]:
