@@ -9,13 +9,18 @@ the routes and the plan's agreement); only the source's layout is synthetic: the
 strided rules derived from them (`job_rules`, as `layout.mesh_rules` derives them from real
 DTensors' placements; a process-free run has no DeviceMesh for real DTensors). Store traffic is counted for every rank of the job. The job's
 threads are not timed (waking each other, they would count the fake store's waits): the first
-and last trainer and server ranks are, each constructed again alone over the store the job
-left, timed (CPU seconds), then again under tracemalloc for its peak. Models at their
-published widths and a reduced depth; the last columns project to the full depth by the
-tensors' count (every figure grows with it). `--divide N` runs fewer ranks (FSDP and
-replicas divided by N): a job's figures against its world.
+and last trainer and server ranks are, each constructed again over the store the job left in
+a Python process of its own (`time_apart`: its heap its own and the collector on, as a rank
+runs; the median CPU seconds of `--repeat` constructions after a first), and again in the
+job's process under tracemalloc for its peak. Models at their published widths and a reduced
+depth; the last columns project to the full depth by the tensors' count (every figure grows
+with it); `--layers A,B` runs two depths and also projects along the line through both (what
+does not grow with depth counted once; DeepSeek-V3's MoE layers cost more per tensor than its
+three dense ones, which one depth of four layers scales to all). `--divide N` runs fewer ranks
+(FSDP and replicas divided by N): a job's figures against its world.
 
-    python benchmarks/bench_sync_plan.py [--cases llama-405b,deepseek-v3,llama-70b-1024] [--layers 1]
+    python benchmarks/bench_sync_plan.py --cases deepseek-v3 --layers 4,8   # and its line to 61 layers
+    python benchmarks/bench_sync_plan.py --cases llama-405b,llama-70b-1024 --layers 1,2
     python benchmarks/bench_sync_plan.py --cases tiny     # a few seconds: 8 ranks of a small Llama
 """
 from __future__ import annotations
