@@ -15,9 +15,9 @@ runs; the median CPU seconds of `--repeat` constructions after a first), and aga
 job's process under tracemalloc for its peak. Models at their published widths and a reduced
 depth; the last columns project to the full depth by the tensors' count (every figure grows
 with it); `--layers A,B` runs two depths and also projects along the line through both (what
-does not grow with depth counted once; DeepSeek-V3's MoE layers cost more per tensor than its
-three dense ones, which one depth of four layers scales to all). `--divide N` runs fewer ranks
-(FSDP and replicas divided by N): a job's figures against its world.
+does not grow with depth counted once; depths a few layers apart, since one layer's
+difference is within the noise of the seconds). `--divide N` runs fewer ranks (FSDP and
+replicas divided by N): a job's figures against its world.
 
     python benchmarks/bench_sync_plan.py --cases deepseek-v3 --layers 4,8   # and its line to 61 layers
     python benchmarks/bench_sync_plan.py --cases llama-405b,llama-70b-1024 --layers 1,2
