@@ -9,28 +9,37 @@ the routes and the plan's agreement); only the source's layout is synthetic: the
 strided rules derived from them (`job_rules`, as `layout.mesh_rules` derives them from real
 DTensors' placements; a process-free run has no DeviceMesh for real DTensors). Store traffic is counted for every rank of the job. The job's
 threads are not timed (waking each other, they would count the fake store's waits): the first
-and last trainer and server ranks are, each constructed again alone over the store the job
-left, timed (CPU seconds), then again under tracemalloc for its peak. Models at their
-published widths and a reduced depth; the last columns project to the full depth by the
-tensors' count (every figure grows with it). `--divide N` runs fewer ranks (FSDP and
+and last trainer and server ranks are, each constructed again over the store the job left in
+a Python process of its own (`time_apart`: its heap its own and the collector on, as a rank
+runs; the median CPU seconds of `--repeat` constructions after a first), and again in the
+job's process under tracemalloc for its peak. Models at their published widths and a reduced
+depth; the last columns project to the full depth by the tensors' count (every figure grows
+with it); `--layers A,B` runs two depths and also projects along the line through both (what
+does not grow with depth counted once; depths a few layers apart, since one layer's
+difference is within the noise of the seconds). `--divide N` runs fewer ranks (FSDP and
 replicas divided by N): a job's figures against its world.
 
-    python benchmarks/bench_sync_plan.py [--cases llama-405b,deepseek-v3,llama-70b-1024] [--layers 1]
+    python benchmarks/bench_sync_plan.py --cases deepseek-v3 --layers 4,8   # and its line to 61 layers
+    python benchmarks/bench_sync_plan.py --cases llama-405b,llama-70b-1024 --layers 1,2
     python benchmarks/bench_sync_plan.py --cases tiny     # a few seconds: 8 ranks of a small Llama
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import pickle
+import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
 from collections import Counter, defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -262,7 +271,9 @@ def construct(cls, rank, world, store, model, case):
                store=store, rank_timeout=3600, plan=case.plan)
 
 
-def run_case(case: Case, layers: int) -> dict:
+def run_case(case: Case, layers: int, apart: int = 0) -> dict:
+    """The job; `apart`: the sampled ranks' construction timed that many times each in a
+    process of its own (`time_apart`) instead of in this one, beside the job's leftovers."""
     import lazyload.sync.weight_sync as weight_sync
 
     config = config_of(case, layers)
@@ -312,11 +323,13 @@ def run_case(case: Case, layers: int) -> dict:
         gc.collect()
         gc.freeze()
         seconds, peaks, samples = {}, {}, {}
-        for rank in sorted({0, trainers - 1, trainers, world - 1}):  # alone, the store left as the job left it
+        sampled = sorted({0, trainers - 1, trainers, world - 1})
+        for rank in sampled:  # alone, the store left as the job left it
             store.local.rank = ("again", rank)
-            started = time.process_time()
-            construct(cls, rank, world, store, model, case)
-            seconds[rank] = time.process_time() - started
+            if not apart:
+                started = time.process_time()
+                construct(cls, rank, world, store, model, case)
+                seconds[rank] = time.process_time() - started
             tracemalloc.start()
             samples[rank] = construct(cls, rank, world, store, model, case)
             peaks[rank] = tracemalloc.get_traced_memory()[1]
@@ -325,6 +338,9 @@ def run_case(case: Case, layers: int) -> dict:
         gc.unfreeze()
         shared.restore()
         weight_sync.construction, weight_sync.plan_load = construction, plan_load
+    if apart:
+        seconds = {rank: statistics.median(times) for rank, times in time_apart(case, layers, store, sampled,
+                                                                                  apart).items()}
     traffic = [store.read[r] + store.written[r] for r in range(world)]
     layouts_read = [store.read_at[r]["layout"] for r in range(world)]
     pairs_read = [sum(len(k) + len(store.values[k]) for k in store.keys_read[r] if k.endswith(f">{r}"))
@@ -338,6 +354,53 @@ def run_case(case: Case, layers: int) -> dict:
             "messages": max(f[0] for f in figures), "holders": max(f[1] for f in figures),
             "requests": max(f[2] for f in figures), "steps": max(f[3] for f in figures), "store": store,
             "samples": samples}
+
+
+def time_apart(case: Case, layers: int, store: CountingStore, ranks: list[int], repeat: int) -> dict[int, list[float]]:
+    """Each of `ranks` constructed again over the store the job left, in a Python process of its
+    own (as a rank runs: its heap its own, the collector on), `repeat` times after a first
+    construction that warms its caches: rank -> the CPU seconds of each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "store")
+        with open(path, "wb") as f:
+            pickle.dump(store.values, f)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this lazyload
+        out = {}
+        for rank in ranks:
+            spec = json.dumps({"case": asdict(case), "layers": layers, "store": path, "rank": rank, "repeat": repeat})
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--apart", spec], env=env,
+                                  capture_output=True, text=True, timeout=3600)
+            if done.returncode:
+                raise RuntimeError(f"rank {rank} constructed apart failed:\n{done.stderr[-4000:]}")
+            out[rank] = json.loads(done.stdout.splitlines()[-1])
+        return out
+
+
+def construct_apart(spec: dict) -> list[float]:
+    """`time_apart`'s process: one rank's construction over a job's stored values."""
+    import lazyload.sync.weight_sync as weight_sync
+
+    case, layers, rank = Case(**spec["case"]), spec["layers"], spec["rank"]
+    store = CountingStore()
+    with open(spec["store"], "rb") as f:
+        store.values = pickle.load(f)
+    store.local.rank = "apart"
+    weight_sync.construction = lambda ranks: ("lazyload/sync/bench/0", 0)  # the job's, as `run_case` set it
+    trainers = case.fsdp * case.tp
+    world = trainers + case.replicas * case.world
+    model = meta_model(config_of(case, layers)) if rank >= trainers else None
+    layouts = {}
+    if rank < trainers:
+        shapes = {n: tuple(t.shape) for n, t in meta_model(config_of(case, layers)).state_dict().items()}
+        layouts = {r: trainer_layout(shapes, "torch.bfloat16", case, r) for r in range(trainers)}
+    cls = simulated_sync(layouts, job_rules(layouts, case) if layouts else None)
+    construct(cls, rank, world, store, model, case)  # caches warmed, as in a rank's later constructions
+    seconds = []
+    for _ in range(spec["repeat"]):
+        started = time.process_time()
+        construct(cls, rank, world, store, model, case)
+        seconds.append(time.process_time() - started)
+    return seconds
 
 
 class shared_values:
@@ -437,23 +500,49 @@ HEADER = ("| job | ranks | layers: tensors, source pieces | construction (slowes
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--apart"]:  # `time_apart`'s process
+        print(json.dumps(construct_apart(json.loads(sys.argv[2]))))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="llama-405b,deepseek-v3,llama-70b-1024")
-    parser.add_argument("--layers", type=int, default=1, help="decoder layers simulated (projected to the full depth)")
+    parser.add_argument("--layers", default="1", help="decoder layers simulated (projected to the full depth); "
+                        "two, comma-separated: each, and the line through both projected")
     parser.add_argument("--divide", type=int, default=1, help="fewer ranks: FSDP and replicas divided by this")
+    parser.add_argument("--repeat", type=int, default=5, help="each sampled rank constructed this many times in a "
+                        "process of its own (the median); 0: once, in the job's process")
     args = parser.parse_args()
     print(HEADER)
+    lines = []
     for name in args.cases.split(","):
         case = CASES[name]
         if args.divide > 1:
             case = replace(case, name=f"{case.name} / {args.divide}", fsdp=max(1, case.fsdp // args.divide),
                            replicas=max(1, case.replicas // args.divide))
-        layers = min(args.layers, case.full_layers)
-        if case.model == "deepseek-v3":
-            layers = max(layers, 4)  # the first MoE layer is the fourth
-        r = run_case(case, layers)
-        print(row(case, layers, r, full_tensors(case)), flush=True)
+        depths = []
+        for layers in map(int, args.layers.split(",")):
+            layers = min(layers, case.full_layers)
+            if case.model == "deepseek-v3":
+                layers = max(layers, 4)  # the first MoE layer is the fourth
+            r = run_case(case, layers, args.repeat)
+            print(row(case, layers, r, full_tensors(case)), flush=True)
+            depths.append((layers, r))
+        if len(depths) == 2:
+            lines.append(line_through(case, depths, full_tensors(case)))
+    print(*lines, sep="\n")
 
+
+def line_through(case: Case, depths: list, full: int) -> str:
+    """The slowest sampled rank's construction and the largest peak projected to the full
+    depth along the line through two depths' (what does not grow with depth counted once)."""
+    (l1, r1), (l2, r2) = depths
+    n1, n2 = r1["tensors"], r2["tensors"]
+
+    def at_full(y1: float, y2: float) -> float:
+        return y1 + (y2 - y1) / (n2 - n1) * (full - n1)
+    seconds = at_full(max(r1["seconds"]), max(r2["seconds"]))
+    peak = at_full(max(r1["peaks"].values()), max(r2["peaks"].values())) / MiB
+    return (f"{case.name}: the line through {l1} and {l2} layers ({n1} and {n2} tensors) projects {seconds:.1f} s "
+            f"and {peak:,.0f} MiB at {full:,} tensors.")
 
 if __name__ == "__main__":
     main()

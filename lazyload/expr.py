@@ -102,6 +102,8 @@ class Piece:
 
 
 class Expr:
+    __slots__ = ()  # a leaf (`Source`, one per stored key) needs no __dict__; nodes keep theirs
+
     def shape(self, shape_of: ShapeOf) -> tuple[int, ...]:
         raise NotImplementedError
 
@@ -126,7 +128,7 @@ class Expr:
         raise NotImplementedError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Source(Expr):
     key: str
 
@@ -238,8 +240,12 @@ class Cat(Expr):
             lo, hi = max(start, offset), min(stop, offset + size)
             if lo < hi:
                 child_box = _replace(box, self.dim, (lo - offset, hi - offset))
-                for p in part.pieces(child_box, shape_of):
-                    out.append(p.moved(p.ops, _shift(p.dst_box, self.dim, offset)))
+                if type(part) is Source:  # a stored key (a logical tensor's thousands of boxes): its one piece
+                    if box_numel(child_box):
+                        out.append(Piece(part.key, child_box, (), _replace(box, self.dim, (lo, hi))))
+                else:
+                    for p in part.pieces(child_box, shape_of):
+                        out.append(p.moved(p.ops, _shift(p.dst_box, self.dim, offset)))
             offset += size
         return out
 

@@ -65,7 +65,7 @@ class FileIdentity:
         return cls(info.st_size, info.st_ino, info.st_dev, info.st_mtime_ns)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per stored key; a sync target's index holds thousands
 class TensorEntry:
     """One tensor of one file: where its bytes are, and what they are."""
 

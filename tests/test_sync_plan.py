@@ -267,4 +267,48 @@ def test_a_target_sizes_each_request_once(monkeypatch):
     assert len(sized) == len(items), (len(sized), len(items))
     assert sorted({r.step for r in requests}) == [0, 1, 2, 3, 4, 5] and max(r.step for r in stepped) > 5
     sent = pickle.loads(pickle.dumps(stepped[-1]))
-    assert sent == stepped[-1] and "nbytes" not in vars(sent) and sent.nbytes == stepped[-1].nbytes == 128
+    assert sent == stepped[-1] and b"nbytes" not in pickle.dumps(stepped[-1]) and sent.nbytes == stepped[-1].nbytes == 128
+
+
+def test_per_box_stages_run_without_the_cycle_collector(monkeypatch):
+    """A target's per-box stages (indexing, planning, requests, copies, steps, digests, routes)
+    make thousands of small objects per construction at scale, none in a cycle: they run with
+    Python's cyclic collector paused (`gcpause`), which a rank's large heap would make rescan
+    all along, and the collector is back on after. A rank of the tiny job, constructed alone
+    over the store the job left."""
+    import gc
+
+    import lazyload.sync.weight_sync as weight_sync
+
+    bench = _bench()
+    case = bench.CASES["tiny"]
+    result = bench.run_case(case, 1)
+    seen: dict[str, set] = {}
+    for name in ("indexed", "plan_load", "requests_of", "choose_copies", "own_steps", "published", "routes_for"):
+        def watched(*args, _real=getattr(weight_sync, name), _name=name, **kwargs):
+            seen.setdefault(_name, set()).add(gc.isenabled())
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(weight_sync, name, watched)
+    monkeypatch.setattr(weight_sync, "construction", lambda ranks: ("lazyload/sync/bench/0", 0))
+    world = result["world"]
+    store = result["store"]
+    store.local.rank = "again"
+    model = bench.meta_model(bench.config_of(case, 1))
+    assert gc.isenabled()
+    bench.construct(bench.simulated_sync({}), world - 1, world, store, model, case)
+    assert gc.isenabled()
+    assert seen.keys() == {"indexed", "plan_load", "requests_of", "choose_copies", "own_steps", "published",
+                           "routes_for"}, seen
+    assert all(states == {False} for states in seen.values()), seen
+
+
+def test_a_sampled_rank_is_timed_in_a_process_of_its_own():
+    """The benchmark's construction seconds: a rank constructed again over the job's store in a
+    Python process of its own (its heap its own, as a rank runs), the same plan as in the job."""
+    bench = _bench()
+    case = bench.CASES["tiny"]
+    result = bench.run_case(case, 1)
+    world = result["world"]
+    seconds = bench.time_apart(case, 1, result["store"], [0, world - 1], 2)
+    assert sorted(seconds) == [0, world - 1]
+    assert all(len(times) == 2 and all(t > 0 for t in times) for times in seconds.values()), seconds

@@ -19,7 +19,7 @@ from ..errors import CheckpointError
 from ..expr import Box, Cat, Expr, Transpose, box_shape, full_box
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per stored piece, no __dict__ each
 class Part:
     expr: Expr       # over stored keys; its shape is the box's
     box: Box         # where it lies in the logical tensor

@@ -23,18 +23,7 @@ from dataclasses import replace
 from itertools import groupby
 
 from .routes import Request
-from .source_index import Piece
-
-
-def copies_of(pieces: dict[str, Piece]) -> dict[str, tuple[str, dict[int, str]]]:
-    """Stored key of a replicated box -> the box's name (its copies' least key) and its copies'
-    keys by source rank (itself included): the pieces of a tensor with the same box at the
-    same place of their rank's local tensor (so that a request's box, relative to the piece,
-    reads the same values from any of them). Keys held by one rank alone are left out."""
-    by_box: dict[tuple, dict[int, str]] = {}
-    for key, piece in pieces.items():
-        by_box.setdefault((piece.name, piece.held), {})[piece.rank] = key
-    return {key: (min(held.values()), held) for held in by_box.values() if len(held) > 1 for key in held.values()}
+from .source_index import Piece, copies_of
 
 
 def choose_copies(wanted: dict[int, list[Request] | None], pieces: dict[str, Piece],

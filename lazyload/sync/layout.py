@@ -21,7 +21,7 @@ from ..tp.placements import dtensor_placement
 from .megatron_source import MegatronTensor, is_megatron, megatron_tensors
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per source box
 class Held:
     """One box of a source tensor this rank holds: `box` of the global tensor, found at
     `local_start` of the rank's local tensor (`part`: which of its local tensors, where a

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,21 +25,7 @@ from .source_index import Piece
 from .wire import QuantizedWire, Scratch, wire_bytes
 
 
-class _once:
-    """A property computed on first use and kept in the instance's __dict__ (which then
-    answers without calling it again); functools.cached_property takes a lock each first use."""
-
-    def __init__(self, compute):
-        self.compute, self.name, self.__doc__ = compute, compute.__name__, compute.__doc__
-
-    def __get__(self, obj, cls=None):
-        if obj is None:
-            return self
-        value = obj.__dict__[self.name] = self.compute(obj)
-        return value
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a server rank of a large job makes thousands: no __dict__ each
 class Request:
     """A target rank asks source rank `source` for `box` of the piece stored as `key`, at `step`;
     `wire`: the narrower dtype the source casts it to before sending (the target's, which it
@@ -52,27 +38,27 @@ class Request:
     box: Box
     dtype: torch.dtype  # the stored key's
     wire: torch.dtype | QuantizedWire | None = None
+    nbytes: int = field(init=False, repr=False, compare=False)  # on the wire, sized once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", wire_bytes(self.wire or self.dtype, self.box))
 
     @property
     def itemsize(self) -> int:
         """Of its dtype on the wire: the stored key's, or `wire`'s (quantized: its alignment)."""
         return (self.wire or self.dtype).itemsize
 
-    @_once  # computed once, not pickled: a server rank of a large job sizes thousands in each pass
-    def nbytes(self) -> int:
-        return wire_bytes(self.wire or self.dtype, self.box)
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state.pop("nbytes", None)  # last in the dict: the fields' pickle as without it
-        return state
+    def __reduce__(self):
+        """Pickled as its fields alone (the source sizes it again as it reads it)."""
+        return Request, (self.step, self.source, self.key, self.box, self.dtype, self.wire)
 
     def at(self, step: int) -> "Request":
         """This request at `step` (its size kept, not computed again)."""
         if step == self.step:
             return self
         moved = object.__new__(Request)
-        moved.__dict__.update(self.__dict__, step=step)
+        for name in Request.__slots__:
+            object.__setattr__(moved, name, step if name == "step" else getattr(self, name))
         return moved
 
 
@@ -207,18 +193,24 @@ def own_steps(target: int, requests: list[Request], slots: dict[int, Slot]) -> l
         left = list(range(first, last))
         while left:  # a source's first request left fits its slot's turn with an empty message
             ends: dict[int, int] = {}  # source -> its message's bytes so far this step
+            budgets: dict[int, int] = {}  # source -> its slot's bytes this step
             waiting = []
             for i in left:
                 r = requests[i]
-                if r.source != target:
-                    end = ends.get(r.source, 0)
-                    grow = packed_growth(end, r.nbytes, r.itemsize)
-                    if end < 0 or end + grow > slots[r.source].budget(step):
-                        ends[r.source] = -1  # this source's later requests keep their order: next step
+                source = r.source
+                if source != target:
+                    end = ends.get(source, 0)
+                    if end >= 0:
+                        end += packed_growth(end, r.nbytes, r.itemsize)
+                        budget = budgets.get(source)
+                        if budget is None:
+                            budget = budgets[source] = slots[source].budget(step)
+                    if end < 0 or end > budget:
+                        ends[source] = -1  # this source's later requests keep their order: next step
                         waiting.append(i)
                         continue
-                    ends[r.source] = end + grow
-                out[i] = r.at(step)
+                    ends[source] = end
+                out[i] = r if r.step == step else r.at(step)
             left, step = waiting, step + 1
         first = last
     return out

@@ -31,7 +31,7 @@ class Unread:
     box: Box
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per source box a target indexes
 class Piece:
     """What a stored key of the sync index is: `held` box of tensor `name` on source rank `rank`."""
 
@@ -42,6 +42,17 @@ class Piece:
 
 def rank_file(rank: int) -> str:
     return f"rank {rank}"
+
+
+def copies_of(pieces: dict[str, Piece]) -> dict[str, tuple[str, dict[int, str]]]:
+    """Stored key of a replicated box -> the box's name (its copies' least key) and its copies'
+    keys by source rank (itself included): the pieces of a tensor with the same box at the
+    same place of their rank's local tensor (so that a request's box, relative to the piece,
+    reads the same values from any of them). Keys held by one rank alone are left out."""
+    by_box: dict[tuple, dict[int, str]] = {}
+    for key, piece in pieces.items():
+        by_box.setdefault((piece.name, piece.held), {})[piece.rank] = key
+    return {key: (min(held.values()), held) for held in by_box.values() if len(held) > 1 for key in held.values()}
 
 
 def source_index(layouts: dict[int, list[SourceTensor]], tiled: bool = True) -> tuple[CheckpointIndex, dict[str, Piece]]:
@@ -64,7 +75,8 @@ def indexed(layouts: dict[int, list[SourceTensor]], tiled: bool = True, rules: d
     whose boxes are expanded all the same (a target that is a source too sends them).
     `prefer`: the source position whose copies the target's plan takes (`Layout.expr`): of a
     box several rules hold alike only that copy is indexed (and `own`'s), the others
-    returned as copies (`copies.copies_of`'s form) for `copies.py` to choose from."""
+    returned as copies (`copies_of`'s form) for `copies.py` to choose from, with the copies
+    among the ranks' own boxes."""
     ranks = sorted(layouts) if ranks is None else list(ranks)
     built = _Built(ranks)
     for rank in sorted(layouts):
@@ -80,7 +92,7 @@ def indexed(layouts: dict[int, list[SourceTensor]], tiled: bool = True, rules: d
         layouts_of = transformers_names({layer_key(n, _MEGATRON): layout for n, layout in layouts_of.items()}, heads,
                                         _MEGATRON)
     return CheckpointIndex.of([rank_file(r) for r in ranks], built.entries, layouts_of if tiled else None,
-                              description="the sync's source ranks"), built.pieces, built.unread, built.copies
+                              description="the sync's source ranks"), built.pieces, built.unread, built.all_copies()
 
 
 class _Built:
@@ -93,7 +105,8 @@ class _Built:
         self.parts: dict[str, list[Part]] = {}
         self.meta: dict = {}
         self.unread: dict[str, Unread] = {}
-        self.copies: dict[str, tuple[str, dict[int, str]]] = {}
+        self.copies: dict[str, tuple[str, dict[int, str]]] = {}  # a ruled tensor's, as `ruled` finds them
+        self.searched: set[str] = set()  # tensors whose copies `copies_of` finds: a rank's own boxes, or several rules'
         self._dtypes: dict = {}  # asked once per tensor: a target's index may hold thousands of its boxes
 
     def add(self, key: str, rank: int, name: str, box: Box, offset: int = 0) -> int:
@@ -111,6 +124,7 @@ class _Built:
         offset = 0
         for tensor in tensors:
             _check_same(self.meta.setdefault(tensor.name, tensor), tensor, rank)
+            self.searched.add(tensor.name)
             for i, held in enumerate(tensor.held):
                 key = f"{tensor.name}@{rank}.{i}"
                 offset = self.add(key, rank, tensor.name, held.box, offset)
@@ -124,6 +138,8 @@ class _Built:
         for rule in tensor.rules:
             _check_same(self.meta.setdefault(tensor.name, tensor), tensor, rule.first)
             alike.setdefault((rule.base, rule.dim, rule.step, rule.count), []).append(rule)
+        if len(alike) > 1:  # boxes of rules of other steps may still coincide
+            self.searched.add(tensor.name)
         for runs in alike.values():
             chosen = _chosen(runs, wanted, own)
             if len(runs) == 1:  # no copies (an expert FSDP alone shards): each box chosen is indexed
@@ -157,6 +173,14 @@ class _Built:
                 self.add(key, rank, name, box, at)
                 self.pieces[key] = Piece(rank, name, Held(box, at_start))
             start = i + 1
+
+
+    def all_copies(self) -> dict[str, tuple[str, dict[int, str]]]:
+        """Every replicated box's copies (`copies_of`'s form): searched among the pieces only for
+        the tensors whose rules do not give them (a target's index holds thousands of boxes of
+        tensors that one rule each describes, none of them copies)."""
+        searched = {key: piece for key, piece in self.pieces.items() if piece.name in self.searched}
+        return {**copies_of(searched), **self.copies}
 
 
 def _chosen(runs: list[Strided], wanted: list[Box] | None, own: int | None) -> list[int]:

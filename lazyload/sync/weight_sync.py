@@ -15,6 +15,7 @@ from ..agreement import RANK_TIMEOUT, Agreement
 from ..buffers import fill_meta_buffers
 from ..keywords import check_keywords
 from ..errors import ArgumentError, CheckpointError, RankFailedError, SyncError
+from ..gcpause import no_cycle_collection
 from ..executor import allocate_destinations, assign_loaded, make_parallel, swap_quantized_layers
 from ..mapping import KeyMap
 from ..mesh import ranks_of
@@ -26,7 +27,7 @@ from ..placer import allocate
 from ..targets import model_slots
 from .prequantized import full_dtype, in_place_dests, planned_as_full, quantized_layers, refuse_unsupported_holders
 from ..stored import StoredCheckpoint
-from .copies import choose_copies, copies_of
+from .copies import choose_copies
 from .gather import Gather, construction
 from .layout import Rules, RuledTensor, SourceTensor, local_of, mesh_rules, source_layout, source_tensors
 from .routes import (Request, Routes, Summary, default_slots, largest_requests, own_steps, published, requests_of,
@@ -207,7 +208,8 @@ class WeightSync:
         self._unread: dict = {}
         if self.target is not None:
             self._sources = self._source_layouts(gather, held)
-            self._index_for({})  # a ruled tensor's boxes unexpanded until the target's plan says which it reads
+            with no_cycle_collection():  # a ruled tensor's boxes unexpanded until the target's plan says which it reads
+                self._index_for({})
         else:
             self.index, self.pieces = source_index(gather.read("layout", [self.rank] if self.source is not None
                                                                else []), tiled=False)
@@ -216,7 +218,8 @@ class WeightSync:
         if askers and self._max_host_bytes[self.rank] is not None:  # its budget shared among them
             gather.tell("slots", source_slots(askers, self._max_host_bytes[self.rank]))
         summaries, asked = gather.exchange("planned", lambda: self._stepped(gather), list(askers))
-        self.routes: Routes = routes_for(self.rank, self._wanted, asked, summaries)
+        with no_cycle_collection():
+            self.routes: Routes = routes_for(self.rank, self._wanted, asked, summaries)
         _check_same_plan(self.rank, gather.run("agreed", lambda: self.routes.digest))
         gather.close(("layout", "asked", "planned", "agreed"), asked="asked", put=("layout",),
                      named=tuple(("layout", _rules_key(d)) for d in {d for _, _, d in held.values() if d}))
@@ -295,12 +298,12 @@ class WeightSync:
             prefer = rank * len(sources) // max(world, 1)
         own = self.rank if self.source is not None else None
         try:
-            self.index, self.pieces, self._unread, self._rule_copies = indexed(layouts, True, rules, sources, wanted,
+            self.index, self.pieces, self._unread, self._index_copies = indexed(layouts, True, rules, sources, wanted,
                                                                                own, prefer)
         except CheckpointError:  # boxes read that do not tile with the rest: every box, as the ranks hold them
             if wanted is None:
                 raise
-            self.index, self.pieces, self._unread, self._rule_copies = indexed(layouts, True, rules, sources, None)
+            self.index, self.pieces, self._unread, self._index_copies = indexed(layouts, True, rules, sources, None)
 
     def _source_now(self) -> dict:
         """The source's tensors now, each still the shard the plan was made for: the same
@@ -324,9 +327,10 @@ class WeightSync:
         """This rank's requests (the copies chosen), kept, in windows of its budget; and each
         source rank it asks over the wire told so, with its largest request there (how the
         source shares its budget among its targets, `source_slots`)."""
-        requests = self._plan_target()
-        self._wanted = None if requests is None else choose_copies({self.rank: requests}, self.pieces,
-                                                                   self._copies)[self.rank]
+        with no_cycle_collection():  # thousands of boxes' objects, no cycles among them (`gcpause`)
+            requests = self._plan_target()
+            self._wanted = None if requests is None else choose_copies({self.rank: requests}, self.pieces,
+                                                                       self._copies)[self.rank]
         if self._wanted is not None:
             gather.ask("asked", largest_requests(self.rank, self._wanted))
 
@@ -338,8 +342,9 @@ class WeightSync:
             return None
         slots = default_slots(self.rank, self._wanted)
         slots.update(gather.told("slots", [s for s in slots if self._max_host_bytes.get(s) is not None]))
-        self._wanted = own_steps(self.rank, self._wanted, slots)
-        return published(self.rank, self._wanted)
+        with no_cycle_collection():
+            self._wanted = own_steps(self.rank, self._wanted, slots)
+            return published(self.rank, self._wanted)
 
     def _plan_target(self) -> list[Request] | None:
         """This rank's load plan of the target from the sources' index, and its requests. A
@@ -377,8 +382,7 @@ class WeightSync:
         destinations and the items sent cast or quantized), and its bytes per step. `first`:
         the items alone, to learn which boxes it reads (a preview plan: no initial values
         or buffers computed)."""
-        # computed once: `_cut_at` and `choose_copies` ask it (a ruled box's copies from its rules)
-        self._copies = {**copies_of(self.pieces), **self._rule_copies}
+        self._copies = self._index_copies  # `_cut_at` and `choose_copies` ask it
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
             self.items, self._box_dests, budget, self._wires = self.target.plan(self.index,
                                                                                 self._options.max_host_bytes,
