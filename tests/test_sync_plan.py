@@ -213,6 +213,57 @@ def test_strided_rules_plan_the_sync_every_ranks_boxes_plan():
     assert len(ruled) == 1 and ruled == boxes, (ruled, boxes)
 
 
+def test_strided_index_fallbacks_plan_as_every_ranks_boxes(monkeypatch):
+    """The target's two fallbacks to every box (`WeightSync._plan_target`, `_index_for`): where
+    the plan over the boxes its preview read still reads a key left unexpanded, and where the
+    boxes read do not tile with the rest (`indexed` raising CheckpointError), each server rank
+    indexes every box and plans again: the same plan digest as from every trainer rank's own
+    boxes. Neither input arises from a plan of today's planner (the preview reads what the
+    plan reads), so each is forced here: the preview's boxes forgotten, a tiling refused."""
+    from dataclasses import replace
+
+    import lazyload.sync.weight_sync as weight_sync
+    from lazyload.errors import CheckpointError
+
+    bench = _bench()
+    case = replace(bench.CASES["tiny"], fsdp=3)
+
+    def digests() -> set:
+        store = bench.run_case(case, 2)["store"]
+        return {pickle.loads(v)[1] for k, v in store.values.items() if "/agreed/" in k}
+
+    with monkeypatch.context() as patched:
+        patched.setattr(bench, "job_rules", lambda layouts, case: None)
+        boxes = digests()
+    asked: list = []
+    index_for = weight_sync.WeightSync._index_for
+
+    def recorded(self, wanted):
+        asked.append(wanted)
+        return index_for(self, wanted)
+
+    monkeypatch.setattr(weight_sync.WeightSync, "_index_for", recorded)
+    with monkeypatch.context() as patched:  # the second plan reads unexpanded keys
+        patched.setattr(weight_sync.WeightSync, "_read_boxes", lambda self: {})
+        forgotten = digests()
+    assert None in asked and {} in asked, asked
+    indexed, refused, every = weight_sync.indexed, [], []
+
+    def refusing(layouts, tiled=True, rules=None, ranks=None, wanted=None, own=None, prefer=None):
+        if wanted:  # the boxes a target reads: "do not tile"
+            refused.append(sorted(wanted))
+            raise CheckpointError("the boxes read do not tile with the rest")
+        if wanted is None and rules:
+            every.append(len(refused))  # every box indexed, after how many refusals
+        return indexed(layouts, tiled, rules, ranks, wanted, own, prefer)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(weight_sync, "indexed", refusing)
+        untiled = digests()
+    assert refused and every and min(every) > 0, (len(refused), every)
+    assert len(boxes) == 1 and forgotten == boxes and untiled == boxes, (boxes, forgotten, untiled)
+
+
 def test_strided_rules_give_back_every_ranks_boxes():
     """`layout.strided`: the rules of a tensor's boxes give back exactly the boxes each rank
     holds (FSDP within TP on the same dim, FSDP across a rowwise TP split, replicated copies,
