@@ -449,8 +449,7 @@ def routes_figures(sync, rank) -> tuple | None:
     boxes, most requests in a step, steps); None on a trainer rank."""
     if not sync.items:
         return None
-    copies = _copies(sync.pieces)
-    copies.update({key: set(held) for key, (_, held) in sync._copies.items()})  # a ruled box's, from its rules
+    copies = {key: set(held) for key, (_, held) in sync._copies.items()}  # every replicated box's, as the sync found them
     by_step_sources, by_step_requests, by_step_holders = Counter(), Counter(), defaultdict(set)
     for step, by_source in sync.routes.receives.items():
         by_step_sources[step] = len(by_source)
@@ -462,14 +461,6 @@ def routes_figures(sync, rank) -> tuple | None:
     steps = sync.routes.steps
     return (max(by_step_sources.values(), default=0), max((len(h) for h in by_step_holders.values()), default=0),
             max(by_step_requests.values(), default=0), steps)
-
-
-def _copies(pieces) -> dict:
-    """Stored key -> the source ranks holding the same box of the same tensor."""
-    by_box = defaultdict(set)
-    for piece in pieces.values():
-        by_box[piece.name, piece.held.box].add(piece.rank)
-    return {key: by_box[p.name, p.held.box] for key, p in pieces.items()}
 
 
 def full_tensors(case: Case) -> int:

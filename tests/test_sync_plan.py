@@ -91,14 +91,16 @@ def test_requests_read_are_checked_against_their_digest():
     import pytest
 
     from lazyload.errors import PlanError
-    from lazyload.sync.routes import Request, Slot, Summary, addressed, own_steps, pair_digest, routes_for
+    from lazyload.sync.routes import Request, Slot, own_steps, pair_digest, published, routes_for
 
     wanted = [Request(0, 0, "w@0.0", ((0, 2),), torch.float32), Request(0, 1, "w@1.0", ((0, 2),), torch.float32),
               Request(1, 0, "v@0.0", ((0, 3),), torch.float32), Request(1, 2, "v@2.0", ((0, 3),), torch.float32)]
     wanted = own_steps(2, wanted, dict.fromkeys((0, 1), Slot(16)))
-    summaries = {0: None, 1: None, 2: Summary.of(wanted)}
-    asked = addressed(2, wanted)
+    pairs, summary = published(2, wanted)
+    summaries = {0: None, 1: None, 2: summary}
+    asked = {source: requests for source, (_, requests) in pairs.items()}
     assert sorted(asked) == [0, 1]  # rank 2's own copy goes over no wire
+    assert pairs[0][0] == pair_digest(asked[0])
     source = routes_for(0, None, {2: (pair_digest(asked[0]), asked[0])}, summaries)
     target = routes_for(2, wanted, {}, summaries)
     assert [list(by) for by in source.sends.values()] == [[2], [2]]
@@ -109,7 +111,7 @@ def test_requests_read_are_checked_against_their_digest():
     f32 = torch.float32
     waits = own_steps(2, [Request(0, 0, "a@0.0", ((0, 3),), f32), Request(0, 0, "b@0.0", ((0, 3),), f32),
                           Request(0, 1, "c@1.0", ((0, 1),), f32)], dict.fromkeys((0, 1), Slot(12)))
-    assert [r.step for r in waits] == [0, 1, 0] and Summary.of(waits).steps == 2
+    assert [r.step for r in waits] == [0, 1, 0] and published(2, waits)[1].steps == 2
     tampered = [asked[0][0], dataclasses.replace(asked[0][1], box=((0, 2),))]
     with pytest.raises(PlanError, match="rank 2's requests of it"):
         routes_for(0, None, {2: (pair_digest(asked[0]), tampered)}, summaries)

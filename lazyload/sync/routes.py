@@ -238,10 +238,6 @@ class Summary:
     digest: str
     steps: int
 
-    @classmethod
-    def of(cls, requests: list[Request]) -> "Summary":
-        return cls(pair_digest(requests), max((r.step for r in requests), default=-1) + 1)  # a window's out of order
-
 
 def routes_for(me: int, mine: list[Request] | None, asked: dict[int, tuple[str, list[Request]]],
                summaries: dict[int, Summary | None]) -> Routes:
@@ -271,16 +267,6 @@ def routes_for(me: int, mine: list[Request] | None, asked: dict[int, tuple[str, 
                   {s: tuple(q) for s, q in local.items()}, sync_digest(summaries))
 
 
-def addressed(target: int, requests: list[Request]) -> dict[int, list[Request]]:
-    """A target rank's requests of other source ranks, by the rank they ask (each in the
-    target's order); its own copies (a colocated rank's) go over no wire."""
-    out: dict[int, list[Request]] = {}
-    for request in requests:
-        if request.source != target:
-            out.setdefault(request.source, []).append(request)
-    return out
-
-
 def pair_digest(requests: list[Request]) -> str:
     """The digest of one target rank's requests of one source rank (or of all its requests)."""
     digest = hashlib.sha256()
@@ -297,8 +283,10 @@ def _line(r: Request) -> bytes:
 
 def published(target: int, requests: list[Request]) -> tuple[dict[int, tuple[str, list[Request]]], Summary]:
     """What a target rank publishes of its requests with their steps: those of each source
-    rank over the wire (`addressed`) with their `pair_digest`, and its `Summary`; each
-    request's line hashed into both at once (made once, not per digest)."""
+    rank over the wire (by the rank they ask, each in the target's order; its own copies, a
+    colocated rank's, go over no wire) with their `pair_digest`, and its `Summary` (the
+    digest of all of them; its steps counted to the latest, a window's may come out of
+    order); each request's line hashed into both at once (made once, not per digest)."""
     whole, pairs = hashlib.sha256(), {}
     for r in requests:
         line = _line(r)

@@ -145,10 +145,9 @@ class _Built:
             if len(runs) == 1:  # no copies (an expert FSDP alone shards): each box chosen is indexed
                 self.rule(runs[0], tensor.name, chosen, at, None)
                 continue
-            for i in chosen:
-                if len(runs) > 1:  # each copy's key, for `copies.py` (only the nearest is indexed)
-                    held = {run.rank(i): f"{tensor.name}@{run.rank(i)}.0" for run in runs}
-                    self.copies.update(dict.fromkeys(held.values(), (min(held.values()), held)))
+            for i in chosen:  # each copy's key, for `copies.py` (only the nearest is indexed)
+                held = {run.rank(i): f"{tensor.name}@{run.rank(i)}.0" for run in runs}
+                self.copies.update(dict.fromkeys(held.values(), (min(held.values()), held)))
             position = self.position
             nearest = {} if prefer is None else {
                 i: min(runs, key=lambda run: (abs(position[run.rank(i)] - prefer), position[run.rank(i)]))
@@ -173,7 +172,6 @@ class _Built:
                 self.add(key, rank, name, box, at)
                 self.pieces[key] = Piece(rank, name, Held(box, at_start))
             start = i + 1
-
 
     def all_copies(self) -> dict[str, tuple[str, dict[int, str]]]:
         """Every replicated box's copies (`copies_of`'s form): searched among the pieces only for

@@ -298,12 +298,12 @@ class WeightSync:
             prefer = rank * len(sources) // max(world, 1)
         own = self.rank if self.source is not None else None
         try:
-            self.index, self.pieces, self._unread, self._index_copies = indexed(layouts, True, rules, sources, wanted,
-                                                                               own, prefer)
+            self.index, self.pieces, self._unread, self._copies = indexed(layouts, True, rules, sources, wanted, own,
+                                                                          prefer)
         except CheckpointError:  # boxes read that do not tile with the rest: every box, as the ranks hold them
             if wanted is None:
                 raise
-            self.index, self.pieces, self._unread, self._index_copies = indexed(layouts, True, rules, sources, None)
+            self.index, self.pieces, self._unread, self._copies = indexed(layouts, True, rules, sources, None)
 
     def _source_now(self) -> dict:
         """The source's tensors now, each still the shard the plan was made for: the same
@@ -382,7 +382,6 @@ class WeightSync:
         destinations and the items sent cast or quantized), and its bytes per step. `first`:
         the items alone, to learn which boxes it reads (a preview plan: no initial values
         or buffers computed)."""
-        self._copies = self._index_copies  # `_cut_at` and `choose_copies` ask it
         if isinstance(self.target, BoxTarget):  # an engine's boxes, received into host tensors
             self.items, self._box_dests, budget, self._wires = self.target.plan(self.index,
                                                                                 self._options.max_host_bytes,
